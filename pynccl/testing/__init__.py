@@ -1,0 +1,1 @@
+"""Testing helpers for pynccl and for projects that embed it (loopback libraries)."""
