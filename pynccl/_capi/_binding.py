@@ -1,0 +1,128 @@
+"""Lazy, version-aware binding of a C library from a prototype table.
+
+Shared by the libnccl and libcudart tables: each function is looked up on
+first use, given its restype/argtypes, wrapped in a generated checking
+function (with the C argument names, no ``*args`` overhead) and cached on the
+instance, so later calls are a plain attribute lookup.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from ctypes import c_char_p, c_int
+from typing import Any, Callable, ClassVar, NamedTuple
+
+from ..enums import Release, release_str
+from ..errors import NotSupportedError
+
+__all__ = ["BoundLibrary", "Prototype"]
+
+
+class Prototype(NamedTuple):
+    """``first`` release exporting it, C return type, and ``(name, ctype)`` arguments."""
+
+    first: Release
+    restype: Any
+    args: tuple[tuple[str, Any], ...]
+
+
+def _generate(
+    name: str, proto: Prototype, cfunc: Any, fail: Callable[[int, str], Any], ok: Any, doc: str
+) -> Any:
+    params = ", ".join(arg for arg, _ in proto.args)
+    if proto.restype is c_int:
+        # A nonzero code goes to _fail, which raises (or returns a non-error such as
+        # ncclInProgress / cudaErrorNotReady).
+        body = f"    rc = _cfunc({params})\n    if rc:\n        return _fail(rc, {name!r})\n    return _ok\n"
+    elif proto.restype is c_char_p:
+        body = (
+            f"    text = _cfunc({params})\n"
+            "    return '' if text is None else text.decode('utf-8', 'replace')\n"
+        )
+    else:
+        body = f"    _cfunc({params})\n"
+    namespace: dict[str, Any] = {"_cfunc": cfunc, "_fail": fail, "_ok": ok}
+    exec(f"def {name}({params}):\n{body}", namespace)
+    wrapper = namespace[name]
+    wrapper.__doc__ = doc
+    return wrapper
+
+
+class BoundLibrary:
+    """Base for a loaded library whose functions are attributes named as in C."""
+
+    #: ``{C name: Prototype}``, set by subclasses.
+    PROTOTYPES: ClassVar[dict[str, Prototype]] = {}
+    #: What a successful checked call returns.
+    OK: ClassVar[Any] = 0
+    #: Library name used in messages.
+    KIND: ClassVar[str] = "library"
+
+    version: Release | None
+
+    def __init__(self, cdll: ctypes.CDLL, path: str = "", rule: str = "explicit") -> None:
+        self._cdll = cdll
+        self.path = path or str(getattr(cdll, "_name", ""))
+        self.rule = rule
+        self.version = None
+        self._lock = threading.Lock()
+        self._raw: dict[str, Any] = {}
+
+    def has(self, name: str) -> bool:
+        """True if the loaded library exports ``name`` (a C function name)."""
+        try:
+            self.raw(name)
+        except (NotSupportedError, KeyError):
+            return False
+        return True
+
+    def raw(self, name: str) -> Any:
+        """The bare ctypes function ``name`` with restype/argtypes set; no result check.
+
+        Raises ``KeyError`` for a name not in the prototype table and
+        :class:`~pynccl.NotSupportedError` if the library does not export it.
+        """
+        cfunc = self._raw.get(name)
+        if cfunc is not None:
+            return cfunc
+        proto = self.PROTOTYPES[name]
+        try:
+            cfunc = getattr(self._cdll, name)
+        except AttributeError:
+            raise NotSupportedError(
+                name, proto.first, self.version, f"{self.path} does not export it"
+            ) from None
+        cfunc.restype = proto.restype
+        cfunc.argtypes = [ctype for _, ctype in proto.args]
+        self._raw[name] = cfunc
+        return cfunc
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached while `name` is not bound yet; binding caches it on the instance.
+        proto = self.PROTOTYPES.get(name)
+        if proto is None or name.startswith("_"):
+            raise AttributeError(f"{name!r} is not a function in pynccl's {self.KIND} table")
+        with self._lock:
+            bound = self.__dict__.get(name)
+            if bound is None:
+                bound = self._bind(name, proto)
+                setattr(self, name, bound)
+        return bound
+
+    def _bind(self, name: str, proto: Prototype) -> Any:
+        try:
+            cfunc = self.raw(name)
+        except NotSupportedError as exc:
+            error = exc
+
+            def unsupported(*args: Any, **kwargs: Any) -> Any:
+                raise error
+
+            unsupported.__name__ = unsupported.__qualname__ = name
+            return unsupported
+        doc = f"{name} (since {self.KIND} {release_str(proto.first)}); checked call."
+        return _generate(name, proto, cfunc, self._fail, self.OK, doc)
+
+    def _fail(self, code: int, function: str) -> Any:
+        raise NotImplementedError

@@ -1,0 +1,185 @@
+"""Mapping between NCCL data types and the dtypes of numpy, ml_dtypes, CuPy and torch.
+
+Nothing here imports numpy, torch or cupy: dtype objects are recognised by
+their names (``numpy.dtype.name``, ``str(torch.float32)``), so the mapping
+works whatever is installed. Results are cached per dtype object, so the hot
+path is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .enums import DataType
+
+TYPE_CHECKING = False  # not imported from typing: keeps `import pynccl` fast
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ["as_datatype", "canonical_name", "to_numpy_dtype"]
+
+# Canonical names, as numpy / ml_dtypes / torch spell them, plus nccl.h's names.
+_BY_NAME: dict[str, DataType] = {
+    "int8": DataType.INT8,
+    "uint8": DataType.UINT8,
+    "int32": DataType.INT32,
+    "uint32": DataType.UINT32,
+    "int64": DataType.INT64,
+    "uint64": DataType.UINT64,
+    "float16": DataType.FLOAT16,
+    "half": DataType.FLOAT16,
+    "float32": DataType.FLOAT32,
+    "float64": DataType.FLOAT64,
+    "double": DataType.FLOAT64,
+    "bfloat16": DataType.BFLOAT16,
+    "float8_e4m3fn": DataType.FLOAT8_E4M3,
+    "float8_e5m2": DataType.FLOAT8_E5M2,
+}
+_BY_NAME.update({dt.c_name: dt for dt in DataType})
+_BY_NAME.update({dt.name.lower(): dt for dt in DataType})  # "float8_e4m3", "bfloat16", ...
+# ml_dtypes' ``float8_e4m3`` is the IEEE-style variant, not NVIDIA's e4m3fn: refuse it by
+# name below unless it came as nccl.h's or pynccl's own spelling.
+del _BY_NAME["float8_e4m3"]
+
+# torch spells a few types by C names where they differ from numpy's meaning.
+_TORCH_ALIASES = {"float": "float32", "int": "int32", "long": "int64", "char": "int8"}
+
+_AMBIGUOUS = {
+    "float": "numpy reads 'float' as float64 while NCCL's ncclFloat is float32",
+    "int": "'int' is 32-bit in C and NCCL but 64-bit in numpy",
+    "float8_e4m3": (
+        "NCCL's e4m3 is the OCP/NVIDIA 'float8_e4m3fn' format; ml_dtypes' 'float8_e4m3' "
+        "is a different (IEEE-style) format"
+    ),
+}
+
+
+
+def _parse_typestr(text: str) -> tuple[str, str, str] | None:
+    """``"<f4"`` → ``("<", "f", "4")``; None if ``text`` is no numeric typestr."""
+    order = text[:1] if text[:1] in ("<", ">", "|", "=") else ""
+    rest = text[len(order) :]
+    if len(rest) < 2 or rest[0] not in "iuf" or not rest[1:].isdigit():
+        return None
+    return order, rest[0], rest[1:]
+
+_CACHE: dict[Any, DataType] = {}
+
+_ML_NAMES = {
+    DataType.BFLOAT16: "bfloat16",
+    DataType.FLOAT8_E4M3: "float8_e4m3fn",
+    DataType.FLOAT8_E5M2: "float8_e5m2",
+}
+
+
+def _unsupported(obj: Any, why: str = "") -> TypeError:
+    supported = ", ".join(canonical_name(dt) for dt in DataType)
+    text = f"data type {obj!r} is not supported by NCCL"
+    if why:
+        text += f" ({why})"
+    return TypeError(f"{text}; supported: {supported}")
+
+
+def _from_name(name: str, original: Any) -> DataType:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        pass
+    if name in _AMBIGUOUS:
+        raise _unsupported(original, _AMBIGUOUS[name])
+    parsed = _parse_typestr(name)
+    if parsed is not None:
+        order, kind, size = parsed
+        if order == ">" and sys.byteorder == "little" and size != "1":
+            raise _unsupported(original, "big-endian data")
+        key = {"i": "int", "u": "uint", "f": "float"}[kind] + str(int(size) * 8)
+        if key in _BY_NAME:
+            return _BY_NAME[key]
+    raise _unsupported(original)
+
+
+def _resolve(obj: Any) -> DataType:
+    if isinstance(obj, DataType):
+        return obj
+    if isinstance(obj, bool):
+        raise _unsupported(obj)
+    if isinstance(obj, int):
+        try:
+            return DataType(obj)
+        except ValueError:
+            raise _unsupported(obj, "not an ncclDataType_t value") from None
+    if isinstance(obj, str):
+        name = obj.strip()
+        if name.startswith("torch."):
+            name = name[len("torch.") :]
+            name = _TORCH_ALIASES.get(name, name)
+        elif name.startswith(("numpy.", "np.")):
+            name = name.split(".", 1)[1]
+        return _from_name(name, obj)
+    if obj is float:
+        return DataType.FLOAT64
+    if obj is int:
+        return DataType.INT64
+    module = type(obj).__module__ or ""
+    if module.startswith("torch"):
+        # str(torch.float32) == "torch.float32"
+        return _resolve(str(obj))
+    if isinstance(obj, type):
+        # numpy / ml_dtypes scalar types such as numpy.float32 or ml_dtypes.bfloat16
+        np = sys.modules.get("numpy")
+        if np is not None and (obj.__module__ or "").split(".")[0] in ("numpy", "ml_dtypes"):
+            return _resolve(np.dtype(obj))
+        raise _unsupported(obj)
+    # numpy / cupy dtype objects: name, kind, byteorder
+    dtype_name = getattr(obj, "name", None)
+    if isinstance(dtype_name, str) and hasattr(obj, "itemsize") and hasattr(obj, "kind"):
+        if getattr(obj, "byteorder", "=") == ">" and sys.byteorder == "little":
+            if getattr(obj, "itemsize", 1) != 1:
+                raise _unsupported(obj, "big-endian data")
+        return _from_name(dtype_name, obj)
+    raise _unsupported(obj)
+
+
+def as_datatype(obj: Any) -> DataType:
+    """Map ``obj`` to a :class:`DataType`.
+
+    Accepts a ``DataType`` or its integer value, numpy / CuPy / ml_dtypes dtypes and
+    scalar types, torch dtypes, and names: ``"float32"``, ``"bfloat16"``,
+    ``"float8_e4m3fn"``, ``"float8_e5m2"``, ``"torch.float16"``, ``"ncclFloat32"``,
+    typestrs such as ``"<f4"``. Unsupported types (bool, complex, int16, object, ...)
+    raise ``TypeError`` naming them.
+    """
+    if type(obj) is DataType:
+        return obj
+    try:
+        return _CACHE[obj]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable
+        return _resolve(obj)
+    result = _resolve(obj)
+    # Numbers stay out of the cache: True == 1 and 1.0 == 1 would alias int keys.
+    if not isinstance(obj, (int, float)) and len(_CACHE) < 4096:
+        _CACHE[obj] = result
+    return result
+
+
+def canonical_name(datatype: DataType) -> str:
+    """The numpy / ml_dtypes name of ``datatype``, e.g. ``"float8_e4m3fn"``."""
+    return _ML_NAMES.get(datatype) or datatype.name.lower()
+
+
+def to_numpy_dtype(datatype: DataType | Any) -> Any:
+    """The numpy dtype for ``datatype`` (bfloat16 and float8 need ``ml_dtypes``)."""
+    dt = as_datatype(datatype)
+    import numpy as np
+
+    if dt in (DataType.BFLOAT16, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2):
+        try:
+            import ml_dtypes
+        except ImportError as exc:
+            raise TypeError(
+                f"{dt.name.lower()} arrays need the 'ml_dtypes' package (pip install ml_dtypes)"
+            ) from exc
+        return np.dtype(getattr(ml_dtypes, _ML_NAMES[dt]))
+    return np.dtype(canonical_name(dt))

@@ -1,0 +1,154 @@
+"""NCCL's enums with the values of nccl.h 2.32.3.
+
+Each member also knows the first NCCL release that accepts it, so callers can
+refuse what the loaded library lacks before any C call.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = ["DataType", "RedOp", "Result", "ScalarResidence", "release_str"]
+
+Release = tuple[int, int, int]
+
+
+def release_str(release: Release) -> str:
+    """``(2, 24, 3)`` → ``"2.24.3"``."""
+    return ".".join(str(part) for part in release)
+
+
+class Result(IntEnum):
+    """``ncclResult_t``."""
+
+    SUCCESS = 0
+    UNHANDLED_CUDA_ERROR = 1
+    SYSTEM_ERROR = 2
+    INTERNAL_ERROR = 3
+    INVALID_ARGUMENT = 4
+    INVALID_USAGE = 5
+    REMOTE_ERROR = 6  # NCCL >= 2.13.4
+    IN_PROGRESS = 7  # NCCL >= 2.14.3
+    TIMEOUT = 8  # NCCL >= 2.30.3
+
+    @property
+    def c_name(self) -> str:
+        """The enumerator's name in nccl.h, e.g. ``ncclInvalidUsage``."""
+        return _RESULT_C_NAMES[self]
+
+
+_RESULT_C_NAMES = {
+    Result.SUCCESS: "ncclSuccess",
+    Result.UNHANDLED_CUDA_ERROR: "ncclUnhandledCudaError",
+    Result.SYSTEM_ERROR: "ncclSystemError",
+    Result.INTERNAL_ERROR: "ncclInternalError",
+    Result.INVALID_ARGUMENT: "ncclInvalidArgument",
+    Result.INVALID_USAGE: "ncclInvalidUsage",
+    Result.REMOTE_ERROR: "ncclRemoteError",
+    Result.IN_PROGRESS: "ncclInProgress",
+    Result.TIMEOUT: "ncclTimeout",
+}
+
+
+class DataType(IntEnum):
+    """``ncclDataType_t``; ``itemsize`` in bytes, ``first_release`` of NCCL."""
+
+    INT8 = 0
+    UINT8 = 1
+    INT32 = 2
+    UINT32 = 3
+    INT64 = 4
+    UINT64 = 5
+    FLOAT16 = 6
+    FLOAT32 = 7
+    FLOAT64 = 8
+    BFLOAT16 = 9  # NCCL >= 2.10.3
+    FLOAT8_E4M3 = 10  # NCCL >= 2.24.3
+    FLOAT8_E5M2 = 11  # NCCL >= 2.24.3
+
+    @property
+    def itemsize(self) -> int:
+        """Size of one element in bytes."""
+        return _ITEMSIZE[self]
+
+    @property
+    def first_release(self) -> Release:
+        """The first NCCL release that accepts this type."""
+        return _TYPE_RELEASE.get(self, (2, 3, 5))
+
+    @property
+    def is_integer(self) -> bool:
+        """True for the integer types (on which ``avg`` is refused)."""
+        return self <= DataType.UINT64
+
+    @property
+    def is_float(self) -> bool:
+        """True for the floating-point types."""
+        return not self.is_integer
+
+    @property
+    def c_name(self) -> str:
+        """The enumerator's name in nccl.h, e.g. ``ncclFloat32``."""
+        return _TYPE_C_NAMES[self]
+
+
+_ITEMSIZE = {
+    DataType.INT8: 1,
+    DataType.UINT8: 1,
+    DataType.INT32: 4,
+    DataType.UINT32: 4,
+    DataType.INT64: 8,
+    DataType.UINT64: 8,
+    DataType.FLOAT16: 2,
+    DataType.FLOAT32: 4,
+    DataType.FLOAT64: 8,
+    DataType.BFLOAT16: 2,
+    DataType.FLOAT8_E4M3: 1,
+    DataType.FLOAT8_E5M2: 1,
+}
+_TYPE_RELEASE: dict[DataType, Release] = {
+    DataType.BFLOAT16: (2, 10, 3),
+    DataType.FLOAT8_E4M3: (2, 24, 3),
+    DataType.FLOAT8_E5M2: (2, 24, 3),
+}
+_TYPE_C_NAMES = {
+    DataType.INT8: "ncclInt8",
+    DataType.UINT8: "ncclUint8",
+    DataType.INT32: "ncclInt32",
+    DataType.UINT32: "ncclUint32",
+    DataType.INT64: "ncclInt64",
+    DataType.UINT64: "ncclUint64",
+    DataType.FLOAT16: "ncclFloat16",
+    DataType.FLOAT32: "ncclFloat32",
+    DataType.FLOAT64: "ncclFloat64",
+    DataType.BFLOAT16: "ncclBfloat16",
+    DataType.FLOAT8_E4M3: "ncclFloat8e4m3",
+    DataType.FLOAT8_E5M2: "ncclFloat8e5m2",
+}
+
+
+class RedOp(IntEnum):
+    """Built-in ``ncclRedOp_t`` values (PreMulSum ops are per-communicator ints ≥ 5)."""
+
+    SUM = 0
+    PROD = 1
+    MAX = 2
+    MIN = 3
+    AVG = 4  # NCCL >= 2.10.3
+
+    @property
+    def first_release(self) -> Release:
+        """The first NCCL release that accepts this op."""
+        return (2, 10, 3) if self is RedOp.AVG else (2, 3, 5)
+
+    @property
+    def c_name(self) -> str:
+        """The enumerator's name in nccl.h, e.g. ``ncclSum``."""
+        return "ncclAvg" if self is RedOp.AVG else "nccl" + self.name.capitalize()
+
+
+class ScalarResidence(IntEnum):
+    """``ncclScalarResidence_t`` (NCCL >= 2.11.4), for ``ncclRedOpCreatePreMulSum``."""
+
+    DEVICE = 0
+    HOST_IMMEDIATE = 1

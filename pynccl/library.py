@@ -1,0 +1,124 @@
+"""The process-wide libnccl and libcudart: loaded once, on first use, thread-safely.
+
+``load_library()`` / ``lib()`` give the :class:`~pynccl._capi.nccl.NcclLibrary`
+(functions by their C names, checked); ``load_cudart()`` / ``cudart()`` the
+:class:`~pynccl._capi.cudart.CudartLibrary`. Nothing is loaded at import.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from . import _loader
+from ._capi.cudart import CudartLibrary
+from ._capi.nccl import NcclLibrary
+from .enums import Release
+
+__all__ = ["cudart", "lib", "load_cudart", "load_library", "version"]
+
+_lock = threading.Lock()
+_nccl: NcclLibrary | None = None
+_cudart: CudartLibrary | None = None
+
+# The loopback libnccl links its own libcudart stand-in; when that is mapped and the
+# caller named no libcudart, it is the one whose streams and allocations libnccl sees.
+_LOOPBACK_CUDART = "libpynccl_loopback_cudart"
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
+    """Load libnccl (once per process) and return it.
+
+    Without ``path`` the library is discovered (``$PYNCCL_NCCL_LIBRARY``, a
+    libnccl already in the process, the ``nvidia-nccl-cu13``/``-cu12`` wheels,
+    the dynamic loader, ``$NCCL_HOME``, ``$CUDA_HOME``; see ``python -m pynccl
+    info``). Loading again returns the same object; asking for a different file
+    once one is loaded raises ``RuntimeError`` (one process, one libnccl).
+    """
+    global _nccl
+    current = _nccl
+    if current is not None and path is None:
+        return current
+    with _lock:
+        current = _nccl
+        if current is None:
+            found = _loader.open_nccl(None if path is None else os.fspath(path))
+            current = _nccl = NcclLibrary(found.cdll, found.path, found.rule)
+        elif path is not None and not _same_file(os.fspath(path), current.path):
+            raise RuntimeError(
+                f"libnccl is already loaded from {current.path} (rule {current.rule}); "
+                f"cannot also load {os.fspath(path)}: a process uses one libnccl"
+            )
+        return current
+
+
+def lib() -> NcclLibrary:
+    """The process's libnccl (loading it on first use): the low-level, C-named API."""
+    current = _nccl
+    return current if current is not None else load_library()
+
+
+def version() -> Release:
+    """``(major, minor, patch)`` of the loaded libnccl (loading it if needed)."""
+    return lib().version
+
+
+def load_cudart(path: str | os.PathLike[str] | None = None) -> CudartLibrary:
+    """Load the CUDA runtime (once per process) and return it; see :func:`load_library`."""
+    global _cudart
+    current = _cudart
+    if current is not None and path is None:
+        return current
+    with _lock:
+        current = _cudart
+        if current is None:
+            if path is None and os.environ.get(_loader.CUDART_ENV) is None:
+                mapped = _loader.mapped_libraries(_LOOPBACK_CUDART)
+                if mapped:
+                    found = _loader.open_cudart(mapped[0])
+                    found = _loader.Found(found.path, "already-mapped", found.cdll)
+                else:
+                    found = _loader.open_cudart(None)
+            else:
+                found = _loader.open_cudart(None if path is None else os.fspath(path))
+            current = _cudart = CudartLibrary(found.cdll, found.path, found.rule)
+        elif path is not None and not _same_file(os.fspath(path), current.path):
+            raise RuntimeError(
+                f"libcudart is already loaded from {current.path} (rule {current.rule}); "
+                f"cannot also load {os.fspath(path)}"
+            )
+        return current
+
+
+def cudart() -> CudartLibrary:
+    """The process's CUDA runtime (loading it on first use)."""
+    current = _cudart
+    return current if current is not None else load_cudart()
+
+
+def loaded() -> tuple[NcclLibrary | None, CudartLibrary | None]:
+    """The libraries loaded so far, without loading anything."""
+    return _nccl, _cudart
+
+
+def _replace_for_testing(nccl_path: str | None, cudart_path: str | None) -> None:
+    """Testing hook: make these files the process's libraries, replacing earlier ones.
+
+    Communicators made with the previous library must not be used afterwards.
+    Used by :func:`pynccl.testing.loopback.use` to switch between loopback builds.
+    """
+    global _nccl, _cudart
+    with _lock:
+        if cudart_path is not None:
+            found = _loader.open_cudart(cudart_path)
+            _cudart = CudartLibrary(found.cdll, found.path, found.rule)
+        if nccl_path is not None:
+            found = _loader.open_nccl(nccl_path)
+            _nccl = NcclLibrary(found.cdll, found.path, found.rule)
