@@ -1,0 +1,717 @@
+"""The few CUDA runtime objects pynccl needs: devices, :class:`Stream`, :class:`Event`,
+:class:`DeviceBuffer`.
+
+Layer 4, over :func:`pynccl.library.cudart` (libcudart, or the loopback stand-in
+when testing without a GPU). Every failing call raises :class:`~pynccl.CudaError`
+with CUDA's error name and text, except :func:`device_count`, which answers 0
+where there is no usable GPU. numpy is optional: only the methods that take or
+return arrays import it.
+
+Ownership follows cuda.core: an object made here owns its handle and
+``close()`` destroys it; an object that wraps a handle made elsewhere
+(:meth:`Stream.wrap`) only borrows it, and ``close()`` leaves it alone.
+"""
+
+from __future__ import annotations
+
+from ctypes import byref, c_float, c_int, c_void_p
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+from . import library as _library
+from .dtypes import as_datatype, to_numpy_dtype
+from .enums import DataType
+from .errors import CudaError, LibraryNotFoundError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = [
+    "DeviceBuffer",
+    "Event",
+    "MemoryType",
+    "Stream",
+    "StreamLike",
+    "device_count",
+    "driver_version",
+    "get_device",
+    "is_capturing",
+    "pointer_attributes",
+    "runtime_version",
+    "set_device",
+    "stream_handle",
+    "synchronize",
+]
+
+# cudaError_t values this module reacts to.
+_ERR_INITIALIZATION = 3
+_ERR_STUB_LIBRARY = 34
+_ERR_INSUFFICIENT_DRIVER = 35
+_ERR_NO_DEVICE = 100
+_ERR_NOT_READY = 600
+#: Errors that mean "no usable GPU here" rather than a failed operation.
+_NO_GPU = frozenset(
+    {_ERR_INITIALIZATION, _ERR_STUB_LIBRARY, _ERR_INSUFFICIENT_DRIVER, _ERR_NO_DEVICE}
+)
+
+# cudaMemcpyKind
+_H2D = 1
+_D2H = 2
+_D2D = 3
+
+# Special stream handles of cuda_runtime_api.h.
+_STREAM_LEGACY = 0x1
+_STREAM_PER_THREAD = 0x2
+
+# cudaStreamNonBlocking; cudaEventBlockingSync, cudaEventDisableTiming.
+_STREAM_NON_BLOCKING = 0x1
+_EVENT_BLOCKING_SYNC = 0x1
+_EVENT_DISABLE_TIMING = 0x2
+
+#: Anything accepted where a stream is expected: ``None`` (the default stream),
+#: an ``int`` handle, a :class:`Stream`, or an object with ``__cuda_stream__``
+#: (cuda.core, CuPy >= 13), ``.cuda_stream`` (torch) or ``.ptr`` (CuPy).
+StreamLike = Any
+
+
+def _rt() -> Any:
+    return _library.cudart()
+
+
+def _check_index(name: str, value: object) -> int:
+    # bool is an int subclass, but set_device(True) is surely a mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+    return value
+
+
+# --- devices ------------------------------------------------------------------------
+
+
+def device_count() -> int:
+    """Number of visible CUDA devices; 0 where there is no usable GPU.
+
+    0 covers "no NVIDIA driver" (``cudaErrorInsufficientDriver``), "no device"
+    (``cudaErrorNoDevice``) and "no libcudart found at all": code that only asks
+    whether GPUs exist needs no ``try``. ``python -m pynccl info`` says which.
+    Other errors propagate as :class:`CudaError`.
+    """
+    try:
+        rt = _rt()
+    except LibraryNotFoundError:
+        return 0
+    n = c_int(0)
+    try:
+        rt.cudaGetDeviceCount(byref(n))
+    except CudaError as e:
+        if e.code in _NO_GPU:
+            return 0
+        raise
+    return n.value
+
+
+def get_device() -> int:
+    """The calling thread's current device (``cudaGetDevice``)."""
+    d = c_int(-1)
+    _rt().cudaGetDevice(byref(d))
+    return d.value
+
+
+def set_device(device: int) -> None:
+    """Make ``device`` current for the calling thread (``cudaSetDevice``).
+
+    Raises ``TypeError``/``ValueError`` for a non-int or negative index, and
+    :class:`CudaError` (``cudaErrorInvalidDevice``) for one that does not exist.
+    """
+    _rt().cudaSetDevice(_check_index("device", device))
+
+
+def synchronize() -> None:
+    """Wait for all work on the current device (``cudaDeviceSynchronize``)."""
+    _rt().cudaDeviceSynchronize()
+
+
+def _decode_cuda_version(code: int) -> tuple[int, int]:
+    return code // 1000, (code % 1000) // 10
+
+
+def runtime_version() -> tuple[int, int]:
+    """``(major, minor)`` of the loaded CUDA runtime, e.g. ``(13, 0)``; needs no driver."""
+    v = c_int(0)
+    _rt().cudaRuntimeGetVersion(byref(v))
+    return _decode_cuda_version(v.value)
+
+
+def driver_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the CUDA version the driver supports; ``None`` without a driver."""
+    v = c_int(0)
+    try:
+        _rt().cudaDriverGetVersion(byref(v))
+    except CudaError as e:
+        if e.code in _NO_GPU:
+            return None
+        raise
+    return _decode_cuda_version(v.value) if v.value > 0 else None
+
+
+class _DeviceScope:
+    """Make ``device`` current inside a ``with`` block, restoring the previous one."""
+
+    __slots__ = ("_device", "_previous")
+
+    def __init__(self, device: int | None) -> None:
+        self._device = None if device is None else _check_index("device", device)
+        self._previous = -1
+
+    def __enter__(self) -> int:
+        # Returns the device in use, or -1 when none was asked for (no call made).
+        if self._device is None:
+            return -1
+        current = get_device()
+        if self._device != current:
+            self._previous = current
+            set_device(self._device)
+        return self._device
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous >= 0:
+            set_device(self._previous)
+
+
+# --- streams ------------------------------------------------------------------------
+
+
+def stream_handle(stream: StreamLike) -> int:
+    """The ``cudaStream_t`` of ``stream`` as an ``int`` (0 for ``None``: the default stream).
+
+    Accepts an ``int``, a :class:`Stream`, or any object with ``__cuda_stream__()``
+    (returning ``(version, handle)``), ``.cuda_stream`` (torch) or ``.ptr`` (CuPy).
+    """
+    if stream is None:
+        return 0
+    if isinstance(stream, Stream):
+        return stream.handle
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        if stream < 0:
+            raise ValueError(f"stream handle {stream} must be >= 0")
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        info = proto() if callable(proto) else proto
+        try:
+            _version, handle = info
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"{type(stream).__name__}.__cuda_stream__ returned {info!r}; "
+                "expected a (version, handle) pair"
+            ) from None
+        return int(handle)
+    for attr in ("cuda_stream", "ptr"):
+        handle = getattr(stream, attr, None)
+        if isinstance(handle, int) and not isinstance(handle, bool):
+            return handle
+    raise TypeError(
+        f"expected a stream (None, int handle, pynccl.cuda.Stream or an object with "
+        f"__cuda_stream__), got {type(stream).__name__}"
+    )
+
+
+class Stream:
+    """A CUDA stream: ``Stream()`` creates (and owns) one; :meth:`wrap` borrows one.
+
+    ``handle`` is the ``cudaStream_t`` as an ``int``; ``__cuda_stream__()``
+    returns ``(0, handle)`` so other libraries accept a ``Stream`` directly.
+    Usable as a context manager, which closes an owned stream on exit.
+    """
+
+    __slots__ = ("__weakref__", "_handle", "_owned", "_owner")
+
+    _handle: int
+    _owned: bool
+    _owner: object
+
+    def __init__(self, *, non_blocking: bool = False, device: int | None = None) -> None:
+        """Create a stream on ``device`` (default: the current one).
+
+        ``non_blocking=True`` gives ``cudaStreamNonBlocking`` (no implicit
+        synchronization with the legacy default stream).
+        """
+        self._handle = 0
+        self._owned = False
+        self._owner = None
+        out = c_void_p()
+        flags = _STREAM_NON_BLOCKING if non_blocking else 0
+        with _DeviceScope(device):
+            _rt().cudaStreamCreateWithFlags(byref(out), flags)
+        self._handle = out.value or 0
+        self._owned = True
+
+    @classmethod
+    def _borrow(cls, handle: int, owner: object) -> Stream:
+        self = cls.__new__(cls)
+        self._handle = handle
+        self._owned = False
+        self._owner = owner
+        return self
+
+    @classmethod
+    def wrap(cls, stream: StreamLike, owner: object = None) -> Stream:
+        """A borrowed :class:`Stream` for ``stream`` (see :func:`stream_handle`).
+
+        ``close()`` never destroys a borrowed stream. ``owner`` (default: the
+        wrapped object itself, when it is not an ``int``) is kept alive as long
+        as this wrapper, so the stream it owns is not destroyed underneath.
+        """
+        if isinstance(stream, Stream):
+            return stream
+        handle = stream_handle(stream)
+        if owner is None and not isinstance(stream, int):
+            owner = stream
+        return cls._borrow(handle, owner)
+
+    @classmethod
+    def legacy_default(cls) -> Stream:
+        """The legacy default stream (``cudaStreamLegacy``), which syncs with blocking streams."""
+        return cls._borrow(_STREAM_LEGACY, None)
+
+    @classmethod
+    def per_thread_default(cls) -> Stream:
+        """The calling thread's default stream (``cudaStreamPerThread``)."""
+        return cls._borrow(_STREAM_PER_THREAD, None)
+
+    @property
+    def handle(self) -> int:
+        """The ``cudaStream_t`` as an ``int``."""
+        return self._handle
+
+    @property
+    def owned(self) -> bool:
+        """True if :meth:`close` destroys the stream (it was created here)."""
+        return self._owned
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self._handle)
+
+    def synchronize(self) -> None:
+        """Wait until all work queued on this stream has finished."""
+        _rt().cudaStreamSynchronize(self._handle)
+
+    def query(self) -> bool:
+        """True if all work queued on this stream has finished (never blocks)."""
+        return int(_rt().cudaStreamQuery(self._handle)) != _ERR_NOT_READY
+
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait for ``event`` (``cudaStreamWaitEvent``)."""
+        if not isinstance(event, Event):
+            raise TypeError(f"event must be a pynccl.cuda.Event, got {type(event).__name__}")
+        _rt().cudaStreamWaitEvent(self._handle, event.handle, 0)
+
+    def wait(self, other: StreamLike) -> None:
+        """Make later work on this stream wait for the work queued so far on ``other``."""
+        with Event(timing=False) as e:
+            e.record(other)
+            self.wait_event(e)
+
+    def record(self, event: Event | None = None) -> Event:
+        """Record ``event`` (a new one by default) on this stream and return it."""
+        event = Event() if event is None else event
+        return event.record(self)
+
+    def is_capturing(self) -> bool:
+        """True while this stream is being captured into a CUDA graph."""
+        return is_capturing(self)
+
+    def close(self) -> None:
+        """Destroy the stream if owned (idempotent); a borrowed one is only released."""
+        handle, owned = self._handle, self._owned
+        self._owned = False
+        self._owner = None
+        if owned and handle:
+            self._handle = 0
+            _rt().cudaStreamDestroy(handle)
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_owned", False):
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown or a dead context: nothing to report to
+                pass
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Stream):
+            return NotImplemented
+        return self._handle == other._handle
+
+    def __hash__(self) -> int:
+        return hash(self._handle)
+
+    def __repr__(self) -> str:
+        kind = "owned" if self._owned else "borrowed"
+        return f"<pynccl.cuda.Stream {self._handle:#x} ({kind})>"
+
+
+def is_capturing(stream: StreamLike = None) -> bool:
+    """True if ``stream`` is being captured into a CUDA graph (active or invalidated)."""
+    status = c_int(0)
+    _rt().cudaStreamIsCapturing(stream_handle(stream), byref(status))
+    return status.value != 0
+
+
+# --- events ---------------------------------------------------------------------------
+
+
+class Event:
+    """A CUDA event (owned): record on a stream, wait for it, time between two.
+
+    ``timing=False`` makes a lighter event that cannot be used with
+    :meth:`elapsed_time`; ``blocking=True`` makes :meth:`synchronize` sleep
+    rather than spin.
+    """
+
+    __slots__ = ("__weakref__", "_handle")
+
+    _handle: int
+
+    def __init__(self, *, timing: bool = True, blocking: bool = False) -> None:
+        self._handle = 0
+        flags = (0 if timing else _EVENT_DISABLE_TIMING) | (_EVENT_BLOCKING_SYNC if blocking else 0)
+        out = c_void_p()
+        _rt().cudaEventCreateWithFlags(byref(out), flags)
+        self._handle = out.value or 0
+
+    @property
+    def handle(self) -> int:
+        """The ``cudaEvent_t`` as an ``int``."""
+        return self._handle
+
+    def _live(self) -> int:
+        if not self._handle:
+            raise ValueError("this Event is closed")
+        return self._handle
+
+    def record(self, stream: StreamLike = None) -> Event:
+        """Record the event on ``stream`` (default stream for ``None``); returns ``self``."""
+        _rt().cudaEventRecord(self._live(), stream_handle(stream))
+        return self
+
+    def synchronize(self) -> None:
+        """Wait until the work before the last :meth:`record` has finished."""
+        _rt().cudaEventSynchronize(self._live())
+
+    def query(self) -> bool:
+        """True if the work before the last :meth:`record` has finished (never blocks)."""
+        return int(_rt().cudaEventQuery(self._live())) != _ERR_NOT_READY
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event to ``end`` (both recorded, both with timing)."""
+        if not isinstance(end, Event):
+            raise TypeError(f"end must be a pynccl.cuda.Event, got {type(end).__name__}")
+        ms = c_float(0.0)
+        _rt().cudaEventElapsedTime(byref(ms), self._live(), end._live())
+        return float(ms.value)
+
+    def close(self) -> None:
+        """Destroy the event (idempotent)."""
+        handle, self._handle = self._handle, 0
+        if handle:
+            _rt().cudaEventDestroy(handle)
+
+    def __enter__(self) -> Event:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", 0):
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown or a dead context
+                pass
+
+    def __repr__(self) -> str:
+        return f"<pynccl.cuda.Event {self._handle:#x}>"
+
+
+# --- memory ---------------------------------------------------------------------------
+
+
+class MemoryType(IntEnum):
+    """``cudaMemoryType``: where a pointer lives."""
+
+    UNREGISTERED = 0
+    HOST = 1
+    DEVICE = 2
+    MANAGED = 3
+
+
+def pointer_attributes(ptr: int) -> tuple[MemoryType, int]:
+    """``(memory type, device)`` of ``ptr`` (``cudaPointerGetAttributes``).
+
+    Plain host memory gives ``(MemoryType.UNREGISTERED, -2)`` (device is
+    whatever CUDA reports; -2 is its "no device" value for such memory).
+    """
+    from ._capi.structs import cudaPointerAttributes
+
+    if not isinstance(ptr, int) or isinstance(ptr, bool):
+        raise TypeError(f"ptr must be an int address, got {type(ptr).__name__}")
+    attrs = cudaPointerAttributes()
+    _rt().cudaPointerGetAttributes(byref(attrs), ptr)
+    try:
+        kind = MemoryType(attrs.type)
+    except ValueError:
+        raise CudaError(
+            0, "cudaPointerGetAttributes", "", f"unknown cudaMemoryType {attrs.type}"
+        ) from None
+    return kind, int(attrs.device)
+
+
+def _shape_of(shape: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    for d in dims:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ValueError(f"shape={shape!r}: every dimension must be an int >= 0")
+    return dims
+
+
+# numpy's typestr for each type: bfloat16 and the FP8 types are what numpy
+# reports for ml_dtypes' dtypes (opaque void of the right size).
+_TYPESTR = {
+    DataType.INT8: "|i1",
+    DataType.UINT8: "|u1",
+    DataType.INT32: "<i4",
+    DataType.UINT32: "<u4",
+    DataType.INT64: "<i8",
+    DataType.UINT64: "<u8",
+    DataType.FLOAT16: "<f2",
+    DataType.FLOAT32: "<f4",
+    DataType.FLOAT64: "<f8",
+    DataType.BFLOAT16: "<V2",
+    DataType.FLOAT8_E4M3: "|V1",
+    DataType.FLOAT8_E5M2: "|V1",
+}
+
+
+class DeviceBuffer:
+    """An owned, C-contiguous device allocation (``cudaMalloc``) of ``shape`` and ``dtype``.
+
+    ``DeviceBuffer(shape, dtype="float32", device=None)`` allocates (contents
+    undefined: see :meth:`fill_zero`); :meth:`from_numpy` copies an array in.
+    ``ptr`` is the device address (an ``int``), ``dtype`` a :class:`~pynccl.DataType`.
+
+    ``__cuda_array_interface__`` (v3) exports it to CuPy, Numba, torch and to
+    pynccl's own collectives. Its ``typestr`` is numpy's for the type; bfloat16
+    and the FP8 types have none of their own, so they are given as ``<V2`` /
+    ``|V1``, as numpy reports ml_dtypes' dtypes: consumers see the right item
+    size, and pynccl reads the real type from ``dtype``.
+
+    The allocation is freed by :meth:`close` (alias :meth:`free`), at the end of
+    a ``with`` block, or quietly when the object is garbage-collected.
+    """
+
+    __slots__ = ("__weakref__", "_device", "_dtype", "_freed", "_nbytes", "_ptr", "_shape")
+
+    _ptr: int
+    _freed: bool
+    _nbytes: int
+    _device: int
+    _dtype: DataType
+    _shape: tuple[int, ...]
+
+    def __init__(
+        self,
+        shape: int | tuple[int, ...] | list[int],
+        dtype: Any = DataType.FLOAT32,
+        device: int | None = None,
+    ) -> None:
+        self._ptr = 0
+        self._freed = False
+        self._shape = _shape_of(shape)
+        self._dtype = as_datatype(dtype)
+        size = 1
+        for d in self._shape:
+            size *= d
+        self._nbytes = size * self._dtype.itemsize
+        out = c_void_p()
+        with _DeviceScope(device) as dev:
+            if dev < 0:
+                dev = get_device()
+            if self._nbytes:  # cudaMalloc(0) gives NULL anyway; skip the call
+                _rt().cudaMalloc(byref(out), self._nbytes)
+        self._device = dev
+        self._ptr = out.value or 0
+
+    # -- properties
+
+    @property
+    def ptr(self) -> int:
+        """The device address (0 for an empty or freed buffer)."""
+        return self._ptr
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self._nbytes
+
+    @property
+    def device(self) -> int:
+        """The device the allocation lives on."""
+        return self._device
+
+    @property
+    def dtype(self) -> DataType:
+        """The element type, as a :class:`~pynccl.DataType`."""
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape (C order)."""
+        return self._shape
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return self._nbytes // self._dtype.itemsize
+
+    @property
+    def closed(self) -> bool:
+        """True once the allocation has been freed."""
+        return self._freed
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        self._check_open()
+        return {
+            "shape": self._shape,
+            "typestr": _TYPESTR[self._dtype],
+            "data": (self._ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this DeviceBuffer has been freed")
+
+    # -- numpy interop
+
+    @classmethod
+    def from_numpy(
+        cls, array: Any, device: int | None = None, stream: StreamLike = None
+    ) -> DeviceBuffer:
+        """A new buffer holding a copy of ``array`` (any array-like numpy accepts).
+
+        With ``stream`` the copy is queued on it and the stream is synchronized
+        before returning, so ``array`` may be modified right away.
+        """
+        import numpy as np
+
+        arr = np.ascontiguousarray(array)
+        buf = cls(arr.shape, as_datatype(arr.dtype), device)
+        try:
+            buf._copy(buf._ptr, arr.ctypes.data, _H2D, stream)
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
+    def to_numpy(self, stream: StreamLike = None) -> np.ndarray:
+        """A host copy as a numpy array of :attr:`shape` (ml_dtypes for bf16/FP8).
+
+        With ``stream`` the copy is ordered after the work queued on it;
+        this returns once the copy has finished.
+        """
+        import numpy as np
+
+        self._check_open()
+        out = np.empty(self._shape, dtype=to_numpy_dtype(self._dtype))
+        self._copy(out.ctypes.data, self._ptr, _D2H, stream)
+        return out
+
+    def copy_from(self, source: Any, stream: StreamLike = None) -> None:
+        """Overwrite the contents from a host array or another :class:`DeviceBuffer`.
+
+        ``source`` must have the same element type and number of elements
+        (its shape may differ). Returns once the copy has finished.
+        """
+        self._check_open()
+        if isinstance(source, DeviceBuffer):
+            source._check_open()
+            self._check_match(source.dtype, source.size)
+            self._copy(self._ptr, source.ptr, _D2D, stream)
+            return
+        import numpy as np
+
+        arr = np.ascontiguousarray(source)
+        self._check_match(as_datatype(arr.dtype), arr.size)
+        self._copy(self._ptr, arr.ctypes.data, _H2D, stream)
+
+    def _check_match(self, dtype: DataType, size: int) -> None:
+        if dtype != self._dtype:
+            raise ValueError(
+                f"source dtype {dtype.name.lower()} does not match the buffer's "
+                f"{self._dtype.name.lower()}"
+            )
+        if size != self.size:
+            raise ValueError(f"source has {size} elements; the buffer holds {self.size}")
+
+    def _copy(self, dst: int, src: int, kind: int, stream: StreamLike) -> None:
+        if not self._nbytes:
+            return
+        rt = _rt()
+        if stream is None:
+            rt.cudaMemcpy(dst, src, self._nbytes, kind)
+            return
+        # Pageable host memory: wait, so the caller may reuse the host array at once.
+        handle = stream_handle(stream)
+        rt.cudaMemcpyAsync(dst, src, self._nbytes, kind, handle)
+        rt.cudaStreamSynchronize(handle)
+
+    def fill_zero(self, stream: StreamLike = None) -> None:
+        """Set every byte to 0; queued on ``stream`` when one is given (not waited for)."""
+        self._check_open()
+        if not self._nbytes:
+            return
+        if stream is None:
+            _rt().cudaMemset(self._ptr, 0, self._nbytes)
+        else:
+            _rt().cudaMemsetAsync(self._ptr, 0, self._nbytes, stream_handle(stream))
+
+    # -- lifetime
+
+    def close(self) -> None:
+        """Free the allocation (idempotent). Work still queued on it must have finished."""
+        ptr, self._ptr = self._ptr, 0
+        self._freed = True
+        if ptr:
+            _rt().cudaFree(ptr)
+
+    free = close
+
+    def __enter__(self) -> DeviceBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", 0):
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown or a dead context
+                pass
+
+    def __repr__(self) -> str:
+        state = "freed" if self.closed else f"ptr={self._ptr:#x}"
+        return (
+            f"<pynccl.cuda.DeviceBuffer shape={self._shape} dtype={self._dtype.name.lower()} "
+            f"device={self._device} {state}>"
+        )

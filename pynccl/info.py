@@ -1,0 +1,260 @@
+"""``python -m pynccl info [--json]``: what pynccl found on this machine, for debugging.
+
+Reports the pynccl version, which libnccl and libcudart were loaded (path,
+discovery rule, version), every libnccl mapped in the process, the CUDA runtime
+and driver versions, the visible GPUs (or, plainly, why there are none), the
+``NCCL_*``/``PYNCCL_*`` environment variables that are set and, where libnccl has
+the parameter API (NCCL >= 2.30), NCCL's parameters and their values.
+
+Exit status: 0 whenever the report was printed, even if a library is missing
+or there is no GPU (those are findings, printed in the report); 2 for a usage
+error. Nothing here needs a GPU, and no failure of a library call escapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from ctypes import POINTER, byref, c_char_p, c_int, create_string_buffer
+from typing import Any
+
+__all__ = ["collect", "format_text", "main"]
+
+# Plain words for the CUDA errors that mean "no usable GPU".
+_NO_GPU_WHY = {
+    3: "CUDA initialization failed",
+    34: "only the CUDA stub library is installed (no NVIDIA driver)",
+    35: "no NVIDIA driver",
+    100: "no CUDA-capable device is visible",
+}
+
+
+def _version_str(v: tuple[int, ...] | None) -> str | None:
+    return None if v is None else ".".join(str(x) for x in v)
+
+
+def _error_text(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _nccl_section() -> tuple[dict[str, Any], Any]:
+    from . import library
+    from .errors import LibraryNotFoundError
+
+    out: dict[str, Any] = {"loaded": False}
+    try:
+        lib = library.load_library()
+    except LibraryNotFoundError as e:
+        out["error"] = f"libnccl not found: {len(e.tried)} candidates tried"
+        out["tried"] = [list(t) for t in e.tried]
+        return out, None
+    except Exception as e:  # a broken file, a RuntimeError from the loader...
+        out["error"] = _error_text(e)
+        return out, None
+    out.update(
+        loaded=True,
+        path=lib.path,
+        rule=lib.rule,
+        version=_version_str(lib.version),
+        version_code=lib.version_code,
+    )
+    return out, lib
+
+
+def _cudart_section() -> tuple[dict[str, Any], Any]:
+    from . import library
+    from .errors import LibraryNotFoundError
+
+    out: dict[str, Any] = {"loaded": False}
+    try:
+        rt = library.load_cudart()
+    except LibraryNotFoundError as e:
+        out["error"] = f"libcudart not found: {len(e.tried)} candidates tried"
+        out["tried"] = [list(t) for t in e.tried]
+        return out, None
+    except Exception as e:
+        out["error"] = _error_text(e)
+        return out, None
+    out.update(loaded=True, path=rt.path, rule=rt.rule)
+    return out, rt
+
+
+def _cuda_section(rt: Any) -> dict[str, Any]:
+    """Runtime/driver versions and devices, from raw (unchecked) calls: nothing raises."""
+    out: dict[str, Any] = {
+        "runtime_version": None,
+        "driver_version": None,
+        "device_count": 0,
+        "devices": [],
+        "no_gpu_reason": None,
+    }
+    if rt is None:
+        out["no_gpu_reason"] = "no libcudart, so no CUDA devices can be used"
+        return out
+    v = c_int(0)
+    try:
+        if rt.raw("cudaRuntimeGetVersion")(byref(v)) == 0:
+            out["runtime_version"] = f"{v.value // 1000}.{(v.value % 1000) // 10}"
+        v.value = 0
+        if rt.raw("cudaDriverGetVersion")(byref(v)) == 0 and v.value > 0:
+            out["driver_version"] = f"{v.value // 1000}.{(v.value % 1000) // 10}"
+        n = c_int(0)
+        rc = rt.raw("cudaGetDeviceCount")(byref(n))
+        if rc != 0:
+            rt.raw("cudaGetLastError")()  # do not leave a sticky error behind
+            name = rt.error_name(rc) or f"cudaError {rc}"
+            why = _NO_GPU_WHY.get(rc, rt.error_string(rc))
+            if rc == 35 and out["driver_version"] is not None:
+                why = (
+                    f"the NVIDIA driver supports CUDA {out['driver_version']}, older than "
+                    f"this CUDA runtime ({out['runtime_version']})"
+                )
+            out["no_gpu_reason"] = f"no GPU: {name} ({why})"
+            return out
+        out["device_count"] = n.value
+        if n.value == 0:
+            out["no_gpu_reason"] = "no GPU: cudaGetDeviceCount reports 0 devices"
+        for i in range(n.value):
+            buf = create_string_buffer(32)
+            dev: dict[str, Any] = {"index": i}
+            if rt.raw("cudaDeviceGetPCIBusId")(buf, len(buf), i) == 0:
+                dev["pci_bus_id"] = buf.value.decode("ascii", "replace")
+            out["devices"].append(dev)
+    except Exception as e:  # a stand-in library lacking a symbol, etc.
+        out["error"] = _error_text(e)
+    return out
+
+
+def _nccl_params(lib: Any) -> dict[str, Any]:
+    """NCCL's parameter table (NCCL >= 2.30): key -> value, as strings."""
+    if lib is None:
+        return {"supported": False, "reason": "no libnccl loaded"}
+    if not (lib.has("ncclParamGetAllParameterKeys") and lib.has("ncclParamGetParameter")):
+        return {
+            "supported": False,
+            "reason": f"libnccl {_version_str(lib.version)} has no parameter API (NCCL >= 2.30)",
+        }
+    values: dict[str, str | None] = {}
+    try:
+        table = POINTER(c_char_p)()
+        count = c_int(0)
+        lib.ncclParamGetAllParameterKeys(byref(table), byref(count))
+        # The table is only valid until the next call: copy the keys out first.
+        keys = [(table[i] or b"").decode("utf-8", "replace") for i in range(count.value)]
+        get = lib.raw("ncclParamGetParameter")
+        for key in keys:
+            value = c_char_p()
+            length = c_int(0)
+            if get(key.encode(), byref(value), byref(length)) != 0:
+                values[key] = None
+                continue
+            raw = value.value or b""
+            values[key] = raw[: max(length.value, 0)].decode("utf-8", "replace")
+    except Exception as e:
+        return {"supported": True, "error": _error_text(e), "values": values}
+    return {
+        "supported": True,
+        "values": dict(sorted(values.items())),
+        "note": "NCCL registers most parameters when it first initializes; "
+        "these are the ones registered so far",
+    }
+
+
+def collect() -> dict[str, Any]:
+    """Everything ``info`` reports, as a JSON-ready dict (loads the libraries)."""
+    from . import __version__, _loader
+
+    nccl, lib = _nccl_section()
+    cudart, rt = _cudart_section()
+    env = {
+        k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "PYNCCL_", "CUDA_"))
+    }
+    return {
+        "pynccl": {"version": __version__, "path": os.path.dirname(os.path.abspath(__file__))},
+        "python": {"version": sys.version.split()[0], "executable": sys.executable},
+        "nccl": nccl,
+        "nccl_mapped": _loader.mapped_libraries("libnccl"),
+        "nccl_duplicates": _loader.duplicate_libraries("libnccl"),
+        "cudart": cudart,
+        "cuda": _cuda_section(rt),
+        "environment": env,
+        "nccl_parameters": _nccl_params(lib),
+    }
+
+
+def _lib_line(name: str, sec: dict[str, Any], version: str | None) -> list[str]:
+    if not sec.get("loaded"):
+        lines = [f"{name:<11}NOT LOADED: {sec.get('error', 'unknown reason')}"]
+        lines += [f"{'':<13}- {cand}: {why}" for cand, why in sec.get("tried", [])]
+        return lines
+    return [f"{name:<11}{version or '?'}  {sec['path']}  (found by rule: {sec['rule']})"]
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The human-readable form of :func:`collect`'s report."""
+    p, cuda = report["pynccl"], report["cuda"]
+    lines = [
+        f"pynccl     {p['version']}  {p['path']}",
+        f"python     {report['python']['version']}  {report['python']['executable']}",
+    ]
+    lines += _lib_line("libnccl", report["nccl"], report["nccl"].get("version"))
+    lines += _lib_line("libcudart", report["cudart"], cuda.get("runtime_version"))
+    mapped = report["nccl_mapped"]
+    lines.append(f"mapped     libnccl* files in this process: {len(mapped)}")
+    lines += [f"{'':<13}{path}" for path in mapped]
+    if report["nccl_duplicates"]:
+        lines.append(f"{'':<11}WARNING: more than one libnccl is loaded in this process")
+    lines.append(
+        f"CUDA       runtime {cuda['runtime_version'] or '-'}, driver "
+        f"{cuda['driver_version'] or 'none'}"
+    )
+    if cuda["devices"]:
+        lines.append(f"GPUs       {cuda['device_count']}")
+        lines += [
+            f"{'':<13}{d['index']}: {d.get('pci_bus_id', 'PCI bus id unknown')}"
+            for d in cuda["devices"]
+        ]
+    else:
+        lines.append(f"GPUs       {cuda['no_gpu_reason'] or 'none'}")
+    if cuda.get("error"):
+        lines.append(f"{'':<11}error while asking CUDA: {cuda['error']}")
+    env = report["environment"]
+    lines.append(f"environment{'' if env else ' (no NCCL_*, PYNCCL_* or CUDA_* variables set)'}")
+    lines += [f"{'':<13}{k}={v}" for k, v in env.items()]
+    params = report["nccl_parameters"]
+    if not params["supported"]:
+        lines.append(f"parameters {params['reason']}")
+    else:
+        values = params.get("values", {})
+        lines.append(f"parameters {len(values)} (NCCL's parameter API; {params.get('note', '')})")
+        shown = {None: "(could not be read)", "": "(empty)"}
+        lines += [f"{'':<13}{k} = {shown.get(v, v)}" for k, v in values.items()]
+        if params.get("error"):
+            lines.append(f"{'':<13}error reading parameters: {params['error']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the report (``--json``: as JSON). Returns 0, or 2 for a usage error."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pynccl info",
+        description="Show which libnccl/libcudart pynccl finds, their versions, the GPUs "
+        "and NCCL's settings. Needs no GPU.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    try:
+        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
+        return int(e.code or 0)
+    report = collect()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        sys.stdout.write(format_text(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
