@@ -1,0 +1,178 @@
+"""The low-level binding: lazy binding, result checking, version gating, config structs.
+
+Uses a tiny C library compiled here that exports a few NCCL symbols of an old
+release, so gating is tested against a real shared object.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from pynccl import NcclInvalidArgument, NcclInvalidUsage, NotSupportedError, Result
+from pynccl._capi.nccl import PROTOTYPES, NcclLibrary, decode_version
+from pynccl._capi.structs import (
+    NCCL_CONFIG_UNDEF_INT,
+    make_coll_config,
+    make_config,
+    make_sim_info,
+    ncclCollConfig_t,
+    ncclConfig_t,
+    ncclSimInfo_t,
+)
+
+TINY_SOURCE = r"""
+#include <stddef.h>
+static int calls;
+int ncclGetVersion(int *v) { *v = 21801; return 0; }
+const char *ncclGetErrorString(int r) { return r == 5 ? "invalid usage" : "other"; }
+const char *ncclGetLastError(void *comm) { (void)comm; return "tiny: last error text"; }
+int ncclGroupStart(void) { return ++calls > 1000 ? 3 : 0; }
+int ncclGroupEnd(void) { return 5; }
+int ncclCommCount(void *comm, int *n) { if (!comm) return 4; *n = 7; return 0; }
+int ncclAllReduce(const void *s, void *r, size_t count, int dt, int op, void *comm, void *st) {
+  (void)s; (void)r; (void)dt; (void)op; (void)comm; (void)st;
+  return count == ((size_t)1 << 33) ? 0 : 4;
+}
+int ncclCommFinalize(void *comm) { (void)comm; return 7; }
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> NcclLibrary:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("tiny")
+    src = d / "tiny.c"
+    src.write_text(TINY_SOURCE)
+    out = d / "libnccl_tiny.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    return NcclLibrary(ctypes.CDLL(str(out)), str(out), "explicit")
+
+
+def test_version_decoding() -> None:
+    assert decode_version(23203) == (2, 32, 3)
+    assert decode_version(21801) == (2, 18, 1)
+    assert decode_version(2804) == (2, 8, 4)  # old formula X*1000+Y*100+Z
+    assert decode_version(2708) == (2, 7, 8)
+
+
+def test_tiny_library_version(tiny: NcclLibrary) -> None:
+    assert tiny.version == (2, 18, 1) and tiny.version_code == 21801
+
+
+def test_missing_function_raises_not_supported_on_call(tiny: NcclLibrary) -> None:
+    assert not tiny.has("ncclAlltoAll")
+    fn = tiny.ncclAlltoAll  # binding itself does not raise
+    with pytest.raises(NotSupportedError) as info:
+        fn(0, 0, 0, 0, 0, 0)
+    text = str(info.value)
+    assert "ncclAlltoAll" in text and "2.28.3" in text and "2.18.1" in text
+    assert isinstance(info.value, NotImplementedError)
+    assert info.value.required == (2, 28, 3) and info.value.loaded == (2, 18, 1)
+
+
+def test_unknown_name_is_attribute_error(tiny: NcclLibrary) -> None:
+    with pytest.raises(AttributeError, match="ncclNoSuchThing"):
+        _ = tiny.ncclNoSuchThing
+
+
+def test_checked_call_raises_typed_error_with_texts(tiny: NcclLibrary) -> None:
+    with pytest.raises(NcclInvalidUsage) as info:
+        tiny.ncclGroupEnd()
+    assert info.value.function == "ncclGroupEnd"
+    assert info.value.result is Result.INVALID_USAGE
+    assert "invalid usage" in str(info.value) and "tiny: last error text" in str(info.value)
+
+
+def test_success_and_in_progress_results(tiny: NcclLibrary) -> None:
+    assert tiny.ncclGroupStart() is Result.SUCCESS
+    assert tiny.ncclCommFinalize(1) is Result.IN_PROGRESS
+
+
+def test_size_t_count_is_not_truncated(tiny: NcclLibrary) -> None:
+    # The tiny library returns success only if it received exactly 2**33.
+    assert tiny.ncclAllReduce(0, 0, 1 << 33, 7, 0, 1, 0) is Result.SUCCESS
+    with pytest.raises(NcclInvalidArgument):
+        tiny.ncclAllReduce(0, 0, 1 << 32, 7, 0, 1, 0)
+
+
+def test_out_parameters_and_const_char(tiny: NcclLibrary) -> None:
+    n = ctypes.c_int()
+    tiny.ncclCommCount(1, ctypes.byref(n))
+    assert n.value == 7
+    assert tiny.ncclGetErrorString(5) == "invalid usage"
+    assert tiny.raw("ncclCommCount")(None, ctypes.byref(n)) == 4  # raw: unchecked
+
+
+def test_binding_is_cached_and_thread_safe(tiny: NcclLibrary) -> None:
+    seen: list[object] = []
+    threads = [threading.Thread(target=lambda: seen.append(tiny.ncclCommCount)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(fn is seen[0] for fn in seen)
+    assert tiny.ncclCommCount is seen[0]
+
+
+def test_generated_wrappers_keep_c_argument_names(tiny: NcclLibrary) -> None:
+    import inspect
+
+    params = list(inspect.signature(tiny.ncclAllReduce).parameters)
+    assert params == ["sendbuff", "recvbuff", "count", "datatype", "op", "comm", "stream"]
+
+
+def test_prototype_table_covers_nccl_h_2_32_3() -> None:
+    assert len(PROTOTYPES) == 73
+    for name, proto in PROTOTYPES.items():
+        assert name.startswith("nccl")
+        assert (2, 3, 5) <= proto.first <= (2, 32, 3)
+    ar = PROTOTYPES["ncclAllReduce"]
+    assert [ctype for _, ctype in ar.args][2] is ctypes.c_size_t
+
+
+def test_config_initialiser_matches_nccl_config_initializer() -> None:
+    cfg = make_config()
+    assert cfg.size == ctypes.sizeof(ncclConfig_t) == 120
+    assert cfg.magic == 0xCAFEBEEF and cfg.version == 23203
+    assert cfg.blocking == NCCL_CONFIG_UNDEF_INT and cfg.nvlsHostMode == NCCL_CONFIG_UNDEF_INT
+    assert cfg.netName is None and cfg.commName is None
+    cfg = make_config({"blocking": 0, "commName": "job-7", "maxCTAs": 8})
+    assert (cfg.blocking, cfg.commName, cfg.maxCTAs) == (0, b"job-7", 8)
+
+
+def test_config_refuses_fields_the_library_lacks() -> None:
+    with pytest.raises(NotSupportedError) as info:
+        make_config({"commName": "x"}, loaded=(2, 18, 1))
+    assert "commName" in str(info.value) and "2.27" in str(info.value)
+    make_config({"splitShare": 1}, loaded=(2, 18, 1))  # 2.18 knows splitShare
+    with pytest.raises(ValueError, match="nosuch"):
+        make_config({"nosuch": 1})
+    with pytest.raises(ValueError, match="32-bit"):
+        make_config({"maxCTAs": 2**40})
+
+
+def test_coll_config_and_sim_info() -> None:
+    cc = make_coll_config({"algSelection": "ring"})
+    assert cc.size == ctypes.sizeof(ncclCollConfig_t) == 72
+    assert cc.forceAlgSelection == 1 and cc.userProfilerTag == 0 and cc.algSelection == b"ring"
+    assert cc.CTAPolicy == NCCL_CONFIG_UNDEF_INT
+    with pytest.raises(NotSupportedError):
+        make_coll_config({"launchCompletionEvent": 1}, loaded=(2, 31, 2))
+    si = make_sim_info()
+    assert si.size == ctypes.sizeof(ncclSimInfo_t) == 24 and si.magic == 0x74685283
+    assert si.estimatedTime == -1.0
+
+
+def test_real_library_path_in_repr() -> None:
+    import pynccl
+
+    L = pynccl.lib()
+    assert Path(L.path).exists() and L.path in repr(L)
