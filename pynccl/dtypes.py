@@ -54,7 +54,6 @@ _AMBIGUOUS = {
 }
 
 
-
 def _parse_typestr(text: str) -> tuple[str, str, str] | None:
     """``"<f4"`` → ``("<", "f", "4")``; None if ``text`` is no numeric typestr."""
     order = text[:1] if text[:1] in ("<", ">", "|", "=") else ""
@@ -62,6 +61,7 @@ def _parse_typestr(text: str) -> tuple[str, str, str] | None:
     if len(rest) < 2 or rest[0] not in "iuf" or not rest[1:].isdigit():
         return None
     return order, rest[0], rest[1:]
+
 
 _CACHE: dict[Any, DataType] = {}
 

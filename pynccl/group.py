@@ -1,0 +1,96 @@
+"""NCCL group calls: ``with pynccl.group(): ...`` and ``group_start()``/``group_end()``.
+
+Groups are thread-local in NCCL (depth and queued operations belong to the
+calling thread), and so is the bookkeeping here. Only the outermost
+``ncclGroupEnd`` launches the queued operations.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .enums import Result
+from .library import lib
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+
+__all__ = ["group", "group_depth", "group_end", "group_start"]
+
+
+class _GroupState(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+        # Non-blocking communicators used inside the open group: after a group end
+        # that returns ncclInProgress they must be polled before their next call.
+        self.pending: list[Communicator] = []
+
+
+_state = _GroupState()
+
+
+def group_depth() -> int:
+    """How many groups the calling thread has open (through pynccl)."""
+    return _state.depth
+
+
+def group_start() -> None:
+    """``ncclGroupStart``: open a group on the calling thread (groups nest)."""
+    lib().ncclGroupStart()
+    _state.depth += 1
+
+
+def group_end() -> Result:
+    """``ncclGroupEnd``: close the innermost group; the outermost one launches the work.
+
+    Returns ``Result.IN_PROGRESS`` when a non-blocking communicator's operations
+    are still being set up (the communicators then wait before their next call).
+    """
+    if _state.depth > 0:
+        _state.depth -= 1
+    try:
+        result: Result = lib().ncclGroupEnd()
+    except BaseException:
+        if _state.depth == 0:
+            _state.pending.clear()
+        raise
+    if _state.depth == 0 and _state.pending:
+        pending, _state.pending = _state.pending, []
+        if result == Result.IN_PROGRESS:
+            for comm in pending:
+                comm._mark_pending()
+    return result
+
+
+class group:
+    """Context manager for a group: ``with pynccl.group(): comm.send(...); comm.recv(...)``.
+
+    The group is ended even if the body raises (NCCL requires it); the body's
+    exception is the one that propagates, with a group-end failure attached as
+    its ``__context__`` (and a note).
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> group:
+        group_start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            group_end()
+            return
+        try:
+            group_end()
+        except Exception as end_error:
+            if exc.__context__ is None:
+                exc.__context__ = end_error
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"ncclGroupEnd also failed while ending the group: {end_error}")
