@@ -125,7 +125,8 @@ def set_device(device: int) -> None:
     Raises ``TypeError``/``ValueError`` for a non-int or negative index, and
     :class:`CudaError` (``cudaErrorInvalidDevice``) for one that does not exist.
     """
-    _rt().cudaSetDevice(_check_index("device", device))
+    index = _check_index("device", device)
+    _rt().cudaSetDevice(index)
 
 
 def synchronize() -> None:
@@ -226,9 +227,10 @@ class Stream:
     Usable as a context manager, which closes an owned stream on exit.
     """
 
-    __slots__ = ("__weakref__", "_handle", "_owned", "_owner")
+    __slots__ = ("__weakref__", "_closed", "_handle", "_owned", "_owner")
 
     _handle: int
+    _closed: bool
     _owned: bool
     _owner: object
 
@@ -239,6 +241,7 @@ class Stream:
         synchronization with the legacy default stream).
         """
         self._handle = 0
+        self._closed = False
         self._owned = False
         self._owner = None
         out = c_void_p()
@@ -252,6 +255,7 @@ class Stream:
     def _borrow(cls, handle: int, owner: object) -> Stream:
         self = cls.__new__(cls)
         self._handle = handle
+        self._closed = False
         self._owned = False
         self._owner = owner
         return self
@@ -283,8 +287,15 @@ class Stream:
 
     @property
     def handle(self) -> int:
-        """The ``cudaStream_t`` as an ``int``."""
+        """The ``cudaStream_t`` as an ``int``; ``ValueError`` once closed."""
+        if self._closed:
+            raise ValueError("this Stream is closed")
         return self._handle
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
 
     @property
     def owned(self) -> bool:
@@ -292,21 +303,21 @@ class Stream:
         return self._owned
 
     def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self._handle)
+        return (0, self.handle)
 
     def synchronize(self) -> None:
         """Wait until all work queued on this stream has finished."""
-        _rt().cudaStreamSynchronize(self._handle)
+        _rt().cudaStreamSynchronize(self.handle)
 
     def query(self) -> bool:
         """True if all work queued on this stream has finished (never blocks)."""
-        return int(_rt().cudaStreamQuery(self._handle)) != _ERR_NOT_READY
+        return int(_rt().cudaStreamQuery(self.handle)) != _ERR_NOT_READY
 
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event`` (``cudaStreamWaitEvent``)."""
         if not isinstance(event, Event):
             raise TypeError(f"event must be a pynccl.cuda.Event, got {type(event).__name__}")
-        _rt().cudaStreamWaitEvent(self._handle, event.handle, 0)
+        _rt().cudaStreamWaitEvent(self.handle, event._live(), 0)
 
     def wait(self, other: StreamLike) -> None:
         """Make later work on this stream wait for the work queued so far on ``other``."""
@@ -326,10 +337,11 @@ class Stream:
     def close(self) -> None:
         """Destroy the stream if owned (idempotent); a borrowed one is only released."""
         handle, owned = self._handle, self._owned
+        self._closed = True
         self._owned = False
         self._owner = None
+        self._handle = 0
         if owned and handle:
-            self._handle = 0
             _rt().cudaStreamDestroy(handle)
 
     def __enter__(self) -> Stream:
@@ -354,7 +366,7 @@ class Stream:
         return hash(self._handle)
 
     def __repr__(self) -> str:
-        kind = "owned" if self._owned else "borrowed"
+        kind = "closed" if self._closed else "owned" if self._owned else "borrowed"
         return f"<pynccl.cuda.Stream {self._handle:#x} ({kind})>"
 
 
@@ -482,8 +494,8 @@ def _shape_of(shape: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return dims
 
 
-# numpy's typestr for each type: bfloat16 and the FP8 types are what numpy
-# reports for ml_dtypes' dtypes (opaque void of the right size).
+# numpy's typestr for each type. bfloat16 and FP8 have none: opaque void items of
+# their size (ml_dtypes itself is inconsistent: '<V2', '<V1' but '<f1' for e5m2).
 _TYPESTR = {
     DataType.INT8: "|i1",
     DataType.UINT8: "|u1",
@@ -508,10 +520,11 @@ class DeviceBuffer:
     ``ptr`` is the device address (an ``int``), ``dtype`` a :class:`~pynccl.DataType`.
 
     ``__cuda_array_interface__`` (v3) exports it to CuPy, Numba, torch and to
-    pynccl's own collectives. Its ``typestr`` is numpy's for the type; bfloat16
-    and the FP8 types have none of their own, so they are given as ``<V2`` /
-    ``|V1``, as numpy reports ml_dtypes' dtypes: consumers see the right item
-    size, and pynccl reads the real type from ``dtype``.
+    pynccl's own collectives. Its ``typestr`` is numpy's for the type. bfloat16
+    and the FP8 types have no typestr of their own: they are given as opaque
+    items of the right size, ``<V2`` (what numpy reports for ml_dtypes'
+    bfloat16) and ``|V1``, so consumers that move bytes work, and pynccl reads
+    the real type from ``dtype`` (a :class:`~pynccl.DataType`).
 
     The allocation is freed by :meth:`close` (alias :meth:`free`), at the end of
     a ``with`` block, or quietly when the object is garbage-collected.
