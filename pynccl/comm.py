@@ -386,6 +386,21 @@ class Communicator:
         return self
 
     @classmethod
+    def from_env(cls, **kwargs: Any) -> Communicator:
+        """This process's communicator from its launcher's environment.
+
+        torchrun / ``python -m pynccl launch``, Open MPI, MPICH / Intel MPI or
+        Slurm variables give rank, world size and device; the unique id travels
+        over TCP (``MASTER_ADDR:MASTER_PORT``, authenticated with
+        ``PYNCCL_RENDEZVOUS_KEY``), a ``store=``, an ``mpi_comm=`` or a ``file=``.
+        Keyword arguments as :func:`pynccl.bootstrap.from_env` (``timeout``,
+        ``store``, ``mpi_comm``, ``file``, ``config``, ``nids``, ``device``, ...).
+        """
+        from .bootstrap import from_env
+
+        return from_env(**kwargs)
+
+    @classmethod
     def from_handle(cls, handle: int, *, stream: Any = None) -> Communicator:
         """Wrap an ``ncclComm_t`` created elsewhere; it is borrowed, never destroyed here."""
         if type(handle) is not int or handle <= 0:
