@@ -42,16 +42,33 @@ _LAZY: dict[str, str] = {
     "load_cudart": "library",
     "cudart": "library",
     "version": "library",
+    "Communicator": "comm",
+    "Config": "comm",
+    "UniqueId": "comm",
+    "group": "group",
+    "group_start": "group",
+    "group_end": "group",
+    "DeviceBuffer": "cuda",
+    "Event": "cuda",
+    "Stream": "cuda",
+    "device_count": "cuda",
 }
 
 # `typing` costs milliseconds to import; mypy treats any name TYPE_CHECKING as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from .comm import Communicator, Config, UniqueId
+    from .cuda import DeviceBuffer, Event, Stream, device_count
+    from .group import group, group_end, group_start
     from .library import cudart, lib, load_cudart, load_library, version
 
 __all__ = [
+    "Communicator",
+    "Config",
     "CudaError",
     "DataType",
+    "DeviceBuffer",
+    "Event",
     "LibraryNotFoundError",
     "NcclError",
     "NcclInProgress",
@@ -66,9 +83,15 @@ __all__ = [
     "RedOp",
     "Result",
     "ScalarResidence",
+    "Stream",
+    "UniqueId",
     "__version__",
     "as_datatype",
     "cudart",
+    "device_count",
+    "group",
+    "group_end",
+    "group_start",
     "lib",
     "load_cudart",
     "load_library",
