@@ -45,9 +45,9 @@ _LAZY: dict[str, str] = {
     "Communicator": "comm",
     "Config": "comm",
     "UniqueId": "comm",
-    "group": "group",
-    "group_start": "group",
-    "group_end": "group",
+    "group": "groups",
+    "group_start": "groups",
+    "group_end": "groups",
     "DeviceBuffer": "cuda",
     "Event": "cuda",
     "Stream": "cuda",
@@ -59,7 +59,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .comm import Communicator, Config, UniqueId
     from .cuda import DeviceBuffer, Event, Stream, device_count
-    from .group import group, group_end, group_start
+    from .groups import group, group_end, group_start
     from .library import cudart, lib, load_cudart, load_library, version
 
 __all__ = [

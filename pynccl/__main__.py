@@ -13,6 +13,9 @@ commands:
 """
 
 
+_COMMANDS = ("info", "perf", "launch")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the subcommand's own ``main``."""
     args = sys.argv[1:] if argv is None else list(argv)
@@ -20,16 +23,13 @@ def main(argv: list[str] | None = None) -> int:
         print(_USAGE, end="")
         return 0
     command, rest = args[0], args[1:]
-    if command == "info":
-        from .info import main as run
-    elif command == "perf":
-        from .perf import main as run
-    elif command == "launch":
-        from .launch import main as run
-    else:
+    if command not in _COMMANDS:
         print(f"pynccl: unknown command {command!r}\n\n{_USAGE}", end="", file=sys.stderr)
         return 2
-    return int(run(rest))
+    import importlib
+
+    module = importlib.import_module(f"pynccl.{command}")
+    return int(module.main(rest))
 
 
 if __name__ == "__main__":

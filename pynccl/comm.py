@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any, ClassVar
 
-from . import group as _group
+from . import groups as _group
 from ._adapt import as_buffer, as_stream
 from ._capi.nccl import NcclLibrary
 from ._capi.structs import (
