@@ -30,6 +30,7 @@ def _wheel_dir() -> Path | None:
 
 
 WHEEL = _wheel_dir()
+HAS_DRIVER = os.path.exists("/proc/driver/nvidia/version")
 pytestmark = pytest.mark.skipif(WHEEL is None, reason="nvidia-nccl wheel not installed")
 
 
@@ -189,6 +190,7 @@ def test_unknown_parameter_raises() -> None:
     assert result != 0 and name.startswith("Nccl")
 
 
+@pytest.mark.skipif(HAS_DRIVER, reason="this machine has an NVIDIA driver")
 def test_comm_init_without_gpu_raises_unhandled_cuda_error() -> None:
     out = run_child(
         """
@@ -243,3 +245,28 @@ def test_info_reports_parameters_from_environment() -> None:
     assert params["values"]["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
     assert report["environment"]["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
     assert report["nccl"]["version"] == ".".join(map(str, header_version()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_DRIVER, reason="needs an NVIDIA GPU")
+def test_single_rank_communicator_on_gpu() -> None:
+    out = run_child(
+        """
+        from pynccl import cuda, library
+        from pynccl._capi.structs import ncclUniqueId
+        L = library.lib()
+        cuda.set_device(0)
+        u = ncclUniqueId()
+        L.ncclGetUniqueId(byref(u))
+        comm = c_void_p()
+        L.ncclCommInitRank(byref(comm), 1, u, 0)
+        n, dev, rank = c_int(), c_int(), c_int()
+        L.ncclCommCount(comm, byref(n))
+        L.ncclCommCuDevice(comm, byref(dev))
+        L.ncclCommUserRank(comm, byref(rank))
+        L.ncclCommFinalize(comm)
+        L.ncclCommDestroy(comm)
+        print(json.dumps([n.value, dev.value, rank.value]))
+        """
+    )
+    assert out == [1, 0, 0]
