@@ -39,6 +39,11 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _is_loopback(path: str) -> bool:
+    """True for pynccl's host-memory test stand-ins (pynccl.testing.loopback)."""
+    return os.path.basename(path).startswith("libpynccl_loopback")
+
+
 def _nccl_section() -> tuple[dict[str, Any], Any]:
     from . import library
     from .errors import LibraryNotFoundError
@@ -59,6 +64,7 @@ def _nccl_section() -> tuple[dict[str, Any], Any]:
         rule=lib.rule,
         version=_version_str(lib.version),
         version_code=lib.version_code,
+        loopback=_is_loopback(lib.path),
     )
     return out, lib
 
@@ -77,7 +83,7 @@ def _cudart_section() -> tuple[dict[str, Any], Any]:
     except Exception as e:
         out["error"] = _error_text(e)
         return out, None
-    out.update(loaded=True, path=rt.path, rule=rt.rule)
+    out.update(loaded=True, path=rt.path, rule=rt.rule, loopback=_is_loopback(rt.path))
     return out, rt
 
 
@@ -189,7 +195,10 @@ def _lib_line(name: str, sec: dict[str, Any], version: str | None) -> list[str]:
         lines = [f"{name:<11}NOT LOADED: {sec.get('error', 'unknown reason')}"]
         lines += [f"{'':<13}- {cand}: {why}" for cand, why in sec.get("tried", [])]
         return lines
-    return [f"{name:<11}{version or '?'}  {sec['path']}  (found by rule: {sec['rule']})"]
+    line = f"{name:<11}{version or '?'}  {sec['path']}  (found by rule: {sec['rule']})"
+    if sec.get("loopback"):
+        line += "\n" + " " * 11 + "(pynccl's loopback stand-in: host memory, no real GPU)"
+    return [line]
 
 
 def format_text(report: dict[str, Any]) -> str:

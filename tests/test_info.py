@@ -160,3 +160,22 @@ def test_format_text_lists_devices_and_duplicates() -> None:
     assert "0: 0000:07:00.0" in text and "1: 0000:0A:00.0" in text
     assert "runtime 12.4, driver 12.6" in text
     assert "no parameter API" in text
+
+
+def test_loopback_devices_are_listed_and_flagged() -> None:
+    try:
+        from pynccl.testing import loopback
+
+        cudart = loopback.build_cudart()
+    except Exception as e:  # not available, or no compiler
+        pytest.skip(f"no loopback libcudart: {e}")
+    report = info_json(PYNCCL_CUDART_LIBRARY=cudart, PYNCCL_LOOPBACK_DEVICES="3")
+    assert report["cudart"]["loopback"] is True
+    assert report["cudart"]["rule"] == "env:PYNCCL_CUDART_LIBRARY"
+    cuda = report["cuda"]
+    assert cuda["device_count"] == 3
+    assert [d["index"] for d in cuda["devices"]] == [0, 1, 2]
+    assert all(d["pci_bus_id"] for d in cuda["devices"])
+    assert cuda["no_gpu_reason"] is None
+    text = run_info(PYNCCL_CUDART_LIBRARY=cudart).stdout
+    assert "loopback stand-in" in text
