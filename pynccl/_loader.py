@@ -364,7 +364,7 @@ def _nccl_candidates() -> Iterator[tuple[str, str]]:
             yield var, os.path.join(home, sub, n)
 
 
-def open_nccl(path: str | None = None) -> Found:
+def open_nccl(path: str | os.PathLike[str] | None = None) -> Found:
     """Find and load libnccl; see the module docstring for the order.
 
     ``path`` (a file, a directory holding ``libnccl.so.2``, or a soname) and
@@ -435,7 +435,7 @@ def _cudart_candidates() -> Iterator[tuple[str, str]]:
         yield "/usr/local/cuda", os.path.join("/usr/local/cuda/lib64", n)
 
 
-def open_cudart(path: str | None = None) -> Found:
+def open_cudart(path: str | os.PathLike[str] | None = None) -> Found:
     """Find and load the CUDA runtime (libcudart), same scheme as :func:`open_nccl`.
 
     ``path`` and ``$PYNCCL_CUDART_LIBRARY`` are used alone. A libcudart already
