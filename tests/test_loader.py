@@ -6,6 +6,7 @@ and sys.path are per-process facts, and a loaded library can never be unloaded.
 
 from __future__ import annotations
 
+import ctypes.util
 import json
 import os
 import shutil
@@ -31,6 +32,12 @@ def _wheel_nccl() -> Path | None:
 
 WHEEL_NCCL = _wheel_nccl()
 needs_wheel = pytest.mark.skipif(WHEEL_NCCL is None, reason="nvidia-nccl wheel not installed")
+# A libnccl the dynamic loader finds by itself (ld.so.cache) would win over the
+# NCCL_HOME / CUDA_HOME rules and the "nothing found" case.
+SYSTEM_NCCL = ctypes.util.find_library("nccl")
+no_system_nccl = pytest.mark.skipif(
+    SYSTEM_NCCL is not None, reason=f"the dynamic loader finds a system {SYSTEM_NCCL}"
+)
 
 # Run before the test code in every child: drops the sys.path entries that hold
 # an nvidia/nccl wheel, so that the rules after "wheel:" get their turn.
@@ -143,6 +150,7 @@ def test_dynamic_loader_rule(tmp_path: Path) -> None:
 
 
 @needs_wheel
+@no_system_nccl
 @pytest.mark.parametrize(("var", "sub"), [("NCCL_HOME", "lib"), ("CUDA_HOME", "lib64")])
 def test_home_rules(tmp_path: Path, var: str, sub: str) -> None:
     (tmp_path / sub).mkdir()
@@ -184,6 +192,7 @@ def test_wrong_library_is_refused() -> None:
     assert "ncclGetVersion" in reason
 
 
+@no_system_nccl
 def test_search_failure_lists_every_rule(tmp_path: Path) -> None:
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libnccl.so.2").write_bytes(b"\x7fELF garbage")
