@@ -97,7 +97,7 @@ def _cuda_section(rt: Any) -> dict[str, Any]:
         "no_gpu_reason": None,
     }
     if rt is None:
-        out["no_gpu_reason"] = "no libcudart, so no CUDA devices can be used"
+        out["no_gpu_reason"] = "no GPU: no libcudart was loaded, so CUDA cannot be used"
         return out
     v = c_int(0)
     try:
