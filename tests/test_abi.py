@@ -501,11 +501,15 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if CUDA_INCLUDE is not None:
         includes.append(f"-I{CUDA_INCLUDE}")
     else:
-        # nccl.h includes these; only cudaStream_t is used from them (bf16/fp8 parts
-        # are behind CUDART_VERSION, which stays undefined).
+        # nccl.h includes these; it uses only size_t, cudaStream_t and cudaEvent_t from
+        # them (its bf16/fp8 parts are behind CUDART_VERSION, which stays undefined).
         stub = d / "stub"
         stub.mkdir()
-        (stub / "cuda_runtime.h").write_text("typedef struct CUstream_st *cudaStream_t;\n")
+        (stub / "cuda_runtime.h").write_text(
+            "#include <stddef.h>\n"
+            "typedef struct CUstream_st *cudaStream_t;\n"
+            "typedef struct CUevent_st *cudaEvent_t;\n"
+        )
         (stub / "cuda_fp16.h").write_text("")
         includes.append(f"-I{stub}")
     src = d / "probe.c"
