@@ -1,0 +1,70 @@
+"""Getting ranks together: launcher detection and sharing the unique id.
+
+NCCL leaves one job to its caller: handing the 128-byte ``ncclUniqueId`` that
+rank 0 creates to every other rank. This package does it with the standard
+library only:
+
+* :func:`detect_launch_env` reads rank, world size, local rank and the master
+  address from torchrun, ``python -m pynccl launch``, Open MPI, MPICH/Intel MPI
+  or Slurm; :func:`select_device` turns the local rank into a CUDA device.
+* Backends implementing :class:`Rendezvous` share the id: :class:`TcpRendezvous`
+  (rank 0 serves it, mutually authenticated by ``PYNCCL_RENDEZVOUS_KEY``),
+  :class:`StoreRendezvous`, :class:`MpiRendezvous`, :class:`FileRendezvous`.
+* :func:`from_env` does all of it and returns a :class:`~pynccl.Communicator`.
+
+Importing this package loads no library.
+"""
+
+from __future__ import annotations
+
+from ._from_env import from_env, make_rendezvous
+from ._seal import KEY_ENV, InsecureRendezvousWarning
+from .backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
+from .env import (
+    LAUNCHERS,
+    LaunchEnv,
+    detect_launch_env,
+    expand_nodelist,
+    first_host,
+    select_device,
+    slurm_default_port,
+    visible_devices,
+)
+from .errors import (
+    LaunchEnvError,
+    RendezvousAddressError,
+    RendezvousAuthError,
+    RendezvousError,
+    RendezvousMismatchError,
+    RendezvousProtocolError,
+    RendezvousTimeoutError,
+)
+from .tcp import TcpRendezvous, TcpRendezvousServer
+
+__all__ = [
+    "KEY_ENV",
+    "LAUNCHERS",
+    "FileRendezvous",
+    "InsecureRendezvousWarning",
+    "LaunchEnv",
+    "LaunchEnvError",
+    "MpiRendezvous",
+    "Rendezvous",
+    "RendezvousAddressError",
+    "RendezvousAuthError",
+    "RendezvousError",
+    "RendezvousMismatchError",
+    "RendezvousProtocolError",
+    "RendezvousTimeoutError",
+    "StoreRendezvous",
+    "TcpRendezvous",
+    "TcpRendezvousServer",
+    "detect_launch_env",
+    "expand_nodelist",
+    "first_host",
+    "from_env",
+    "make_rendezvous",
+    "select_device",
+    "slurm_default_port",
+    "visible_devices",
+]

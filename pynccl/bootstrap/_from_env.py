@@ -1,0 +1,126 @@
+"""``from_env``: a communicator from whatever launcher started this process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ._seal import KEY_ENV
+from .backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
+from .env import LaunchEnv, detect_launch_env, select_device
+from .errors import RendezvousProtocolError
+from .tcp import TcpRendezvous
+
+if TYPE_CHECKING:
+    from pynccl.comm import Communicator, Config
+
+__all__ = ["from_env", "make_rendezvous"]
+
+_ID_BYTES = 128  # sizeof(ncclUniqueId)
+_MAX_IDS = 8192
+
+
+def _file_key(env: LaunchEnv, environ: Mapping[str, str]) -> str | None:
+    """The job key mixed with the launcher's job id, so that a key reused across runs of a
+    Slurm/MPI job still tells this run's file from a leftover one."""
+    key = environ.get(KEY_ENV) or None
+    if env.job_id is None:
+        return key
+    return f"{key or ''}\x00job:{env.launcher}:{env.job_id}"
+
+
+def make_rendezvous(
+    env: LaunchEnv,
+    *,
+    store: Any = None,
+    mpi_comm: Any = None,
+    file: str | os.PathLike[str] | None = None,
+    rendezvous: Rendezvous | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Rendezvous:
+    """The backend :func:`from_env` would use: the one given, else TCP at
+    ``MASTER_ADDR:MASTER_PORT`` keyed by ``PYNCCL_RENDEZVOUS_KEY``."""
+    given = [
+        name
+        for name, value in (
+            ("store", store),
+            ("mpi_comm", mpi_comm),
+            ("file", file),
+            ("rendezvous", rendezvous),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ValueError(f"pass at most one of store=, mpi_comm=, file=, rendezvous= (got {given})")
+    if environ is None:
+        environ = os.environ
+    if rendezvous is not None:
+        if not callable(getattr(rendezvous, "share", None)):
+            raise TypeError(
+                f"rendezvous must have a share() method, got {type(rendezvous).__name__}"
+            )
+        return rendezvous
+    if store is not None:
+        return StoreRendezvous(store)
+    if mpi_comm is not None:
+        return MpiRendezvous(mpi_comm)
+    if file is not None:
+        return FileRendezvous(file, key=_file_key(env, environ))
+    return TcpRendezvous.from_env(env, environ)
+
+
+def from_env(
+    *,
+    timeout: float = 300.0,
+    store: Any = None,
+    mpi_comm: Any = None,
+    file: str | os.PathLike[str] | None = None,
+    config: Config | None = None,
+    nids: int = 1,
+    device: int | None = None,
+    rendezvous: Rendezvous | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Communicator:
+    """Create this process's :class:`~pynccl.Communicator` from its launcher's environment.
+
+    Detects the launcher (:func:`detect_launch_env`: torchrun, ``python -m pynccl
+    launch``, Open MPI, MPICH/Intel MPI, Slurm), picks the device from the local
+    rank (:func:`select_device`, unless ``device`` is given), lets rank 0 create
+    ``nids`` unique ids and shares them with ``store=`` (a key-value store such
+    as ``torch.distributed.Store``), ``mpi_comm=`` (mpi4py), ``file=`` (a path on a
+    shared file system), ``rendezvous=`` (any :class:`Rendezvous`), or by default
+    over TCP at ``MASTER_ADDR:MASTER_PORT`` with ``PYNCCL_RENDEZVOUS_KEY``. Then
+    calls ``Communicator(world_size, ids, rank, device=device, config=config)``;
+    ``nids > 1`` uses ``ncclCommInitRankScalable`` (requires NCCL >= 2.23).
+
+    Every rank must call it with the same ``nids`` and backend. ``timeout``
+    bounds the id exchange, not NCCL's own initialisation. ``environ`` replaces
+    :data:`os.environ` (for tests and embedding).
+    """
+    if isinstance(nids, bool) or not isinstance(nids, int) or not 1 <= nids <= _MAX_IDS:
+        raise ValueError(f"nids={nids!r} is not an integer in 1..{_MAX_IDS}")
+    if environ is None:
+        environ = os.environ
+    env = detect_launch_env(environ)
+    if device is None:
+        device = select_device(env, environ)
+    elif isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise ValueError(f"device={device!r} is not a non-negative integer")
+    backend = make_rendezvous(
+        env, store=store, mpi_comm=mpi_comm, file=file, rendezvous=rendezvous, environ=environ
+    )
+
+    from pynccl.comm import Communicator, UniqueId  # the object layer sits above this one
+
+    payload = b"".join(bytes(UniqueId()) for _ in range(nids)) if env.rank == 0 else None
+    data = backend.share(payload, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    if len(data) != nids * _ID_BYTES:
+        raise RendezvousProtocolError(
+            f"rank {env.rank}: rank 0 shared {len(data)} bytes ({len(data) / _ID_BYTES:g} ids) "
+            f"but this rank expects nids={nids}: call from_env with the same nids on every rank"
+        )
+    ids = [UniqueId.from_bytes(data[i : i + _ID_BYTES]) for i in range(0, len(data), _ID_BYTES)]
+    return Communicator(
+        env.world_size, ids[0] if nids == 1 else ids, env.rank, device=device, config=config
+    )

@@ -1,0 +1,837 @@
+"""Id sharing: TCP (incl. hostile and broken peers), store, MPI and file backends, from_env."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import threading
+import time
+import types
+import warnings
+
+import pytest
+
+from pynccl.bootstrap import (
+    FileRendezvous,
+    InsecureRendezvousWarning,
+    LaunchEnvError,
+    MpiRendezvous,
+    Rendezvous,
+    RendezvousAddressError,
+    RendezvousAuthError,
+    RendezvousError,
+    RendezvousMismatchError,
+    RendezvousProtocolError,
+    RendezvousTimeoutError,
+    StoreRendezvous,
+    TcpRendezvous,
+    TcpRendezvousServer,
+    from_env,
+)
+from pynccl.bootstrap import tcp as tcpmod
+
+HOST = "127.0.0.1"
+OK_TIMEOUT = 60.0  # generous: success must not depend on the machine's load
+KEY = "0123456789abcdef-job-key"
+
+
+def _payload(nids: int = 1) -> bytes:
+    return os.urandom(128 * nids)
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def no_leaks():
+    """Every thread, socket and descriptor a test opens is gone when it ends."""
+    threads, fds = threading.active_count(), _fds()
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (threading.active_count() > threads or _fds() > fds):
+        time.sleep(0.02)
+    assert threading.active_count() <= threads
+    assert _fds() <= fds
+
+
+def _run_ranks(fn, ranks):
+    """fn(rank) in a thread per rank; returns {rank: result or exception}."""
+    results: dict[int, object] = {}
+
+    def target(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # collected for the assertions
+            results[r] = e
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(OK_TIMEOUT * 2)
+    return results
+
+
+def _server(payload, world_size, key=KEY, **kw):
+    kw.setdefault("timeout", OK_TIMEOUT)
+    return TcpRendezvousServer(
+        payload, host=HOST, port=0, world_size=world_size, key=key, **kw
+    ).start()
+
+
+def _fetch(port, rank, world_size, key=KEY, timeout=OK_TIMEOUT):
+    return TcpRendezvous(HOST, port, key).fetch(rank=rank, world_size=world_size, timeout=timeout)
+
+
+def _raw(port):
+    s = socket.create_connection((HOST, port), timeout=OK_TIMEOUT)
+    return s
+
+
+def _read_reply(sock) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    chunks = []
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error_text(reply: bytes) -> str:
+    magic, version, kind, length = struct.unpack("!4sBBI", reply[:10])
+    assert (magic, version, kind) == (b"PNRV", 1, tcpmod.ERROR)
+    return reply[11 : 10 + length].decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# -- TCP: the good path -------------------------------------------------------------------------
+
+
+def test_tcp_many_ranks_get_the_same_payload(no_leaks):
+    payload = _payload(3)
+    n = 48
+    with _server(payload, n) as server:
+        results = _run_ranks(lambda r: _fetch(server.address[1], r, n), range(1, n))
+        server.wait()
+        assert server.served_ranks == frozenset(range(1, n))
+    assert results == {r: payload for r in range(1, n)}
+
+
+def test_tcp_share_on_every_rank(no_leaks):
+    payload = _payload()
+    n = 6
+    port = _free_port()
+    rdzv = TcpRendezvous(HOST, port, KEY)
+
+    def rank(r):
+        return rdzv.share(payload if r == 0 else None, rank=r, world_size=n, timeout=OK_TIMEOUT)
+
+    results = _run_ranks(rank, range(n))
+    assert results == {r: payload for r in range(n)}
+
+
+def test_tcp_clients_before_server_retry_until_it_appears(no_leaks):
+    payload = _payload()
+    port = _free_port()
+    results: dict[int, object] = {}
+    threads = [
+        threading.Thread(target=lambda r=r: results.__setitem__(r, _fetch(port, r, 4)))
+        for r in (1, 2, 3)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the clients are retrying against a closed port
+    server = TcpRendezvousServer(
+        payload, host=HOST, port=port, world_size=4, key=KEY, timeout=OK_TIMEOUT
+    ).start()
+    for t in threads:
+        t.join(OK_TIMEOUT)
+    server.wait()
+    server.close()
+    assert results == {1: payload, 2: payload, 3: payload}
+
+
+def test_tcp_world_of_one_needs_no_network():
+    payload = _payload()
+    assert TcpRendezvous(HOST, 1, KEY).share(payload, rank=0, world_size=1, timeout=1) == payload
+
+
+def test_tcp_background_serving(no_leaks):
+    payload = _payload()
+    port = _free_port()
+    rdzv = TcpRendezvous(HOST, port, KEY, wait_for_all=False)
+    assert rdzv.share(payload, rank=0, world_size=3, timeout=OK_TIMEOUT) == payload
+    results = _run_ranks(lambda r: _fetch(port, r, 3), (1, 2))
+    assert results == {1: payload, 2: payload}  # the daemon thread then exits by itself
+
+
+def test_tcp_keyless_works_with_a_warning(no_leaks):
+    payload = _payload()
+    port = _free_port()
+    rdzv = TcpRendezvous(HOST, port, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = _run_ranks(
+            lambda r: rdzv.share(
+                payload if r == 0 else None, rank=r, world_size=2, timeout=OK_TIMEOUT
+            ),
+            (0, 1),
+        )
+    assert results == {0: payload, 1: payload}
+    assert any(issubclass(w.category, InsecureRendezvousWarning) for w in caught)
+
+
+# -- TCP: refused clients -----------------------------------------------------------------------
+
+
+def test_tcp_wrong_key_is_rejected_and_others_still_served(no_leaks, caplog):
+    payload = _payload()
+    with _server(payload, 3) as server:
+        port = server.address[1]
+        with pytest.raises(RendezvousAuthError, match="key rejected"):
+            _fetch(port, 1, 3, key="another-jobs-key")
+        assert _run_ranks(lambda r: _fetch(port, r, 3), (1, 2)) == {1: payload, 2: payload}
+        server.wait()
+    assert "key rejected" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("server_key", "client_key", "words"),
+    [(KEY, None, "rank 0 requires a rendezvous key"), (None, KEY, "rank 0 has none")],
+)
+def test_tcp_key_on_one_side_only(no_leaks, server_key, client_key, words):
+    with _server(_payload(), 2, key=server_key) as server:
+        with pytest.raises(RendezvousAuthError, match=words):
+            _fetch(server.address[1], 1, 2, key=client_key)
+
+
+def test_tcp_world_size_mismatch(no_leaks):
+    with _server(_payload(), 4) as server:
+        with pytest.raises(RendezvousMismatchError, match="world size 8 but rank 0 serves"):
+            _fetch(server.address[1], 3, 8)
+
+
+def test_tcp_second_rank_zero(no_leaks):
+    with _server(_payload(), 2) as server:
+        with socket.create_connection(server.address, timeout=OK_TIMEOUT) as s:
+            s.sendall(tcpmod._frame(tcpmod.HELLO, struct.pack("!B32sII", 1, bytes(32), 0, 2)))
+            assert "two processes claim rank 0" in _error_text(_read_reply(s))
+
+
+# -- TCP: hostile and broken clients ------------------------------------------------------------
+
+
+def test_tcp_garbage_truncated_oversized_and_old_versions(no_leaks, caplog):
+    caplog.set_level(logging.DEBUG, logger="pynccl.bootstrap")
+    payload = _payload()
+    with _server(payload, 3) as server:
+        port = server.address[1]
+        with _raw(port) as s:  # an HTTP client on the wrong port
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert "bad magic" in _error_text(_read_reply(s))
+        with _raw(port) as s:  # a length prefix of 4 GiB
+            s.sendall(struct.pack("!4sBBI", b"PNRV", 1, tcpmod.HELLO, 0xFFFFFFFF))
+            assert "oversized" in _error_text(_read_reply(s))
+        with _raw(port) as s:  # a future protocol version
+            s.sendall(struct.pack("!4sBBI", b"PNRV", 9, tcpmod.HELLO, 41) + bytes(41))
+            assert "version 9 is not supported" in _error_text(_read_reply(s))
+        with _raw(port) as s:  # out of order: AUTH before HELLO
+            s.sendall(struct.pack("!4sBBI", b"PNRV", 1, tcpmod.AUTH, 32) + bytes(32))
+            assert "message type 3 where 1 expected" in _error_text(_read_reply(s))
+        s = _raw(port)  # truncated: half a HELLO, then the client vanishes
+        s.sendall(struct.pack("!4sBBI", b"PNRV", 1, tcpmod.HELLO, 41) + bytes(10))
+        s.close()
+        # legitimate ranks are served all along
+        assert _run_ranks(lambda r: _fetch(port, r, 3), (1, 2)) == {1: payload, 2: payload}
+        server.wait()
+    assert "truncated" in caplog.text
+
+
+def test_tcp_silent_and_dripping_clients_time_out_without_stalling_others(no_leaks, caplog):
+    payload = _payload()
+    with _server(payload, 3, connection_timeout=1.0) as server:
+        port = server.address[1]
+        silent = _raw(port)
+        drip = _raw(port)
+        header = struct.pack("!4sBBI", b"PNRV", 1, tcpmod.HELLO, 41)
+        drip.sendall(header[:1])
+        # a legitimate rank is served while both are still connected
+        assert _fetch(port, 1, 3) == payload
+        for b in header[1:4]:  # slowloris: one byte at a time, forever
+            time.sleep(0.1)
+            drip.sendall(bytes([b]))
+        assert "not completed within 1 s" in _error_text(_read_reply(silent))
+        assert "not completed within 1 s" in _error_text(_read_reply(drip))
+        silent.close()
+        drip.close()
+        assert _fetch(port, 2, 3) == payload
+        server.wait()
+    assert caplog.text.count("not completed") == 2
+
+
+def test_tcp_connection_bound_does_not_stall_service(no_leaks):
+    # with room for 2 connections, two idle clients are cut off and the real rank gets in
+    payload = _payload()
+    with _server(payload, 2, connection_timeout=0.5, max_connections=2) as server:
+        idle = [_raw(server.address[1]) for _ in range(2)]
+        assert _fetch(server.address[1], 1, 2) == payload
+        server.wait()
+        for s in idle:
+            s.close()
+
+
+# -- TCP: broken or stray servers, as seen by a client ------------------------------------------
+
+
+class _FakeServer:
+    """Accepts one connection and answers with whatever ``respond(sock)`` sends."""
+
+    def __init__(self, respond):
+        self.sock = socket.create_server((HOST, 0))
+        self.port = self.sock.getsockname()[1]
+        self.thread = threading.Thread(target=self._run, args=(respond,))
+        self.thread.start()
+
+    def _run(self, respond):
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.settimeout(OK_TIMEOUT)
+            respond(conn)
+            try:
+                conn.shutdown(socket.SHUT_WR)  # whatever was not sent is truncated
+                _read_reply(conn)  # until the client hangs up
+            except OSError:
+                pass
+
+    def close(self):
+        self.thread.join(OK_TIMEOUT)
+        self.sock.close()
+
+
+def _recv_frame(conn):
+    head = b""
+    while len(head) < 10:
+        head += conn.recv(10 - len(head))
+    length = struct.unpack("!4sBBI", head)[3]
+    body = b""
+    while len(body) < length:
+        body += conn.recv(length - len(body))
+    return body
+
+
+def _challenge_then(conn, tail: bytes):
+    _recv_frame(conn)  # HELLO
+    conn.sendall(tcpmod._frame(tcpmod.CHALLENGE, bytes(32)))
+    _recv_frame(conn)  # AUTH
+    conn.sendall(tail)
+
+
+@pytest.mark.parametrize(
+    ("respond", "error", "words"),
+    [
+        (
+            lambda c: c.sendall(b"SSH-2.0-OpenSSH_9.2\r\n"),
+            RendezvousProtocolError,
+            "not a pynccl rendezvous server",
+        ),
+        (
+            lambda c: _challenge_then(c, tcpmod._frame(tcpmod.PAYLOAD, bytes(64 + 128))),
+            RendezvousAuthError,
+            "could not prove it knows",
+        ),
+        (
+            lambda c: _challenge_then(
+                c, struct.pack("!4sBBI", b"PNRV", 1, tcpmod.PAYLOAD, 0xFFFFFFF0)
+            ),
+            RendezvousProtocolError,
+            "over the",
+        ),
+        (
+            lambda c: _challenge_then(
+                c, struct.pack("!4sBBI", b"PNRV", 1, tcpmod.PAYLOAD, 192) + bytes(50)
+            ),
+            RendezvousProtocolError,
+            "truncated",
+        ),
+        (
+            lambda c: c.sendall(struct.pack("!4sBBI", b"PNRV", 2, tcpmod.CHALLENGE, 32)),
+            RendezvousProtocolError,
+            "protocol version 2",
+        ),
+    ],
+    ids=["garbage", "stray-server", "oversized", "truncated", "version"],
+)
+def test_tcp_client_facing_a_bad_server(no_leaks, respond, error, words):
+    fake = _FakeServer(respond)
+    try:
+        with pytest.raises(error, match=words):
+            _fetch(fake.port, 1, 2, timeout=20)
+    finally:
+        fake.close()
+
+
+def test_tcp_server_that_never_appears(no_leaks):
+    port = _free_port()
+    with pytest.raises(RendezvousTimeoutError) as info:
+        _fetch(port, 2, 4, timeout=1.0)
+    message = str(info.value)
+    assert f"rank 2: could not fetch the id from rank 0 at {HOST}:{port} within 1 s" in message
+    assert "Connection refused" in message
+
+
+def test_tcp_server_times_out_naming_missing_ranks(no_leaks):
+    payload = _payload()
+    server = _server(payload, 6, timeout=1.5)
+    port = server.address[1]
+    assert _fetch(port, 2, 6) == payload
+    with pytest.raises(RendezvousTimeoutError, match=r"ranks 1, 3-5 of 6 did not fetch"):
+        server.wait()
+    server.close()
+    with pytest.raises(RendezvousTimeoutError):  # the port is closed now
+        _fetch(port, 1, 6, timeout=0.5)
+
+
+def test_tcp_port_conflict(no_leaks):
+    with socket.create_server((HOST, 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(RendezvousAddressError) as info:
+            TcpRendezvousServer(_payload(), host=HOST, port=port, world_size=2, key=KEY)
+    assert f"{HOST}:{port}" in str(info.value)
+    assert "already in use" in str(info.value)
+    assert info.value.errno == 98
+    assert isinstance(info.value, OSError)
+
+
+def test_tcp_master_addr_not_on_this_host(no_leaks):
+    with pytest.raises(RendezvousAddressError, match="is not an address of this machine"):
+        TcpRendezvousServer(_payload(), host="192.0.2.1", port=0, world_size=2, key=KEY)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"host": "", "port": 1}, "host"),
+        ({"host": HOST, "port": 70000}, "port=70000"),
+        ({"host": HOST, "port": 1, "connection_timeout": 0}, "connection_timeout=0"),
+    ],
+)
+def test_tcp_bad_arguments(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        TcpRendezvous(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("payload", "rank", "world_size", "timeout", "error"),
+    [
+        (b"x", 2, 2, 1.0, ValueError),
+        (b"x", 0, 0, 1.0, ValueError),
+        (b"x", 0, 2, 0, ValueError),
+        (b"x", 0, 2, float("nan"), ValueError),
+        (None, 0, 2, 1.0, TypeError),
+        (b"", 0, 2, 1.0, ValueError),
+        (b"x", True, 2, 1.0, ValueError),
+    ],
+)
+def test_share_argument_checks(payload, rank, world_size, timeout, error):
+    for backend in (TcpRendezvous(HOST, 1, KEY), StoreRendezvous(_DictStore())):
+        with pytest.raises(error):
+            backend.share(payload, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def test_ids_and_keys_never_leak(no_leaks, caplog):
+    """Every failure path above, collected: no message, log record or repr shows the id."""
+    caplog.set_level(logging.DEBUG)
+    payload = _payload()
+    texts: list[str] = []
+    with _server(payload, 3, connection_timeout=0.5) as server:
+        port = server.address[1]
+        texts.append(repr(server))
+        for key, ws in (("bad", 3), (None, 3), (KEY, 5)):
+            try:
+                _fetch(port, 1, ws, key=key, timeout=5)
+            except RendezvousError as e:
+                texts += [str(e), repr(e)]
+        with _raw(port) as s:
+            s.sendall(b"\x00" * 64)
+            _read_reply(s)
+        texts.append(repr(TcpRendezvous(HOST, port, KEY)))
+        _run_ranks(lambda r: _fetch(port, r, 3), (1, 2))
+        server.wait()
+    texts.append(caplog.text)
+    blob = "\n".join(texts)
+    assert len(texts) > 8
+    for secret in (payload.hex(), repr(payload), KEY, payload[:16].hex()):
+        assert secret not in blob
+
+
+# -- key-value store ----------------------------------------------------------------------------
+
+
+class _DictStore:
+    """get() raises KeyError for a missing key (polling semantics)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def get(self, key):
+        return self.data[key]
+
+
+class _NoneStore(_DictStore):
+    def get(self, key):
+        return self.data.get(key)
+
+
+class _BlockingStore:
+    """Like torch.distributed.Store: get() blocks until the key exists; values become bytes."""
+
+    def __init__(self):
+        self.data = {}
+        self.cond = threading.Condition()
+
+    def set(self, key, value):
+        with self.cond:
+            self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+            self.cond.notify_all()
+
+    def get(self, key):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout=OK_TIMEOUT):
+                raise RuntimeError("store timeout")
+            return self.data[key]
+
+
+@pytest.mark.parametrize("store_cls", [_DictStore, _NoneStore, _BlockingStore])
+def test_store_many_ranks_and_repeated_rendezvous(store_cls):
+    store = store_cls()
+    rdzv = StoreRendezvous(store, prefix="job7")
+    n = 5
+    first, second = _payload(2), _payload(2)
+
+    def rank(r):
+        if r != 0:
+            time.sleep(0.01 * r)
+        got = [
+            rdzv.share(p if r == 0 else None, rank=r, world_size=n, timeout=OK_TIMEOUT)
+            for p in (first, second)
+        ]
+        return got
+
+    results = _run_ranks(rank, reversed(range(n)))  # the readers start first
+    assert results == {r: [first, second] for r in range(n)}
+    assert sorted(store.data) == ["job7/uid/0", "job7/uid/1"]
+
+
+def test_store_timeout_and_mismatch():
+    store = _DictStore()
+    with pytest.raises(RendezvousTimeoutError, match="'pynccl/uid/0' did not appear"):
+        StoreRendezvous(store).share(None, rank=1, world_size=2, timeout=0.3)
+    StoreRendezvous(store, prefix="p").share(_payload(), rank=0, world_size=4, timeout=1)
+    with pytest.raises(RendezvousMismatchError, match="world size 4"):
+        StoreRendezvous(store, prefix="p").share(None, rank=1, world_size=2, timeout=1)
+    store.data["q/uid/0"] = "something else"
+    with pytest.raises(RendezvousProtocolError, match="did not write"):
+        StoreRendezvous(store, prefix="q").share(None, rank=1, world_size=2, timeout=1)
+
+
+def test_store_needs_set_and_get():
+    with pytest.raises(TypeError, match="no get"):
+        StoreRendezvous(types.SimpleNamespace(set=lambda k, v: None))
+
+
+# -- MPI ----------------------------------------------------------------------------------------
+
+
+class _FakeComm:
+    """bcast over threads, as mpi4py's lowercase bcast behaves (root's object to all)."""
+
+    def __init__(self, shared, rank, size):
+        self.shared, self.rank, self.size = shared, rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+    def bcast(self, obj, root=0):
+        if self.rank == root:
+            self.shared["value"] = obj
+        self.shared["barrier"].wait(OK_TIMEOUT)
+        return self.shared["value"]
+
+
+def test_mpi_fake_communicator():
+    n = 4
+    shared = {"barrier": threading.Barrier(n)}
+    payload = _payload()
+
+    def rank(r):
+        return MpiRendezvous(_FakeComm(shared, r, n)).share(
+            payload if r == 0 else None, rank=r, world_size=n, timeout=OK_TIMEOUT
+        )
+
+    assert _run_ranks(rank, range(n)) == {r: payload for r in range(n)}
+
+
+def test_mpi_mismatch_and_type_checks():
+    with pytest.raises(RendezvousMismatchError, match="size is 4 but the NCCL size is 2"):
+        MpiRendezvous(_FakeComm({}, 0, 4)).share(b"x", rank=0, world_size=2, timeout=1)
+    with pytest.raises(TypeError, match="bcast"):
+        MpiRendezvous(object())
+
+
+def test_mpi_real_mpiexec(tmp_path):
+    pytest.importorskip("mpi4py")
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+    if mpiexec is None:
+        pytest.skip("mpiexec (pip install mpich) is not installed")
+    script = tmp_path / "share.py"
+    script.write_text(
+        "import os\n"
+        "from mpi4py import MPI\n"
+        "from pynccl.bootstrap import MpiRendezvous\n"
+        "c = MPI.COMM_WORLD\n"
+        "p = os.urandom(256) if c.Get_rank() == 0 else None\n"
+        "got = MpiRendezvous(c).share(p, rank=c.Get_rank(), world_size=c.Get_size(), timeout=9)\n"
+        "mine = p.hex() if p else '-'\n"
+        "with open(os.path.join(os.path.dirname(__file__), f'out{c.Get_rank()}'), 'w') as f:\n"
+        "    f.write(f'{c.Get_rank()} {got.hex()} {mine}')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=True,
+    )
+    rows = [(tmp_path / f"out{r}").read_text().split() for r in range(3)]
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    root_payload = rows[0][2]
+    assert len(root_payload) == 512
+    assert all(r[1] == root_payload for r in rows)
+
+
+# -- file ---------------------------------------------------------------------------------------
+
+
+def test_file_many_ranks_mode_and_cleanup(tmp_path):
+    path = tmp_path / "uid"
+    payload = _payload(2)
+    n = 5
+    mode = []
+
+    def rank(r):
+        if r == 1:  # rank 0's file is there, and private, before anyone read it
+            deadline = time.monotonic() + OK_TIMEOUT
+            while not path.exists():
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            mode.append(stat.S_IMODE(path.stat().st_mode))
+        return FileRendezvous(path, KEY).share(
+            payload if r == 0 else None, rank=r, world_size=n, timeout=OK_TIMEOUT
+        )
+
+    results = _run_ranks(rank, reversed(range(n)))
+    assert results == {r: payload for r in range(n)}
+    assert mode == [0o600]
+    assert list(tmp_path.iterdir()) == []  # file, temp file and acks removed
+
+
+def _stale_file(path, key) -> bytes:
+    """The bytes rank 0 of another job leaves at ``path``."""
+    other = FileRendezvous(path, key, poll_interval=0.01)
+
+    def abandoned_rank0():
+        with pytest.raises(RendezvousTimeoutError):
+            other.share(_payload(), rank=0, world_size=2, timeout=1.0)
+
+    t = threading.Thread(target=abandoned_rank0)
+    t.start()
+    deadline = time.monotonic() + OK_TIMEOUT
+    while True:
+        try:
+            data = path.read_bytes()
+            break
+        except FileNotFoundError:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    t.join()
+    return data
+
+
+def test_file_stale_file_from_another_job_is_ignored(tmp_path):
+    path = tmp_path / "uid"
+    stale = _stale_file(path, "previous-run-key")
+    path.write_bytes(stale)
+    with pytest.raises(RendezvousTimeoutError, match="not written by this job"):
+        FileRendezvous(path, KEY).share(None, rank=1, world_size=2, timeout=0.5)
+    payload = _payload()
+
+    def rank(r):
+        if r == 0:
+            time.sleep(0.3)  # rank 1 polls the stale file meanwhile
+        return FileRendezvous(path, KEY).share(
+            payload if r == 0 else None, rank=r, world_size=2, timeout=OK_TIMEOUT
+        )
+
+    assert _run_ranks(rank, (1, 0)) == {0: payload, 1: payload}
+
+
+def test_file_errors(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYNCCL_RENDEZVOUS_KEY", raising=False)
+    with pytest.raises(ValueError, match="needs a key"):
+        FileRendezvous(tmp_path / "uid")
+    with pytest.raises(ValueError, match="does not exist"):
+        FileRendezvous(tmp_path / "no" / "uid", KEY)
+    with pytest.raises(RendezvousTimeoutError, match=r"ranks 1-2 of 3 did not read"):
+        FileRendezvous(tmp_path / "uid", KEY).share(_payload(), rank=0, world_size=3, timeout=0.3)
+    assert list(tmp_path.iterdir()) == []
+    path = tmp_path / "uid2"
+    path.write_bytes(_stale_file(path, KEY))  # same key, other world size
+    with pytest.raises(RendezvousMismatchError, match="world size 2"):
+        FileRendezvous(path, KEY).share(None, rank=1, world_size=3, timeout=5)
+
+
+def test_backends_satisfy_the_protocol():
+    for backend in (
+        TcpRendezvous(HOST, 1),
+        StoreRendezvous(_DictStore()),
+        MpiRendezvous(_FakeComm({}, 0, 1)),
+    ):
+        assert isinstance(backend, Rendezvous)
+
+
+# -- from_env -----------------------------------------------------------------------------------
+
+
+class _FakeUniqueId:
+    made = 0
+
+    def __init__(self, data=None):
+        if data is None:
+            _FakeUniqueId.made += 1
+            data = os.urandom(128)
+        self.data = bytes(data)
+
+    @classmethod
+    def from_bytes(cls, data):
+        return cls(data)
+
+    def __bytes__(self):
+        return self.data
+
+
+class _FakeCommunicator:
+    def __init__(self, nranks, unique_id, rank, *, device=None, config=None, stream=None):
+        self.args = (nranks, unique_id, rank, device, config)
+
+
+@pytest.fixture
+def fake_comm(monkeypatch):
+    module = types.ModuleType("pynccl.comm")
+    module.UniqueId = _FakeUniqueId
+    module.Communicator = _FakeCommunicator
+    monkeypatch.setitem(sys.modules, "pynccl.comm", module)
+    return module
+
+
+def _torchrun_env(rank, n, port, **extra):
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(n),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(n),
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": str(port),
+        "PYNCCL_RENDEZVOUS_KEY": KEY,
+    }
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("nids", [1, 3])
+def test_from_env_tcp(no_leaks, fake_comm, nids):
+    n = 4
+    port = _free_port()
+    results = _run_ranks(
+        lambda r: from_env(environ=_torchrun_env(r, n, port), nids=nids, timeout=OK_TIMEOUT),
+        range(n),
+    )
+    args = [results[r].args for r in range(n)]
+    for r, (nranks, _uid, rank, device, config) in enumerate(args):
+        assert (nranks, rank, device, config) == (n, r, r, None)
+    ids = [[bytes(u) for u in (a[1] if nids > 1 else [a[1]])] for a in args]
+    assert all(x == ids[0] for x in ids)
+    assert len(ids[0]) == nids and len(set(ids[0])) == nids
+
+
+def test_from_env_store_file_and_device(fake_comm, tmp_path):
+    store = _DictStore()
+    environ = dict(_torchrun_env(0, 2, 1), CUDA_VISIBLE_DEVICES="5,6")
+    results = _run_ranks(
+        lambda r: from_env(
+            environ={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
+            store=store,
+            timeout=OK_TIMEOUT,
+        ),
+        range(2),
+    )
+    assert [results[r].args[3] for r in range(2)] == [0, 1]
+    assert bytes(results[0].args[1]) == bytes(results[1].args[1])
+    slurm = {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "localhost",
+    }
+    results = _run_ranks(
+        lambda r: from_env(
+            environ={**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            file=tmp_path / "uid",
+            device=7,
+            timeout=OK_TIMEOUT,
+        ),
+        range(2),
+    )
+    assert bytes(results[0].args[1]) == bytes(results[1].args[1])
+    assert results[1].args[3] == 7
+
+
+def test_from_env_errors(fake_comm, tmp_path):
+    mpich = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}
+    with pytest.raises(LaunchEnvError, match="mpich launch detected but MASTER_ADDR/MASTER_PORT"):
+        from_env(environ=mpich)
+    with pytest.raises(ValueError, match="at most one of"):
+        from_env(environ=mpich, store=_DictStore(), file=tmp_path / "x")
+    with pytest.raises(ValueError, match="nids=0"):
+        from_env(environ=mpich, nids=0)
+    with pytest.raises(LaunchEnvError, match="no launcher detected"):
+        from_env(environ={})
+    store = _DictStore()
+    StoreRendezvous(store).share(_payload(2), rank=0, world_size=2, timeout=1)
+    with pytest.raises(RendezvousProtocolError, match="expects nids=1"):
+        from_env(environ=mpich, store=store)
