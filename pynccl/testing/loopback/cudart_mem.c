@@ -1,0 +1,333 @@
+/*
+ * pynccl loopback libcudart: "device" memory (aligned host memory in a registry),
+ * copies, memsets and pointer attributes.
+ *
+ * The registry is a sorted array of allocations under a rwlock: lookups (several
+ * per collective) are a binary search under the read lock.
+ *
+ * cudaFree never frees memory that queued or running stream work may still touch:
+ * the allocation leaves the registry at once (later lookups fail, as on a GPU),
+ * but the memory is released only when every task pushed before the free has
+ * finished. That keeps a free racing a stream (or a blocked collective) from
+ * crashing the process, without making cudaFree wait for other threads' work.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cudart_internal.h"
+
+#define LB_ALIGNMENT 256
+
+typedef struct {
+    uintptr_t base;
+    size_t size;
+    int device;
+} lb_alloc;
+
+static pthread_rwlock_t g_allocs_lock = PTHREAD_RWLOCK_INITIALIZER;
+static lb_alloc *g_allocs;
+static size_t g_nallocs, g_cap;
+
+typedef struct lb_grave {
+    struct lb_grave *next;
+    void *base;
+    uint64_t ticket; /* tasks with a smaller ticket may still use the memory */
+} lb_grave;
+
+static pthread_mutex_t g_graves_mu = PTHREAD_MUTEX_INITIALIZER;
+static lb_grave *g_graves;
+static atomic_long g_ngraves;
+
+/* Index of the first allocation whose base is > p. */
+static size_t alloc_upper(uintptr_t p) {
+    size_t lo = 0, hi = g_nallocs;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (g_allocs[mid].base <= p)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The allocation containing [p, p + nbytes) (nbytes 0: p may be one past the end). */
+static const lb_alloc *alloc_find_locked(uintptr_t p, size_t nbytes) {
+    size_t i = alloc_upper(p);
+    if (i == 0) return NULL;
+    const lb_alloc *a = &g_allocs[i - 1];
+    size_t off = p - a->base;
+    if (off > a->size || nbytes > a->size - off) return NULL;
+    return a;
+}
+
+int pynccl_lb_find_alloc(const void *ptr, size_t nbytes, int *device) {
+    pthread_rwlock_rdlock(&g_allocs_lock);
+    const lb_alloc *a = alloc_find_locked((uintptr_t)ptr, nbytes);
+    int dev = a != NULL ? a->device : -1;
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (a == NULL) return 0;
+    if (device != NULL) *device = dev;
+    return 1;
+}
+
+/* Release graves whose memory no pending task can touch any more. */
+LB_HIDDEN void lb_mem_reap(void) {
+    if (atomic_load(&g_ngraves) == 0) return;
+    uint64_t min = lb_min_pending_ticket();
+    lb_grave *dead = NULL;
+    pthread_mutex_lock(&g_graves_mu);
+    for (lb_grave **link = &g_graves; *link != NULL;) {
+        lb_grave *g = *link;
+        if (g->ticket <= min) {
+            *link = g->next;
+            g->next = dead;
+            dead = g;
+            atomic_fetch_sub(&g_ngraves, 1);
+        } else {
+            link = &g->next;
+        }
+    }
+    pthread_mutex_unlock(&g_graves_mu);
+    while (dead != NULL) {
+        lb_grave *next = dead->next;
+        free(dead->base);
+        free(dead);
+        dead = next;
+    }
+}
+
+static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device) {
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    if (ptr == NULL) return lb_fail(cudaErrorInvalidValue, fn, "devPtr is NULL");
+    if (device < 0 || device >= g_ndev)
+        return lb_fail(cudaErrorInvalidDevice, fn, "device %d is out of range [0, %d)", device,
+                       g_ndev);
+    if (size == 0) { /* as CUDA: success, and a NULL pointer */
+        *ptr = NULL;
+        return cudaSuccess;
+    }
+    lb_mem_reap();
+    void *p = NULL;
+    if (posix_memalign(&p, LB_ALIGNMENT, size) != 0)
+        return lb_fail(cudaErrorMemoryAllocation, fn, "cannot allocate %zu bytes", size);
+    pthread_rwlock_wrlock(&g_allocs_lock);
+    bool ok = true;
+    if (g_nallocs == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 64;
+        lb_alloc *grown = realloc(g_allocs, cap * sizeof *grown);
+        ok = grown != NULL;
+        if (ok) {
+            g_allocs = grown;
+            g_cap = cap;
+        }
+    }
+    if (ok) {
+        size_t i = alloc_upper((uintptr_t)p);
+        memmove(g_allocs + i + 1, g_allocs + i, (g_nallocs - i) * sizeof *g_allocs);
+        g_allocs[i] = (lb_alloc){(uintptr_t)p, size, device};
+        g_nallocs++;
+    }
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (!ok) {
+        free(p);
+        return lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory for the registry");
+    }
+    *ptr = p;
+    return cudaSuccess;
+}
+
+static cudaError_t lb_free(const char *fn, void *ptr) {
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    if (ptr == NULL) return cudaSuccess;
+    uintptr_t p = (uintptr_t)ptr;
+    pthread_rwlock_wrlock(&g_allocs_lock);
+    size_t i = alloc_upper(p);
+    bool exact = i > 0 && g_allocs[i - 1].base == p;
+    bool inside = !exact && i > 0 && p - g_allocs[i - 1].base < g_allocs[i - 1].size;
+    if (exact) {
+        memmove(g_allocs + i - 1, g_allocs + i, (g_nallocs - i) * sizeof *g_allocs);
+        g_nallocs--;
+    }
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (inside)
+        return lb_fail(cudaErrorInvalidDevicePointer, fn,
+                       "%p is inside an allocation but is not its start", ptr);
+    if (!exact)
+        return lb_fail(cudaErrorInvalidValue, fn,
+                       "%p is not a live loopback allocation (double free?)", ptr);
+    uint64_t ticket = atomic_load(&g_ticket);
+    if (lb_min_pending_ticket() >= ticket) {
+        free(ptr);
+    } else {
+        lb_grave *g = malloc(sizeof *g);
+        if (g == NULL) return cudaSuccess; /* leak rather than risk a use after free */
+        g->base = ptr;
+        g->ticket = ticket;
+        pthread_mutex_lock(&g_graves_mu);
+        g->next = g_graves;
+        g_graves = g;
+        atomic_fetch_add(&g_ngraves, 1);
+        pthread_mutex_unlock(&g_graves_mu);
+    }
+    lb_mem_reap();
+    return cudaSuccess;
+}
+
+int pynccl_lb_malloc(void **ptr, size_t size, int device) {
+    return lb_malloc("pynccl_lb_malloc", ptr, size, device);
+}
+
+int pynccl_lb_free(void *ptr) { return lb_free("pynccl_lb_free", ptr); }
+
+cudaError_t cudaMalloc(void **devPtr, size_t size) {
+    return lb_malloc(__func__, devPtr, size, lb_current_device());
+}
+
+cudaError_t cudaFree(void *devPtr) { return lb_free(__func__, devPtr); }
+
+cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attributes, const void *ptr) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (attributes == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "attributes is NULL");
+    memset(attributes, 0, sizeof *attributes);
+    uintptr_t p = (uintptr_t)ptr;
+    pthread_rwlock_rdlock(&g_allocs_lock);
+    const lb_alloc *a = alloc_find_locked(p, 1);
+    int dev = a != NULL ? a->device : cudaInvalidDeviceId;
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (a != NULL) {
+        attributes->type = cudaMemoryTypeDevice;
+        attributes->device = dev;
+        attributes->devicePointer = (void *)ptr;
+    } else {
+        attributes->type = cudaMemoryTypeUnregistered;
+        attributes->device = cudaInvalidDeviceId;
+        attributes->hostPointer = (void *)ptr;
+    }
+    return cudaSuccess;
+}
+
+/* ---- copies and memsets: stream tasks ------------------------------------ */
+
+typedef struct {
+    void *dst;
+    const void *src;
+    size_t count;
+    int value; /* memset only */
+} lb_mem_task;
+
+static void copy_run(void *arg) {
+    lb_mem_task *t = arg;
+    memmove(t->dst, t->src, t->count);
+}
+
+static void set_run(void *arg) {
+    lb_mem_task *t = arg;
+    memset(t->dst, t->value, t->count);
+}
+
+static cudaError_t check_device_range(const char *fn, const char *what, const void *ptr,
+                                      size_t count) {
+    if (!g_strict || pynccl_lb_find_alloc(ptr, count, NULL)) return cudaSuccess;
+    return lb_fail(cudaErrorInvalidValue, fn,
+                   "%s [%p, +%zu) is not inside one loopback cudaMalloc allocation "
+                   "(PYNCCL_LOOPBACK_STRICT=0 allows host pointers)", what, ptr, count);
+}
+
+/* Enqueue a copy (set == false) or memset on stream; sync: wait for it, as the
+ * synchronous calls do on the legacy default stream. */
+static cudaError_t mem_op(const char *fn, bool set, void *dst, const void *src, int value,
+                          size_t count, cudaStream_t stream, bool sync) {
+    struct CUstream_st *s;
+    cudaError_t err = lb_stream_get(stream, fn, &s);
+    if (err) return err;
+    if (count == 0) {
+        lb_stream_put(s);
+        return cudaSuccess;
+    }
+    lb_mem_task *t = malloc(sizeof *t);
+    if (t == NULL) {
+        lb_stream_put(s);
+        return lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory");
+    }
+    *t = (lb_mem_task){dst, src, count, value};
+    uint64_t seq = 0;
+    err = lb_stream_push(s, set ? set_run : copy_run, free, t, &seq);
+    if (err) {
+        free(t);
+        lb_stream_put(s);
+        return lb_fail(err, fn, "cannot enqueue on stream %p", (void *)stream);
+    }
+    if (sync) {
+        lb_stream_wait_seq(s, seq);
+        lb_mem_reap();
+    }
+    lb_stream_put(s);
+    return cudaSuccess;
+}
+
+static cudaError_t memcpy_checked(const char *fn, void *dst, const void *src, size_t count,
+                                  enum cudaMemcpyKind kind, cudaStream_t stream, bool sync) {
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    if ((int)kind < (int)cudaMemcpyHostToHost || (int)kind > (int)cudaMemcpyDefault)
+        return lb_fail(cudaErrorInvalidMemcpyDirection, fn, "kind=%d", (int)kind);
+    if (count > 0 && (dst == NULL || src == NULL))
+        return lb_fail(cudaErrorInvalidValue, fn, "dst=%p src=%p for %zu bytes", dst, src, count);
+    if (count > 0 && (kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice) &&
+        (err = check_device_range(fn, "dst", dst, count)))
+        return err;
+    if (count > 0 && (kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice) &&
+        (err = check_device_range(fn, "src", src, count)))
+        return err;
+    return mem_op(fn, false, dst, src, 0, count, stream, sync);
+}
+
+static cudaError_t memset_checked(const char *fn, void *devPtr, int value, size_t count,
+                                  cudaStream_t stream, bool sync) {
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    if (count > 0 && devPtr == NULL)
+        return lb_fail(cudaErrorInvalidValue, fn, "devPtr is NULL for %zu bytes", count);
+    if (count > 0 && (err = check_device_range(fn, "devPtr", devPtr, count))) return err;
+    return mem_op(fn, true, devPtr, NULL, (unsigned char)value, count, stream, sync);
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+    return memcpy_checked(__func__, dst, src, count, kind, NULL, true);
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind,
+                            cudaStream_t stream) {
+    return memcpy_checked(__func__, dst, src, count, kind, stream, false);
+}
+
+cudaError_t cudaMemset(void *devPtr, int value, size_t count) {
+    return memset_checked(__func__, devPtr, value, count, NULL, true);
+}
+
+cudaError_t cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t stream) {
+    return memset_checked(__func__, devPtr, value, count, stream, false);
+}
+
+/* ---- fork ---------------------------------------------------------------- */
+
+LB_HIDDEN void lb_mem_fork_prepare(void) {
+    pthread_rwlock_wrlock(&g_allocs_lock);
+    pthread_mutex_lock(&g_graves_mu);
+}
+
+LB_HIDDEN void lb_mem_fork_parent(void) {
+    pthread_mutex_unlock(&g_graves_mu);
+    pthread_rwlock_unlock(&g_allocs_lock);
+}
+
+LB_HIDDEN void lb_mem_fork_child(void) {
+    pthread_mutex_init(&g_graves_mu, NULL);
+    pthread_rwlock_init(&g_allocs_lock, NULL);
+}

@@ -1,0 +1,947 @@
+/*
+ * pynccl loopback libcudart: streams and events.
+ *
+ * Every stream (user streams, each device's legacy default stream, each thread's
+ * per-thread default stream) owns a worker thread, started on its first task, that
+ * runs the stream's queue in order. A task may block (the loopback libnccl's
+ * collectives wait for their peers), so streams never share a worker.
+ *
+ * GPU semantics kept: the legacy default stream synchronizes implicitly with the
+ * blocking streams of its device (work on one waits for earlier work on the
+ * other), implemented with internal "wait for stream S to reach seq N" tasks;
+ * events are (generation, completed generation, timestamp) triples advanced by
+ * record tasks.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cudart_internal.h"
+
+/* Bounded waits for a worker to finish: cudaStreamDestroy, thread exit, unload. */
+#define LB_DESTROY_WAIT_MS 10000
+#define LB_THREAD_EXIT_WAIT_MS 2000
+#define LB_UNLOAD_WAIT_MS 500
+
+LB_HIDDEN atomic_uint_fast64_t g_ticket = 1;
+LB_HIDDEN atomic_long g_pending;
+LB_HIDDEN atomic_int g_live_workers;
+
+/* ---- a sorted set of pointers (live handles), binary-searched --------------- */
+
+typedef struct {
+    void **items;
+    size_t n, cap;
+} lb_ptrset;
+
+static size_t ptrset_lower(const lb_ptrset *set, const void *p) {
+    size_t lo = 0, hi = set->n;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if ((uintptr_t)set->items[mid] < (uintptr_t)p)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+static bool ptrset_has(const lb_ptrset *set, const void *p) {
+    size_t i = ptrset_lower(set, p);
+    return i < set->n && set->items[i] == p;
+}
+
+static bool ptrset_add(lb_ptrset *set, void *p) {
+    if (set->n == set->cap) {
+        size_t cap = set->cap ? set->cap * 2 : 16;
+        void **items = realloc(set->items, cap * sizeof *items);
+        if (items == NULL) return false;
+        set->items = items;
+        set->cap = cap;
+    }
+    size_t i = ptrset_lower(set, p);
+    memmove(set->items + i + 1, set->items + i, (set->n - i) * sizeof *set->items);
+    set->items[i] = p;
+    set->n++;
+    return true;
+}
+
+static bool ptrset_del(lb_ptrset *set, const void *p) {
+    size_t i = ptrset_lower(set, p);
+    if (i >= set->n || set->items[i] != p) return false;
+    memmove(set->items + i, set->items + i + 1, (set->n - i - 1) * sizeof *set->items);
+    set->n--;
+    return true;
+}
+
+static pthread_rwlock_t g_streams_lock = PTHREAD_RWLOCK_INITIALIZER;
+static lb_ptrset g_streams; /* every live stream, of every kind */
+static pthread_rwlock_t g_events_lock = PTHREAD_RWLOCK_INITIALIZER;
+static lb_ptrset g_events;
+
+static pthread_mutex_t g_legacy_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct CUstream_st *_Atomic *g_legacy; /* [g_ndev], created lazily */
+
+static pthread_key_t g_pt_key;
+static _Thread_local struct CUstream_st **tls_pt; /* per-thread streams, [g_ndev] */
+
+/* ---- small helpers ------------------------------------------------------- */
+
+static void deadline_after(struct timespec *ts, long ms) {
+    clock_gettime(CLOCK_MONOTONIC, ts);
+    ts->tv_sec += ms / 1000;
+    ts->tv_nsec += (ms % 1000) * 1000000L;
+    if (ts->tv_nsec >= 1000000000L) {
+        ts->tv_sec++;
+        ts->tv_nsec -= 1000000000L;
+    }
+}
+
+static void cond_init_monotonic(pthread_cond_t *cv) {
+    pthread_condattr_t attr;
+    pthread_condattr_init(&attr);
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &attr);
+    pthread_condattr_destroy(&attr);
+}
+
+static bool is_blocking(const struct CUstream_st *s) {
+    return s->kind == LB_STREAM_PER_THREAD ||
+           (s->kind == LB_STREAM_USER && !(s->flags & cudaStreamNonBlocking));
+}
+
+static bool is_default_handle(cudaStream_t h) {
+    return h == NULL || h == cudaStreamLegacy || h == cudaStreamPerThread;
+}
+
+/* ---- stream objects ------------------------------------------------------ */
+
+static void stream_ref(struct CUstream_st *s) { atomic_fetch_add(&s->refs, 1); }
+
+LB_HIDDEN void lb_stream_put(struct CUstream_st *s) {
+    if (atomic_fetch_sub(&s->refs, 1) != 1) return;
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv_work);
+    pthread_cond_destroy(&s->cv_done);
+    free(s);
+}
+
+static struct CUstream_st *stream_new(int device, unsigned flags, enum lb_stream_kind kind) {
+    struct CUstream_st *s = calloc(1, sizeof *s);
+    if (s == NULL) return NULL;
+    pthread_mutex_init(&s->mu, NULL);
+    cond_init_monotonic(&s->cv_work);
+    cond_init_monotonic(&s->cv_done);
+    s->device = device;
+    s->flags = flags;
+    s->kind = kind;
+    atomic_init(&s->refs, 1);
+    pthread_rwlock_wrlock(&g_streams_lock);
+    bool ok = ptrset_add(&g_streams, s);
+    pthread_rwlock_unlock(&g_streams_lock);
+    if (!ok) {
+        lb_stream_put(s);
+        return NULL;
+    }
+    return s;
+}
+
+static struct CUstream_st *legacy_stream(int device) {
+    struct CUstream_st *s = atomic_load(&g_legacy[device]);
+    if (s != NULL) return s;
+    pthread_mutex_lock(&g_legacy_mu);
+    s = atomic_load(&g_legacy[device]);
+    if (s == NULL) {
+        s = stream_new(device, cudaStreamDefault, LB_STREAM_LEGACY);
+        if (s != NULL) atomic_store(&g_legacy[device], s);
+    }
+    pthread_mutex_unlock(&g_legacy_mu);
+    return s;
+}
+
+static struct CUstream_st *per_thread_stream(int device) {
+    if (tls_pt == NULL) {
+        tls_pt = calloc((size_t)g_ndev, sizeof *tls_pt);
+        if (tls_pt == NULL) return NULL;
+        /* The key's destructor retires these streams when the thread exits. */
+        pthread_setspecific(g_pt_key, tls_pt);
+    }
+    if (tls_pt[device] == NULL) tls_pt[device] = stream_new(device, 0, LB_STREAM_PER_THREAD);
+    return tls_pt[device];
+}
+
+/* Resolve a user handle to a referenced stream (put it when done). */
+LB_HIDDEN cudaError_t lb_stream_get(cudaStream_t h, const char *fn, struct CUstream_st **out) {
+    if (is_default_handle(h)) {
+        int dev = lb_current_device();
+        if (dev >= g_ndev)
+            return lb_fail(cudaErrorNoDevice, fn, "no loopback devices (PYNCCL_LOOPBACK_DEVICES)");
+        struct CUstream_st *s = h == cudaStreamPerThread ? per_thread_stream(dev)
+                                                          : legacy_stream(dev);
+        if (s == NULL) return lb_fail(cudaErrorMemoryAllocation, fn, "cannot create a stream");
+        stream_ref(s);
+        *out = s;
+        return cudaSuccess;
+    }
+    pthread_rwlock_rdlock(&g_streams_lock);
+    bool live = ptrset_has(&g_streams, h);
+    if (live) stream_ref(h);
+    pthread_rwlock_unlock(&g_streams_lock);
+    if (!live)
+        return lb_fail(cudaErrorInvalidResourceHandle, fn, "stream %p is not a live stream",
+                       (void *)h);
+    *out = h;
+    return cudaSuccess;
+}
+
+/* ---- the worker ---------------------------------------------------------- */
+
+static void *worker_main(void *arg) {
+    struct CUstream_st *s = arg;
+    char name[16];
+    snprintf(name, sizeof name, "lb-%s-d%d",
+             s->kind == LB_STREAM_LEGACY ? "legacy" : s->kind == LB_STREAM_USER ? "strm" : "pts",
+             s->device);
+    pthread_setname_np(pthread_self(), name);
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (s->head == NULL && !s->stopping) pthread_cond_wait(&s->cv_work, &s->mu);
+        lb_task *t = s->head;
+        if (t == NULL) break; /* stopping and drained */
+        s->head = t->next;
+        if (s->head == NULL) s->tail = NULL;
+        s->running = true;
+        s->running_ticket = t->ticket;
+        pthread_mutex_unlock(&s->mu);
+        t->run(t->arg);
+        if (t->release != NULL) t->release(t->arg);
+        free(t);
+        pthread_mutex_lock(&s->mu);
+        s->running = false;
+        s->done_seq++;
+        atomic_fetch_sub(&g_pending, 1);
+        pthread_cond_broadcast(&s->cv_done);
+    }
+    s->worker_exited = true;
+    pthread_cond_broadcast(&s->cv_done);
+    pthread_mutex_unlock(&s->mu);
+    atomic_fetch_sub(&g_live_workers, 1);
+    lb_stream_put(s); /* the worker's own reference */
+    return NULL;
+}
+
+/* Start s's worker; s->mu held. Signals stay with the application's threads. */
+static bool worker_start(struct CUstream_st *s) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    stream_ref(s);
+    atomic_fetch_add(&g_live_workers, 1);
+    int rc = pthread_create(&s->worker, NULL, worker_main, s);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        atomic_fetch_sub(&g_live_workers, 1);
+        atomic_fetch_sub(&s->refs, 1); /* s->refs >= 2 here: never the last */
+        return false;
+    }
+    s->worker_started = true;
+    return true;
+}
+
+/* Wait on s's worker (s->mu not held): join it if it exits within timeout_ms, else
+ * detach it (it finishes its queue, then exits and drops its reference). */
+static void worker_retire(struct CUstream_st *s, long timeout_ms, const char *why) {
+    pthread_mutex_lock(&s->mu);
+    s->stopping = true;
+    pthread_cond_broadcast(&s->cv_work);
+    if (!s->worker_started || s->worker_claimed) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    s->worker_claimed = true;
+    bool self = pthread_equal(pthread_self(), s->worker);
+    if (!self) {
+        struct timespec deadline;
+        deadline_after(&deadline, timeout_ms);
+        while (!s->worker_exited)
+            if (pthread_cond_timedwait(&s->cv_done, &s->mu, &deadline) == ETIMEDOUT) break;
+    }
+    bool exited = s->worker_exited;
+    uint64_t left = s->enq_seq - s->done_seq;
+    pthread_mutex_unlock(&s->mu);
+    if (exited) {
+        pthread_join(s->worker, NULL);
+    } else {
+        pthread_detach(s->worker);
+        if (why != NULL)
+            fprintf(stderr, "pynccl loopback cudart: %s: a stream of device %d still had %llu "
+                            "task(s) after %ld ms (one is blocked?); its worker thread exits when "
+                            "they finish\n", why, s->device, (unsigned long long)left, timeout_ms);
+    }
+}
+
+/* ---- pushing tasks ------------------------------------------------------- */
+
+typedef struct {
+    struct CUstream_st *target;
+    uint64_t seq;
+} lb_stream_wait;
+
+static void wait_stream_run(void *arg) {
+    lb_stream_wait *w = arg;
+    lb_stream_wait_seq(w->target, w->seq);
+}
+
+static void wait_stream_release(void *arg) {
+    lb_stream_wait *w = arg;
+    lb_stream_put(w->target);
+    free(w);
+}
+
+LB_HIDDEN void lb_stream_wait_seq(struct CUstream_st *s, uint64_t seq) {
+    pthread_mutex_lock(&s->mu);
+    while (s->done_seq < seq) pthread_cond_wait(&s->cv_done, &s->mu);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void push_locked(struct CUstream_st *s, lb_task *t) {
+    /* g_pending first: a deferred free that sees a ticket also sees the count. */
+    atomic_fetch_add(&g_pending, 1);
+    t->ticket = atomic_fetch_add(&g_ticket, 1);
+    t->next = NULL;
+    if (s->tail != NULL)
+        s->tail->next = t;
+    else
+        s->head = t;
+    s->tail = t;
+    s->enq_seq++;
+}
+
+static lb_task *wait_task_new(struct CUstream_st *target, uint64_t seq) {
+    lb_task *t = malloc(sizeof *t);
+    lb_stream_wait *w = malloc(sizeof *w);
+    if (t == NULL || w == NULL) {
+        free(t);
+        free(w);
+        return NULL;
+    }
+    w->target = target;
+    w->seq = seq;
+    t->run = wait_stream_run;
+    t->release = wait_stream_release;
+    t->arg = w;
+    return t;
+}
+
+typedef struct {
+    struct CUstream_st *stream; /* referenced */
+    uint64_t seq;
+} lb_snap;
+
+/* Pending work s must wait for before its next task (legacy-stream semantics).
+ * Returns the number of snapshots in *out (malloc'd), or -1 on allocation failure. */
+static long implicit_waits(struct CUstream_st *s, lb_snap **out) {
+    *out = NULL;
+    if (s->kind == LB_STREAM_LEGACY) {
+        pthread_rwlock_rdlock(&g_streams_lock);
+        lb_snap *snaps = malloc((g_streams.n + 1) * sizeof *snaps);
+        long n = 0;
+        for (size_t i = 0; snaps != NULL && i < g_streams.n; i++) {
+            struct CUstream_st *t = g_streams.items[i];
+            if (t == s || t->device != s->device || !is_blocking(t)) continue;
+            pthread_mutex_lock(&t->mu);
+            if (t->done_seq < t->enq_seq) {
+                snaps[n].stream = t;
+                snaps[n].seq = t->enq_seq;
+                stream_ref(t);
+                n++;
+            }
+            pthread_mutex_unlock(&t->mu);
+        }
+        pthread_rwlock_unlock(&g_streams_lock);
+        if (snaps == NULL) return -1;
+        *out = snaps;
+        return n;
+    }
+    if (!is_blocking(s)) return 0;
+    struct CUstream_st *legacy = atomic_load(&g_legacy[s->device]);
+    if (legacy == NULL) return 0;
+    pthread_mutex_lock(&legacy->mu);
+    uint64_t seq = legacy->done_seq < legacy->enq_seq ? legacy->enq_seq : 0;
+    pthread_mutex_unlock(&legacy->mu);
+    if (seq == 0) return 0;
+    lb_snap *snap = malloc(sizeof *snap);
+    if (snap == NULL) return -1;
+    stream_ref(legacy); /* legacy streams live until unload */
+    snap->stream = legacy;
+    snap->seq = seq;
+    *out = snap;
+    return 1;
+}
+
+LB_HIDDEN cudaError_t lb_stream_push(struct CUstream_st *s, lb_task_fn run, lb_task_fn release,
+                                     void *arg, uint64_t *seq) {
+    lb_task *task = malloc(sizeof *task);
+    if (task == NULL) return cudaErrorMemoryAllocation;
+    task->run = run;
+    task->release = release;
+    task->arg = arg;
+
+    lb_snap *snaps;
+    long nsnaps = implicit_waits(s, &snaps);
+    if (nsnaps < 0) {
+        free(task);
+        return cudaErrorMemoryAllocation;
+    }
+    lb_task **waits = nsnaps ? calloc((size_t)nsnaps, sizeof *waits) : NULL;
+    bool ok = nsnaps == 0 || waits != NULL;
+    for (long i = 0; ok && i < nsnaps; i++) {
+        waits[i] = wait_task_new(snaps[i].stream, snaps[i].seq);
+        ok = waits[i] != NULL;
+    }
+
+    cudaError_t err = cudaSuccess;
+    pthread_mutex_lock(&s->mu);
+    if (!ok)
+        err = cudaErrorMemoryAllocation;
+    else if (s->stopping)
+        err = atomic_load(&g_shutdown) ? cudaErrorCudartUnloading : cudaErrorInvalidResourceHandle;
+    else if (!s->worker_started && !worker_start(s))
+        err = cudaErrorMemoryAllocation;
+    if (err == cudaSuccess) {
+        for (long i = 0; i < nsnaps; i++) {
+            /* Skip a wait an earlier task of this queue already covers. */
+            uint64_t *covered = s->kind == LB_STREAM_LEGACY ? &snaps[i].stream->synced_by_legacy
+                                                            : &s->synced_legacy;
+            if (snaps[i].seq > *covered) {
+                *covered = snaps[i].seq;
+                push_locked(s, waits[i]);
+                waits[i] = NULL; /* now owned by the queue, with its stream reference */
+                snaps[i].stream = NULL;
+            }
+        }
+        push_locked(s, task);
+        task = NULL;
+        if (seq != NULL) *seq = s->enq_seq;
+        pthread_cond_signal(&s->cv_work);
+    }
+    pthread_mutex_unlock(&s->mu);
+
+    for (long i = 0; i < nsnaps; i++) {
+        if (waits != NULL && waits[i] != NULL) {
+            free(waits[i]->arg);
+            free(waits[i]);
+        }
+        if (snaps[i].stream != NULL) lb_stream_put(snaps[i].stream);
+    }
+    free(waits);
+    free(snaps);
+    free(task);
+    return err;
+}
+
+/* ---- synchronization targets --------------------------------------------- */
+
+enum lb_sync_scope { LB_SYNC_SELF, LB_SYNC_DEVICE };
+
+/* Snapshot (stream, enq_seq) of every stream whose current work a synchronize of s
+ * must cover: s itself, plus (legacy stream) the device's blocking streams, or
+ * (device scope) every stream of s's device. */
+static long sync_targets(struct CUstream_st *s, int device, enum lb_sync_scope scope,
+                         lb_snap **out) {
+    pthread_rwlock_rdlock(&g_streams_lock);
+    lb_snap *snaps = malloc((g_streams.n + 1) * sizeof *snaps);
+    long n = 0;
+    for (size_t i = 0; snaps != NULL && i < g_streams.n; i++) {
+        struct CUstream_st *t = g_streams.items[i];
+        bool take;
+        if (scope == LB_SYNC_DEVICE)
+            take = t->device == device;
+        else
+            take = t == s || (s->kind == LB_STREAM_LEGACY && t->device == s->device &&
+                              is_blocking(t));
+        if (!take) continue;
+        pthread_mutex_lock(&t->mu);
+        if (t->done_seq < t->enq_seq) {
+            snaps[n].stream = t;
+            snaps[n].seq = t->enq_seq;
+            stream_ref(t);
+            n++;
+        }
+        pthread_mutex_unlock(&t->mu);
+    }
+    pthread_rwlock_unlock(&g_streams_lock);
+    *out = snaps;
+    return snaps == NULL ? -1 : n;
+}
+
+static void wait_snaps(lb_snap *snaps, long n) {
+    for (long i = 0; i < n; i++) {
+        lb_stream_wait_seq(snaps[i].stream, snaps[i].seq);
+        lb_stream_put(snaps[i].stream);
+    }
+    free(snaps);
+}
+
+LB_HIDDEN uint64_t lb_min_pending_ticket(void) {
+    if (atomic_load(&g_pending) == 0) return UINT64_MAX;
+    uint64_t min = UINT64_MAX;
+    pthread_rwlock_rdlock(&g_streams_lock);
+    for (size_t i = 0; i < g_streams.n; i++) {
+        struct CUstream_st *t = g_streams.items[i];
+        pthread_mutex_lock(&t->mu);
+        uint64_t oldest = t->running ? t->running_ticket
+                          : t->head != NULL ? t->head->ticket
+                                            : UINT64_MAX;
+        pthread_mutex_unlock(&t->mu);
+        if (oldest < min) min = oldest;
+    }
+    pthread_rwlock_unlock(&g_streams_lock);
+    return min;
+}
+
+/* ---- the stream API ------------------------------------------------------ */
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *pStream, unsigned int flags) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (pStream == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "pStream is NULL");
+    if (flags & ~(unsigned)cudaStreamNonBlocking)
+        return lb_fail(cudaErrorInvalidValue, __func__,
+                       "flags=%#x (expected cudaStreamDefault or cudaStreamNonBlocking)", flags);
+    if (g_ndev == 0) return lb_fail(cudaErrorNoDevice, __func__, "no loopback devices");
+    struct CUstream_st *s = stream_new(lb_current_device(), flags, LB_STREAM_USER);
+    if (s == NULL) return lb_fail(cudaErrorMemoryAllocation, __func__, "cannot create a stream");
+    *pStream = s;
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *pStream) {
+    return cudaStreamCreateWithFlags(pStream, cudaStreamDefault);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (is_default_handle(stream))
+        return lb_fail(cudaErrorInvalidResourceHandle, __func__,
+                       "a default stream (%p) cannot be destroyed", (void *)stream);
+    pthread_rwlock_wrlock(&g_streams_lock);
+    bool live = ptrset_del(&g_streams, stream);
+    pthread_rwlock_unlock(&g_streams_lock);
+    if (!live)
+        return lb_fail(cudaErrorInvalidResourceHandle, __func__, "stream %p is not a live stream",
+                       (void *)stream);
+    /* Like CUDA, queued work still completes; unlike CUDA, wait for it (bounded). */
+    worker_retire(stream, LB_DESTROY_WAIT_MS, __func__);
+    lb_stream_put(stream);
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    lb_snap *snaps;
+    long n = sync_targets(s, s->device, LB_SYNC_SELF, &snaps);
+    lb_stream_put(s);
+    if (n < 0) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    wait_snaps(snaps, n);
+    lb_mem_reap();
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(cudaStream_t stream) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    lb_snap *snaps;
+    long n = sync_targets(s, s->device, LB_SYNC_SELF, &snaps);
+    lb_stream_put(s);
+    if (n < 0) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    for (long i = 0; i < n; i++) lb_stream_put(snaps[i].stream);
+    free(snaps);
+    return n > 0 ? cudaErrorNotReady : cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (g_ndev == 0) return lb_fail(cudaErrorNoDevice, __func__, "no loopback devices");
+    lb_snap *snaps;
+    long n = sync_targets(NULL, lb_current_device(), LB_SYNC_DEVICE, &snaps);
+    if (n < 0) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    wait_snaps(snaps, n);
+    lb_mem_reap();
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream,
+                                  enum cudaStreamCaptureStatus *pCaptureStatus) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (pCaptureStatus == NULL)
+        return lb_fail(cudaErrorInvalidValue, __func__, "pCaptureStatus is NULL");
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    lb_stream_put(s);
+    *pCaptureStatus = cudaStreamCaptureStatusNone; /* capture is never supported */
+    return cudaSuccess;
+}
+
+/* ---- events -------------------------------------------------------------- */
+
+static void event_put(struct CUevent_st *e) {
+    if (atomic_fetch_sub(&e->refs, 1) != 1) return;
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+static cudaError_t event_get(cudaEvent_t h, const char *fn, struct CUevent_st **out) {
+    pthread_rwlock_rdlock(&g_events_lock);
+    bool live = h != NULL && ptrset_has(&g_events, h);
+    if (live) atomic_fetch_add(&h->refs, 1);
+    pthread_rwlock_unlock(&g_events_lock);
+    if (!live)
+        return lb_fail(cudaErrorInvalidResourceHandle, fn, "event %p is not a live event",
+                       (void *)h);
+    *out = h;
+    return cudaSuccess;
+}
+
+typedef struct {
+    struct CUevent_st *event;
+    uint64_t gen;
+} lb_event_task;
+
+static void record_run(void *arg) {
+    lb_event_task *r = arg;
+    struct CUevent_st *e = r->event;
+    double now = lb_now_ms();
+    pthread_mutex_lock(&e->mu);
+    if (r->gen > e->done_gen) {
+        e->done_gen = r->gen;
+        e->time_ms = now;
+    }
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void event_wait_run(void *arg) {
+    lb_event_task *w = arg;
+    struct CUevent_st *e = w->event;
+    pthread_mutex_lock(&e->mu);
+    while (e->done_gen < w->gen) pthread_cond_wait(&e->cv, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void event_task_release(void *arg) {
+    lb_event_task *r = arg;
+    event_put(r->event);
+    free(r);
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (event == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "event is NULL");
+    const unsigned known = cudaEventBlockingSync | cudaEventDisableTiming | cudaEventInterprocess;
+    if ((flags & ~known) ||
+        ((flags & cudaEventInterprocess) && !(flags & cudaEventDisableTiming)))
+        return lb_fail(cudaErrorInvalidValue, __func__,
+                       "flags=%#x (cudaEventInterprocess needs cudaEventDisableTiming)", flags);
+    if (g_ndev == 0) return lb_fail(cudaErrorNoDevice, __func__, "no loopback devices");
+    struct CUevent_st *e = calloc(1, sizeof *e);
+    if (e == NULL) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    e->flags = flags;
+    e->device = lb_current_device();
+    atomic_init(&e->refs, 1);
+    pthread_rwlock_wrlock(&g_events_lock);
+    bool ok = ptrset_add(&g_events, e);
+    pthread_rwlock_unlock(&g_events_lock);
+    if (!ok) {
+        event_put(e);
+        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    }
+    *event = e;
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *event) {
+    return cudaEventCreateWithFlags(event, cudaEventDefault);
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t event) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    pthread_rwlock_wrlock(&g_events_lock);
+    bool live = event != NULL && ptrset_del(&g_events, event);
+    pthread_rwlock_unlock(&g_events_lock);
+    if (!live)
+        return lb_fail(cudaErrorInvalidResourceHandle, __func__, "event %p is not a live event",
+                       (void *)event);
+    event_put(event); /* queued record/wait tasks hold their own references */
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    struct CUevent_st *e;
+    struct CUstream_st *s;
+    if ((err = event_get(event, __func__, &e))) return err;
+    if ((err = lb_stream_get(stream, __func__, &s))) {
+        event_put(e);
+        return err;
+    }
+    if (e->device != s->device) {
+        int edev = e->device, sdev = s->device;
+        event_put(e);
+        lb_stream_put(s);
+        return lb_fail(cudaErrorInvalidResourceHandle, __func__,
+                       "event of device %d recorded on a stream of device %d", edev, sdev);
+    }
+    lb_event_task *r = malloc(sizeof *r);
+    if (r == NULL) {
+        event_put(e);
+        lb_stream_put(s);
+        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    }
+    pthread_mutex_lock(&e->mu);
+    uint64_t gen = ++e->gen;
+    pthread_mutex_unlock(&e->mu);
+    r->event = e; /* the task owns the reference taken by event_get */
+    r->gen = gen;
+    err = lb_stream_push(s, record_run, event_task_release, r, NULL);
+    lb_stream_put(s);
+    if (err) {
+        pthread_mutex_lock(&e->mu);
+        if (e->gen == gen) e->gen--; /* the record never happened */
+        pthread_mutex_unlock(&e->mu);
+        event_task_release(r);
+        return lb_fail(err, __func__, "cannot enqueue on stream %p", (void *)stream);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (flags & ~(unsigned)cudaEventWaitExternal)
+        return lb_fail(cudaErrorInvalidValue, __func__, "flags=%#x", flags);
+    struct CUevent_st *e;
+    struct CUstream_st *s;
+    if ((err = event_get(event, __func__, &e))) return err;
+    if ((err = lb_stream_get(stream, __func__, &s))) {
+        event_put(e);
+        return err;
+    }
+    pthread_mutex_lock(&e->mu);
+    uint64_t gen = e->gen;
+    bool done = e->done_gen >= gen; /* also true for a never-recorded event */
+    pthread_mutex_unlock(&e->mu);
+    lb_event_task *w = done ? NULL : malloc(sizeof *w);
+    if (done) {
+        event_put(e);
+    } else if (w == NULL) {
+        event_put(e);
+        err = cudaErrorMemoryAllocation;
+    } else {
+        w->event = e;
+        w->gen = gen;
+        err = lb_stream_push(s, event_wait_run, event_task_release, w, NULL);
+        if (err) event_task_release(w);
+    }
+    lb_stream_put(s);
+    return err ? lb_fail(err, __func__, "cannot enqueue on stream %p", (void *)stream)
+               : cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t event) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    struct CUevent_st *e;
+    if ((err = event_get(event, __func__, &e))) return err;
+    pthread_mutex_lock(&e->mu);
+    bool done = e->done_gen >= e->gen;
+    pthread_mutex_unlock(&e->mu);
+    event_put(e);
+    return done ? cudaSuccess : cudaErrorNotReady;
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    struct CUevent_st *e;
+    if ((err = event_get(event, __func__, &e))) return err;
+    pthread_mutex_lock(&e->mu);
+    uint64_t gen = e->gen;
+    while (e->done_gen < gen) pthread_cond_wait(&e->cv, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    event_put(e);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (ms == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "ms is NULL");
+    struct CUevent_st *ev[2];
+    if ((err = event_get(start, __func__, &ev[0]))) return err;
+    if ((err = event_get(end, __func__, &ev[1]))) {
+        event_put(ev[0]);
+        return err;
+    }
+    double t[2] = {0, 0};
+    bool recorded = true, done = true, timing = true;
+    for (int i = 0; i < 2; i++) {
+        pthread_mutex_lock(&ev[i]->mu);
+        recorded = recorded && ev[i]->gen > 0;
+        done = done && ev[i]->done_gen >= ev[i]->gen;
+        timing = timing && !(ev[i]->flags & cudaEventDisableTiming);
+        t[i] = ev[i]->time_ms;
+        pthread_mutex_unlock(&ev[i]->mu);
+        event_put(ev[i]);
+    }
+    if (!timing)
+        return lb_fail(cudaErrorInvalidResourceHandle, __func__,
+                       "an event was created with cudaEventDisableTiming");
+    if (!recorded)
+        return lb_fail(cudaErrorInvalidResourceHandle, __func__, "an event was never recorded");
+    if (!done) return cudaErrorNotReady;
+    *ms = (float)(t[1] - t[0]);
+    return cudaSuccess;
+}
+
+/* ---- hooks for the loopback libnccl -------------------------------------- */
+
+int pynccl_lb_stream_enqueue(void *stream, lb_task_fn run, lb_task_fn release, void *arg) {
+    const char *fn = "pynccl_lb_stream_enqueue";
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    if (run == NULL) return lb_fail(cudaErrorInvalidValue, fn, "run is NULL");
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, fn, &s))) return err;
+    err = lb_stream_push(s, run, release, arg, NULL);
+    lb_stream_put(s);
+    return err ? lb_fail(err, fn, "cannot enqueue on stream %p", stream) : cudaSuccess;
+}
+
+int pynccl_lb_stream_device(void *stream) {
+    if (atomic_load(&g_fork_poisoned)) return -1;
+    if (is_default_handle(stream)) return lb_current_device() < g_ndev ? lb_current_device() : -1;
+    pthread_rwlock_rdlock(&g_streams_lock);
+    int dev = ptrset_has(&g_streams, stream) ? ((struct CUstream_st *)stream)->device : -1;
+    pthread_rwlock_unlock(&g_streams_lock);
+    return dev;
+}
+
+/* ---- lifetime ------------------------------------------------------------ */
+
+/* A thread's per-thread default streams die with the thread. */
+static void per_thread_streams_exit(void *value) {
+    struct CUstream_st **pts = value;
+    for (int d = 0; d < g_ndev; d++) {
+        struct CUstream_st *s = pts[d];
+        if (s == NULL) continue;
+        pthread_rwlock_wrlock(&g_streams_lock);
+        ptrset_del(&g_streams, s);
+        pthread_rwlock_unlock(&g_streams_lock);
+        worker_retire(s, LB_THREAD_EXIT_WAIT_MS, "thread exit");
+        lb_stream_put(s);
+    }
+    free(pts);
+    tls_pt = NULL;
+}
+
+LB_HIDDEN void lb_streams_init(void) {
+    g_legacy = calloc((size_t)g_ndev + 1, sizeof *g_legacy);
+    pthread_key_create(&g_pt_key, per_thread_streams_exit);
+}
+
+/* At unload (process exit): work not yet started is dropped, as a GPU context's
+ * would be; running tasks get a short, bounded time to finish, so that a task
+ * blocked forever (a collective waiting for a dead peer) cannot hang the exit. */
+LB_HIDDEN void lb_streams_fini(void) {
+    pthread_rwlock_rdlock(&g_streams_lock);
+    size_t n = g_streams.n;
+    struct CUstream_st **all = malloc((n + 1) * sizeof *all);
+    if (all != NULL)
+        for (size_t i = 0; i < n; i++) {
+            all[i] = g_streams.items[i];
+            stream_ref(all[i]);
+        }
+    pthread_rwlock_unlock(&g_streams_lock);
+    if (all == NULL) return;
+    for (size_t i = 0; i < n; i++) {
+        struct CUstream_st *s = all[i];
+        pthread_mutex_lock(&s->mu);
+        lb_task *dropped = s->head;
+        uint64_t count = 0;
+        for (lb_task *t = dropped; t != NULL; t = t->next) count++;
+        s->head = s->tail = NULL;
+        s->done_seq += count;
+        atomic_fetch_sub(&g_pending, (long)count);
+        s->stopping = true;
+        pthread_cond_broadcast(&s->cv_work);
+        pthread_cond_broadcast(&s->cv_done);
+        pthread_mutex_unlock(&s->mu);
+        while (dropped != NULL) {
+            lb_task *next = dropped->next;
+            if (dropped->release != NULL) dropped->release(dropped->arg);
+            free(dropped);
+            dropped = next;
+        }
+    }
+    struct timespec deadline;
+    deadline_after(&deadline, LB_UNLOAD_WAIT_MS);
+    for (size_t i = 0; i < n; i++) {
+        struct CUstream_st *s = all[i];
+        pthread_mutex_lock(&s->mu);
+        bool mine = s->worker_started && !s->worker_claimed;
+        if (mine) {
+            s->worker_claimed = true;
+            while (!s->worker_exited)
+                if (pthread_cond_timedwait(&s->cv_done, &s->mu, &deadline) == ETIMEDOUT) break;
+        }
+        bool exited = s->worker_exited;
+        pthread_mutex_unlock(&s->mu);
+        if (mine) {
+            if (exited)
+                pthread_join(s->worker, NULL);
+            else
+                pthread_detach(s->worker); /* blocked in a task: the process exit ends it */
+        }
+    }
+    /* The streams themselves are left allocated: a detached worker may still use them. */
+    free(all);
+}
+
+LB_HIDDEN void lb_streams_fork_prepare(void) {
+    pthread_mutex_lock(&g_legacy_mu);
+    pthread_rwlock_wrlock(&g_streams_lock);
+    pthread_rwlock_wrlock(&g_events_lock);
+}
+
+LB_HIDDEN void lb_streams_fork_parent(void) {
+    pthread_rwlock_unlock(&g_events_lock);
+    pthread_rwlock_unlock(&g_streams_lock);
+    pthread_mutex_unlock(&g_legacy_mu);
+}
+
+LB_HIDDEN void lb_streams_fork_child(void) {
+    pthread_rwlock_init(&g_events_lock, NULL);
+    pthread_rwlock_init(&g_streams_lock, NULL);
+    pthread_mutex_init(&g_legacy_mu, NULL);
+    /* Workers are not copied by fork: their streams would never make progress. */
+    if (atomic_load(&g_live_workers) > 0) atomic_store(&g_fork_poisoned, 1);
+}
