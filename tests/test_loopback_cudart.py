@@ -1,0 +1,914 @@
+"""The loopback libcudart, driven through ctypes directly (no pynccl layers above it).
+
+Results are checked against numpy re-computations. Streams are held with a "gate"
+task (a callback blocked on a threading.Event) so that "work is still pending"
+states are reached deterministically, never by a timing race.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_void_p
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pynccl.testing import loopback
+from pynccl.testing.loopback import _build
+
+SUCCESS = 0
+INVALID_VALUE = 1
+INITIALIZATION_ERROR = 3
+INVALID_DEVICE_POINTER = 17
+INVALID_MEMCPY_DIRECTION = 21
+NO_DEVICE = 100
+INVALID_DEVICE = 101
+INVALID_RESOURCE_HANDLE = 400
+NOT_READY = 600
+NOT_SUPPORTED = 801
+
+H2H, H2D, D2H, D2D, DEFAULT = range(5)
+LEGACY = c_void_p(1)
+PER_THREAD = c_void_p(2)
+TASK_FN = ctypes.CFUNCTYPE(None, c_void_p)
+REAL_CUDART = "/usr/local/cuda/lib64/libcudart.so.13"
+REAL_HEADERS = "/usr/local/cuda/include"
+
+
+class PointerAttributes(ctypes.Structure):
+    _fields_ = [
+        ("type", c_int),
+        ("device", c_int),
+        ("devicePointer", c_void_p),
+        ("hostPointer", c_void_p),
+        ("reserved", ctypes.c_long * 8),
+    ]
+
+
+_SIGNATURES: dict[str, tuple[object, list[object]]] = {
+    "cudaGetDeviceCount": (c_int, [POINTER(c_int)]),
+    "cudaGetDevice": (c_int, [POINTER(c_int)]),
+    "cudaSetDevice": (c_int, [c_int]),
+    "cudaDeviceSynchronize": (c_int, []),
+    "cudaDeviceGetPCIBusId": (c_int, [c_char_p, c_int, c_int]),
+    "cudaStreamCreate": (c_int, [POINTER(c_void_p)]),
+    "cudaStreamCreateWithFlags": (c_int, [POINTER(c_void_p), c_uint]),
+    "cudaStreamDestroy": (c_int, [c_void_p]),
+    "cudaStreamSynchronize": (c_int, [c_void_p]),
+    "cudaStreamQuery": (c_int, [c_void_p]),
+    "cudaStreamWaitEvent": (c_int, [c_void_p, c_void_p, c_uint]),
+    "cudaStreamIsCapturing": (c_int, [c_void_p, POINTER(c_int)]),
+    "cudaStreamBeginCapture": (c_int, [c_void_p, c_int]),
+    "cudaStreamEndCapture": (c_int, [c_void_p, POINTER(c_void_p)]),
+    "cudaGraphInstantiate": (c_int, [POINTER(c_void_p), c_void_p, ctypes.c_ulonglong]),
+    "cudaGraphLaunch": (c_int, [c_void_p, c_void_p]),
+    "cudaGraphExecDestroy": (c_int, [c_void_p]),
+    "cudaGraphDestroy": (c_int, [c_void_p]),
+    "cudaEventCreate": (c_int, [POINTER(c_void_p)]),
+    "cudaEventCreateWithFlags": (c_int, [POINTER(c_void_p), c_uint]),
+    "cudaEventRecord": (c_int, [c_void_p, c_void_p]),
+    "cudaEventQuery": (c_int, [c_void_p]),
+    "cudaEventSynchronize": (c_int, [c_void_p]),
+    "cudaEventElapsedTime": (c_int, [POINTER(c_float), c_void_p, c_void_p]),
+    "cudaEventDestroy": (c_int, [c_void_p]),
+    "cudaMalloc": (c_int, [POINTER(c_void_p), c_size_t]),
+    "cudaFree": (c_int, [c_void_p]),
+    "cudaMemcpy": (c_int, [c_void_p, c_void_p, c_size_t, c_int]),
+    "cudaMemcpyAsync": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_void_p]),
+    "cudaMemset": (c_int, [c_void_p, c_int, c_size_t]),
+    "cudaMemsetAsync": (c_int, [c_void_p, c_int, c_size_t, c_void_p]),
+    "cudaPointerGetAttributes": (c_int, [POINTER(PointerAttributes), c_void_p]),
+    "cudaRuntimeGetVersion": (c_int, [POINTER(c_int)]),
+    "cudaDriverGetVersion": (c_int, [POINTER(c_int)]),
+    "cudaGetErrorName": (c_char_p, [c_int]),
+    "cudaGetErrorString": (c_char_p, [c_int]),
+    "cudaGetLastError": (c_int, []),
+    "cudaPeekAtLastError": (c_int, []),
+    "pynccl_lb_last_error_detail": (c_char_p, []),
+    "pynccl_lb_stream_enqueue": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
+    "pynccl_lb_stream_device": (c_int, [c_void_p]),
+    "pynccl_lb_find_alloc": (c_int, [c_void_p, c_size_t, POINTER(c_int)]),
+    "pynccl_lb_current_device": (c_int, []),
+    "pynccl_lb_device_count": (c_int, []),
+    "pynccl_lb_malloc": (c_int, [POINTER(c_void_p), c_size_t, c_int]),
+    "pynccl_lb_free": (c_int, [c_void_p]),
+}
+
+
+def bind(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+@pytest.fixture(scope="module")
+def cudart_path() -> str:
+    try:
+        return loopback.build_cudart()
+    except loopback.LoopbackBuildError as exc:
+        pytest.skip(f"cannot build the loopback cudart: {exc}")
+
+
+@pytest.fixture(scope="module")
+def rt(cudart_path: str) -> ctypes.CDLL:
+    return bind(cudart_path)
+
+
+@pytest.fixture(autouse=True)
+def _clean_thread_state(rt: ctypes.CDLL) -> Iterator[None]:
+    rt.cudaGetLastError()
+    rt.cudaSetDevice(0)
+    yield
+    rt.cudaSetDevice(0)
+    rt.cudaGetLastError()
+
+
+def ok(rt: ctypes.CDLL, rc: int) -> None:
+    assert rc == SUCCESS, f"error {rc}: {rt.pynccl_lb_last_error_detail().decode()}"
+
+
+def ndev(rt: ctypes.CDLL) -> int:
+    n = c_int()
+    ok(rt, rt.cudaGetDeviceCount(byref(n)))
+    return n.value
+
+
+def malloc(rt: ctypes.CDLL, size: int) -> int:
+    p = c_void_p()
+    ok(rt, rt.cudaMalloc(byref(p), size))
+    assert p.value is not None
+    return p.value
+
+
+def stream(rt: ctypes.CDLL, flags: int = 0) -> int:
+    s = c_void_p()
+    ok(rt, rt.cudaStreamCreateWithFlags(byref(s), flags))
+    assert s.value is not None
+    return s.value
+
+
+def event(rt: ctypes.CDLL, flags: int = 0) -> int:
+    e = c_void_p()
+    ok(rt, rt.cudaEventCreateWithFlags(byref(e), flags))
+    assert e.value is not None
+    return e.value
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+_callbacks: list[object] = []  # a gate's callback must outlive the task that calls it
+
+
+class Gate:
+    """A task that blocks its stream until ``open()``: a deterministic "still busy" stream."""
+
+    def __init__(self, rt: ctypes.CDLL, stream: object) -> None:
+        self.opened = threading.Event()
+
+        def run(_arg: int | None) -> None:
+            self.opened.wait(60)  # bounded, so a failing test cannot hang the suite
+
+        callback = TASK_FN(run)
+        _callbacks.append(callback)
+        ok(rt, rt.pynccl_lb_stream_enqueue(stream, ctypes.cast(callback, c_void_p), None, None))
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.open()
+
+
+# ---- devices, versions, errors ---------------------------------------------------
+
+
+def test_versions(rt: ctypes.CDLL) -> None:
+    v = c_int()
+    ok(rt, rt.cudaRuntimeGetVersion(byref(v)))
+    assert v.value == 13000
+    ok(rt, rt.cudaDriverGetVersion(byref(v)))
+    assert v.value == 13000
+    assert rt.cudaRuntimeGetVersion(None) == INVALID_VALUE
+
+
+def test_current_device_is_per_thread(rt: ctypes.CDLL) -> None:
+    n = ndev(rt)
+    if n < 2:
+        pytest.skip("needs 2 loopback devices")
+    ok(rt, rt.cudaSetDevice(1))
+    seen: dict[str, int] = {}
+
+    def worker() -> None:
+        d = c_int(-1)
+        rt.cudaGetDevice(byref(d))
+        seen["initial"] = d.value
+        rt.cudaSetDevice(n - 1)
+        rt.cudaGetDevice(byref(d))
+        seen["after"] = d.value
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    d = c_int()
+    ok(rt, rt.cudaGetDevice(byref(d)))
+    assert (seen["initial"], seen["after"], d.value) == (0, n - 1, 1)
+    assert rt.pynccl_lb_current_device() == 1
+    assert rt.pynccl_lb_device_count() == n
+
+
+def test_set_device_out_of_range_and_last_error(rt: ctypes.CDLL) -> None:
+    n = ndev(rt)
+    assert rt.cudaSetDevice(n) == INVALID_DEVICE
+    assert rt.cudaPeekAtLastError() == INVALID_DEVICE  # peek keeps it
+    assert rt.cudaPeekAtLastError() == INVALID_DEVICE
+    assert f"device {n} is out of range" in rt.pynccl_lb_last_error_detail().decode()
+    assert rt.cudaGetLastError() == INVALID_DEVICE  # get clears it
+    assert rt.cudaGetLastError() == SUCCESS
+    assert rt.cudaSetDevice(-1) == INVALID_DEVICE
+    d = c_int()
+    ok(rt, rt.cudaGetDevice(byref(d)))
+    assert d.value == 0  # unchanged by the failed calls
+    # A pending query is a status, not an error: it does not become the last error.
+    rt.cudaGetLastError()
+    s = stream(rt)
+    with Gate(rt, s):
+        assert rt.cudaStreamQuery(s) == NOT_READY
+        assert rt.cudaPeekAtLastError() == SUCCESS
+    ok(rt, rt.cudaStreamDestroy(s))
+
+
+def test_pci_bus_ids(rt: ctypes.CDLL) -> None:
+    n = ndev(rt)
+    ids = []
+    for d in range(n):
+        buf = ctypes.create_string_buffer(32)
+        ok(rt, rt.cudaDeviceGetPCIBusId(buf, 32, d))
+        ids.append(buf.value.decode())
+    assert all(re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:00\.0", i) for i in ids), ids
+    assert len(set(ids)) == n
+    small = ctypes.create_string_buffer(b"x" * 8)
+    ok(rt, rt.cudaDeviceGetPCIBusId(small, 5, 0))
+    assert small.value == ids[0][:4].encode()  # truncated, NUL-terminated
+    assert rt.cudaDeviceGetPCIBusId(ctypes.create_string_buffer(32), 32, n) == INVALID_DEVICE
+    assert rt.cudaDeviceGetPCIBusId(None, 32, 0) == INVALID_VALUE
+
+
+_CHILD = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+n = ctypes.c_int(-1)
+rc = lib.cudaGetDeviceCount(ctypes.byref(n))
+print(rc, n.value, lib.cudaSetDevice(2))
+"""
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("3", "0 3 0"), ("2", "0 2 101"), ("0", "100 0 101"), ("lots", "0 8 0")],
+)
+def test_device_count_from_environment(cudart_path: str, value: str, expected: str) -> None:
+    env = {**os.environ, "PYNCCL_LOOPBACK_DEVICES": value}
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, cudart_path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.split() == expected.split()
+    if value == "lots":
+        assert "ignoring PYNCCL_LOOPBACK_DEVICES=lots" in out.stderr
+
+
+def _real_cudart() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(REAL_CUDART)
+    except OSError:
+        return None
+    lib.cudaGetErrorName.restype = c_char_p
+    lib.cudaGetErrorString.restype = c_char_p
+    return lib
+
+
+def test_error_names_and_strings(rt: ctypes.CDLL) -> None:
+    # Independent spot checks (values and names from driver_types.h).
+    assert rt.cudaGetErrorName(0) == b"cudaSuccess"
+    assert rt.cudaGetErrorName(1) == b"cudaErrorInvalidValue"
+    assert rt.cudaGetErrorName(101) == b"cudaErrorInvalidDevice"
+    assert rt.cudaGetErrorName(400) == b"cudaErrorInvalidResourceHandle"
+    assert rt.cudaGetErrorName(600) == b"cudaErrorNotReady"
+    assert rt.cudaGetErrorString(1) == b"invalid argument"
+    assert rt.cudaGetErrorName(123456) == b"unrecognized error code"
+    assert b"GPU" in rt.cudaGetErrorString(NOT_SUPPORTED)
+    codes = [c for c in range(1000) if rt.cudaGetErrorName(c) != b"unrecognized error code"]
+    # every code this library returns has a name
+    for c in (0, 1, 2, 3, 4, 17, 21, 100, 101, 400, 600, 801):
+        assert c in codes
+    real = _real_cudart()
+    if real is None:
+        pytest.skip(f"{REAL_CUDART} is not available to compare with")
+    for c in codes:
+        assert rt.cudaGetErrorName(c) == real.cudaGetErrorName(c), c
+        if c != NOT_SUPPORTED:
+            assert rt.cudaGetErrorString(c) == real.cudaGetErrorString(c), c
+
+
+def test_graphs_need_a_gpu(rt: ctypes.CDLL) -> None:
+    status = c_int(-1)
+    ok(rt, rt.cudaStreamIsCapturing(None, byref(status)))
+    assert status.value == 0  # cudaStreamCaptureStatusNone
+    s = stream(rt)
+    ok(rt, rt.cudaStreamIsCapturing(s, byref(status)))
+    assert status.value == 0
+    assert rt.cudaStreamBeginCapture(s, 0) == NOT_SUPPORTED
+    assert "need a real GPU" in rt.pynccl_lb_last_error_detail().decode()
+    assert rt.cudaGetLastError() == NOT_SUPPORTED
+    graph = c_void_p(1234)
+    assert rt.cudaStreamEndCapture(s, byref(graph)) == NOT_SUPPORTED
+    assert graph.value is None
+    exe = c_void_p(1234)
+    assert rt.cudaGraphInstantiate(byref(exe), None, 0) == NOT_SUPPORTED
+    assert exe.value is None
+    assert rt.cudaGraphLaunch(None, s) == NOT_SUPPORTED
+    assert rt.cudaGraphExecDestroy(None) == NOT_SUPPORTED
+    assert rt.cudaGraphDestroy(None) == NOT_SUPPORTED
+    ok(rt, rt.cudaStreamDestroy(s))
+    assert rt.cudaStreamIsCapturing(s, byref(status)) == INVALID_RESOURCE_HANDLE
+
+
+# ---- memory -----------------------------------------------------------------------
+
+
+def test_malloc_alignment_registry_and_attributes(rt: ctypes.CDLL) -> None:
+    n = ndev(rt)
+    dev = min(1, n - 1)
+    ok(rt, rt.cudaSetDevice(dev))
+    ptrs = [malloc(rt, size) for size in (1, 100, 4096, 1 << 20)]
+    assert all(p % 256 == 0 for p in ptrs)
+    attrs = PointerAttributes()
+    for p, size in zip(ptrs, (1, 100, 4096, 1 << 20)):
+        ok(rt, rt.cudaPointerGetAttributes(byref(attrs), p + size - 1))
+        assert (attrs.type, attrs.device, attrs.devicePointer) == (2, dev, p + size - 1)
+        found = c_int(-1)
+        assert rt.pynccl_lb_find_alloc(p, size, byref(found)) == 1
+        assert found.value == dev
+        assert rt.pynccl_lb_find_alloc(p + size, 0, None) == 1  # one past the end
+        assert rt.pynccl_lb_find_alloc(p + 1, size, None) == 0  # overruns the end
+    host = np.zeros(16, np.uint8)
+    ok(rt, rt.cudaPointerGetAttributes(byref(attrs), host.ctypes.data))
+    assert (attrs.type, attrs.device, attrs.hostPointer) == (0, -2, host.ctypes.data)
+    assert attrs.devicePointer is None
+    assert rt.pynccl_lb_find_alloc(host.ctypes.data, 1, None) == 0
+    assert rt.cudaPointerGetAttributes(None, ptrs[0]) == INVALID_VALUE
+    for p in ptrs:
+        ok(rt, rt.cudaFree(p))
+    ok(rt, rt.cudaPointerGetAttributes(byref(attrs), ptrs[0]))
+    assert attrs.type == 0  # freed: no longer device memory
+    zero = c_void_p(1)
+    ok(rt, rt.cudaMalloc(byref(zero), 0))
+    assert zero.value is None
+    assert rt.cudaMalloc(None, 16) == INVALID_VALUE
+
+
+def test_bad_frees_are_errors_not_crashes(rt: ctypes.CDLL) -> None:
+    p = malloc(rt, 1024)
+    assert rt.cudaFree(p + 256) == INVALID_DEVICE_POINTER  # inside, not the start
+    ok(rt, rt.cudaFree(p))
+    assert rt.cudaFree(p) == INVALID_VALUE  # double free
+    assert "double free" in rt.pynccl_lb_last_error_detail().decode()
+    host = np.zeros(64, np.uint8)
+    assert rt.cudaFree(host.ctypes.data) == INVALID_VALUE
+    ok(rt, rt.cudaFree(None))
+    q = c_void_p()
+    ok(rt, rt.pynccl_lb_malloc(byref(q), 512, ndev(rt) - 1))
+    found = c_int(-1)
+    assert rt.pynccl_lb_find_alloc(q, 512, byref(found)) == 1
+    assert found.value == ndev(rt) - 1
+    assert rt.pynccl_lb_malloc(byref(q), 512, ndev(rt)) == INVALID_DEVICE
+    ok(rt, rt.pynccl_lb_free(q))
+    assert rt.pynccl_lb_free(q) == INVALID_VALUE
+
+
+def test_sync_copies_and_memset_roundtrip(rt: ctypes.CDLL) -> None:
+    rng = np.random.default_rng(1)
+    src = rng.standard_normal(10_000).astype(np.float32)
+    nbytes = src.nbytes
+    a, b = malloc(rt, nbytes), malloc(rt, nbytes)
+    ok(rt, rt.cudaMemcpy(a, src.ctypes.data, nbytes, H2D))
+    ok(rt, rt.cudaMemcpy(b, a, nbytes, D2D))
+    out = np.empty_like(src)
+    ok(rt, rt.cudaMemcpy(out.ctypes.data, b, nbytes, D2H))
+    np.testing.assert_array_equal(out, src)
+    ok(rt, rt.cudaMemset(b + 400, 0x7F, 1000))
+    ok(rt, rt.cudaMemcpy(out.ctypes.data, b, nbytes, DEFAULT))
+    expected = src.copy()
+    expected.view(np.uint8)[400:1400] = 0x7F
+    np.testing.assert_array_equal(out.view(np.uint8), expected.view(np.uint8))
+    host2 = np.empty_like(src)
+    ok(rt, rt.cudaMemcpy(host2.ctypes.data, src.ctypes.data, nbytes, H2H))
+    np.testing.assert_array_equal(host2, src)
+    ok(rt, rt.cudaMemcpy(out.ctypes.data, b, 0, D2H))  # nothing to do
+    ok(rt, rt.cudaFree(a))
+    ok(rt, rt.cudaFree(b))
+
+
+def test_copy_argument_checks(rt: ctypes.CDLL) -> None:
+    if os.environ.get("PYNCCL_LOOPBACK_STRICT") == "0":
+        pytest.skip("the loaded loopback cudart is not strict")
+    a = malloc(rt, 256)
+    host = np.zeros(512, np.uint8)
+    h = host.ctypes.data
+    assert rt.cudaMemcpy(a, h, 256, 7) == INVALID_MEMCPY_DIRECTION
+    assert rt.cudaMemcpy(h, h, 16, H2D) == INVALID_VALUE  # dst is not device memory
+    assert "PYNCCL_LOOPBACK_STRICT" in rt.pynccl_lb_last_error_detail().decode()
+    assert rt.cudaMemcpy(h, h, 16, D2H) == INVALID_VALUE  # src is not device memory
+    assert rt.cudaMemcpy(a, h, 257, H2D) == INVALID_VALUE  # one byte past the end
+    assert rt.cudaMemcpyAsync(a, a, 16, D2D, None) == SUCCESS
+    assert rt.cudaMemcpy(None, h, 16, H2H) == INVALID_VALUE
+    assert rt.cudaMemset(h, 0, 16) == INVALID_VALUE
+    assert rt.cudaMemsetAsync(a + 128, 0, 129, None) == INVALID_VALUE
+    ok(rt, rt.cudaMemcpy(h, h + 256, 256, DEFAULT))  # direction inferred: host is fine
+    ok(rt, rt.cudaFree(a))
+
+
+def test_relaxed_mode_allows_host_pointers(cudart_path: str) -> None:
+    code = textwrap.dedent(
+        """
+        import ctypes, sys
+        lib = ctypes.CDLL(sys.argv[1])
+        src = (ctypes.c_char * 8)(*b"loopback")
+        dst = (ctypes.c_char * 8)()
+        lib.cudaMemcpy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        rc = lib.cudaMemcpy(ctypes.addressof(dst), ctypes.addressof(src), 8, 1)
+        print(rc, dst.raw.decode())
+        """
+    )
+    for strict, expected in (("0", "0 loopback"), ("1", "1")):
+        out = subprocess.run(
+            [sys.executable, "-c", code, cudart_path],
+            env={**os.environ, "PYNCCL_LOOPBACK_STRICT": strict},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert out.stdout.replace("\x00", "").split() == expected.split()
+
+
+def test_long_async_chain_keeps_stream_order(rt: ctypes.CDLL) -> None:
+    rng = np.random.default_rng(7)
+    size = 4096
+    ref = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(2)]
+    bufs = [malloc(rt, size), malloc(rt, size)]
+    s = stream(rt)
+    keep = []  # host sources must stay alive and unchanged until the stream is done
+    for i in range(2):
+        keep.append(ref[i].copy())
+        ok(rt, rt.cudaMemcpyAsync(bufs[i], keep[-1].ctypes.data, size, H2D, s))
+    for _ in range(400):
+        op = int(rng.integers(0, 3))
+        i, j = (int(k) for k in rng.integers(0, 2, 2))
+        off, off2 = (int(k) for k in rng.integers(0, size // 2, 2))
+        n = int(rng.integers(1, size // 2))
+        if op == 0:
+            value = int(rng.integers(0, 256))
+            ok(rt, rt.cudaMemsetAsync(bufs[i] + off, value, n, s))
+            ref[i][off : off + n] = value
+        elif op == 1:
+            ok(rt, rt.cudaMemcpyAsync(bufs[j] + off2, bufs[i] + off, n, D2D, s))
+            ref[j][off2 : off2 + n] = ref[i][off : off + n].copy()
+        else:
+            data = rng.integers(0, 256, n, dtype=np.uint8)
+            keep.append(data)
+            ok(rt, rt.cudaMemcpyAsync(bufs[i] + off, data.ctypes.data, n, H2D, s))
+            ref[i][off : off + n] = data
+    out = [np.empty(size, np.uint8) for _ in range(2)]
+    for i in range(2):
+        ok(rt, rt.cudaMemcpyAsync(out[i].ctypes.data, bufs[i], size, D2H, s))
+    ok(rt, rt.cudaStreamSynchronize(s))
+    ok(rt, rt.cudaStreamQuery(s))
+    for i in range(2):
+        np.testing.assert_array_equal(out[i], ref[i])
+    ok(rt, rt.cudaStreamDestroy(s))
+    for b in bufs:
+        ok(rt, rt.cudaFree(b))
+
+
+def test_free_while_queued_work_uses_the_buffer(rt: ctypes.CDLL) -> None:
+    s = stream(rt)
+    a = malloc(rt, 1 << 16)
+    with Gate(rt, s):
+        ok(rt, rt.cudaMemsetAsync(a, 1, 1 << 16, s))
+        ok(rt, rt.cudaFree(a))  # returns at once; the memory outlives the queued memset
+        assert rt.pynccl_lb_find_alloc(a, 1, None) == 0
+        assert rt.cudaStreamQuery(s) == NOT_READY
+    ok(rt, rt.cudaStreamSynchronize(s))
+    ok(rt, rt.cudaStreamDestroy(s))
+
+
+# ---- streams and events -----------------------------------------------------------
+
+
+def test_stream_query_and_event_wait_across_streams(rt: ctypes.CDLL) -> None:
+    s1, s2 = stream(rt), stream(rt)
+    e = event(rt)
+    a, b = malloc(rt, 4096), malloc(rt, 4096)
+    ok(rt, rt.cudaMemset(a, 0, 4096))
+    ok(rt, rt.cudaMemset(b, 0, 4096))
+    with Gate(rt, s1):
+        ok(rt, rt.cudaMemsetAsync(a, 5, 4096, s1))
+        ok(rt, rt.cudaEventRecord(e, s1))
+        ok(rt, rt.cudaStreamWaitEvent(s2, e, 0))
+        ok(rt, rt.cudaMemcpyAsync(b, a, 4096, D2D, s2))
+        assert rt.cudaStreamQuery(s1) == NOT_READY
+        assert rt.cudaEventQuery(e) == NOT_READY
+        assert rt.cudaStreamQuery(s2) == NOT_READY  # held by the event, not by timing
+    ok(rt, rt.cudaStreamSynchronize(s2))
+    ok(rt, rt.cudaEventQuery(e))
+    out = np.empty(4096, np.uint8)
+    ok(rt, rt.cudaMemcpy(out.ctypes.data, b, 4096, D2H))
+    np.testing.assert_array_equal(out, np.full(4096, 5, np.uint8))
+    # Waiting on an event never recorded, or already complete, is a no-op.
+    e2 = event(rt)
+    ok(rt, rt.cudaStreamWaitEvent(s2, e2, 0))
+    ok(rt, rt.cudaStreamWaitEvent(s2, e, 0))
+    ok(rt, rt.cudaStreamQuery(s2))
+    assert rt.cudaStreamWaitEvent(s2, e, 2) == INVALID_VALUE
+    for h in (e, e2):
+        ok(rt, rt.cudaEventDestroy(h))
+    for s in (s1, s2):
+        ok(rt, rt.cudaStreamDestroy(s))
+    for p in (a, b):
+        ok(rt, rt.cudaFree(p))
+
+
+def test_events_elapsed_time_and_errors(rt: ctypes.CDLL) -> None:
+    s = stream(rt)
+    start, end = event(rt), event(rt)
+    ms = c_float(-1.0)
+    assert rt.cudaEventElapsedTime(byref(ms), start, end) == INVALID_RESOURCE_HANDLE  # unrecorded
+    ok(rt, rt.cudaEventQuery(start))  # never recorded: complete
+    ok(rt, rt.cudaEventSynchronize(start))
+    buf = malloc(rt, 1 << 22)
+    ok(rt, rt.cudaEventRecord(start, s))
+    ok(rt, rt.cudaMemsetAsync(buf, 3, 1 << 22, s))
+    with Gate(rt, s):
+        ok(rt, rt.cudaEventRecord(end, s))
+        assert rt.cudaEventElapsedTime(byref(ms), start, end) == NOT_READY
+    ok(rt, rt.cudaEventSynchronize(end))
+    ok(rt, rt.cudaEventElapsedTime(byref(ms), start, end))
+    assert ms.value >= 0.0
+    assert rt.cudaEventElapsedTime(None, start, end) == INVALID_VALUE
+    quiet = event(rt, 0x02)  # cudaEventDisableTiming
+    ok(rt, rt.cudaEventRecord(quiet, s))
+    ok(rt, rt.cudaEventSynchronize(quiet))
+    assert rt.cudaEventElapsedTime(byref(ms), start, quiet) == INVALID_RESOURCE_HANDLE
+    bad = c_void_p()
+    assert rt.cudaEventCreateWithFlags(byref(bad), 0x04) == INVALID_VALUE  # IPC needs 0x02
+    assert rt.cudaEventCreateWithFlags(byref(bad), 0x40) == INVALID_VALUE
+    ok(rt, rt.cudaEventDestroy(quiet))
+    assert rt.cudaEventDestroy(quiet) == INVALID_RESOURCE_HANDLE
+    assert rt.cudaEventRecord(quiet, s) == INVALID_RESOURCE_HANDLE
+    assert rt.cudaEventQuery(quiet) == INVALID_RESOURCE_HANDLE
+    if ndev(rt) > 1:
+        ok(rt, rt.cudaSetDevice(1))
+        other = stream(rt)
+        ok(rt, rt.cudaSetDevice(0))
+        assert rt.cudaEventRecord(start, other) == INVALID_RESOURCE_HANDLE  # wrong device
+        assert "device 0" in rt.pynccl_lb_last_error_detail().decode()
+        ok(rt, rt.cudaStreamDestroy(other))
+    for h in (start, end):
+        ok(rt, rt.cudaEventDestroy(h))
+    ok(rt, rt.cudaStreamDestroy(s))
+    ok(rt, rt.cudaFree(buf))
+
+
+def test_destroy_event_with_pending_record(rt: ctypes.CDLL) -> None:
+    s = stream(rt)
+    e = event(rt)
+    with Gate(rt, s):
+        ok(rt, rt.cudaEventRecord(e, s))
+        ok(rt, rt.cudaEventDestroy(e))  # the queued record keeps it alive internally
+    ok(rt, rt.cudaStreamSynchronize(s))
+    ok(rt, rt.cudaStreamDestroy(s))
+
+
+def test_invalid_stream_handles(rt: ctypes.CDLL) -> None:
+    s = stream(rt)
+    ok(rt, rt.cudaStreamDestroy(s))
+    assert rt.cudaStreamDestroy(s) == INVALID_RESOURCE_HANDLE
+    assert rt.cudaStreamSynchronize(s) == INVALID_RESOURCE_HANDLE
+    assert rt.cudaMemsetAsync(None, 0, 0, s) == INVALID_RESOURCE_HANDLE
+    assert rt.pynccl_lb_stream_device(s) == -1
+    assert rt.cudaStreamDestroy(None) == INVALID_RESOURCE_HANDLE  # default streams stay
+    assert rt.cudaStreamDestroy(LEGACY) == INVALID_RESOURCE_HANDLE
+    bad = c_void_p()
+    assert rt.cudaStreamCreateWithFlags(byref(bad), 4) == INVALID_VALUE
+    assert rt.cudaStreamCreate(None) == INVALID_VALUE
+    assert rt.pynccl_lb_stream_enqueue(None, None, None, None) == INVALID_VALUE
+    assert rt.pynccl_lb_stream_device(None) == 0
+    assert rt.pynccl_lb_stream_device(PER_THREAD) == 0
+
+
+def test_stream_device_follows_the_creating_thread(rt: ctypes.CDLL) -> None:
+    n = ndev(rt)
+    last = n - 1
+    ok(rt, rt.cudaSetDevice(last))
+    s = stream(rt)
+    ok(rt, rt.cudaSetDevice(0))
+    assert rt.pynccl_lb_stream_device(s) == last
+    assert rt.pynccl_lb_stream_device(LEGACY) == 0
+    ok(rt, rt.cudaStreamDestroy(s))
+
+
+def test_legacy_stream_synchronizes_with_blocking_streams(rt: ctypes.CDLL) -> None:
+    blocking, nonblocking = stream(rt, 0), stream(rt, 1)  # cudaStreamNonBlocking = 1
+    a = malloc(rt, 1024)
+    ok(rt, rt.cudaMemset(a, 0, 1024))
+    with Gate(rt, blocking):
+        # Legacy work queued now waits for the held blocking stream...
+        ok(rt, rt.cudaMemsetAsync(a, 9, 1024, None))
+        assert rt.cudaStreamQuery(None) == NOT_READY
+        # ...a non-blocking stream does not.
+        ok(rt, rt.cudaMemsetAsync(a, 1, 16, nonblocking))
+        ok(rt, rt.cudaStreamSynchronize(nonblocking))
+    ok(rt, rt.cudaStreamSynchronize(None))
+    out = np.empty(1024, np.uint8)
+    ok(rt, rt.cudaMemcpy(out.ctypes.data, a, 1024, D2H))
+    np.testing.assert_array_equal(out, np.full(1024, 9, np.uint8))
+    # And the other way: blocking-stream work waits for earlier legacy work.
+    with Gate(rt, LEGACY):
+        ok(rt, rt.cudaMemsetAsync(a, 2, 1024, blocking))
+        assert rt.cudaStreamQuery(blocking) == NOT_READY
+        ok(rt, rt.cudaMemsetAsync(a, 3, 16, nonblocking))
+        ok(rt, rt.cudaStreamSynchronize(nonblocking))
+    ok(rt, rt.cudaStreamSynchronize(blocking))
+    ok(rt, rt.cudaMemcpy(out.ctypes.data, a, 1024, D2H))
+    np.testing.assert_array_equal(out, np.full(1024, 2, np.uint8))
+    for s in (blocking, nonblocking):
+        ok(rt, rt.cudaStreamDestroy(s))
+    ok(rt, rt.cudaFree(a))
+
+
+def test_device_synchronize_covers_only_the_current_device(rt: ctypes.CDLL) -> None:
+    if ndev(rt) < 2:
+        pytest.skip("needs 2 loopback devices")
+    ok(rt, rt.cudaSetDevice(1))
+    s1 = stream(rt, 1)
+    a = malloc(rt, 1 << 20)
+    ok(rt, rt.cudaSetDevice(0))
+    gate = Gate(rt, s1)
+    ok(rt, rt.cudaMemsetAsync(a, 4, 1 << 20, s1))
+    ok(rt, rt.cudaDeviceSynchronize())  # device 0: returns though device 1 is held
+    assert rt.cudaStreamQuery(s1) == NOT_READY
+    done = threading.Event()
+
+    def sync_device_1() -> None:
+        rt.cudaSetDevice(1)
+        rt.cudaDeviceSynchronize()
+        done.set()
+
+    t = threading.Thread(target=sync_device_1)
+    t.start()
+    gate.open()
+    t.join(60)
+    assert done.is_set()
+    out = np.empty(1 << 20, np.uint8)
+    ok(rt, rt.cudaMemcpy(out.ctypes.data, a, 1 << 20, D2H))
+    np.testing.assert_array_equal(out, np.full(1 << 20, 4, np.uint8))
+    ok(rt, rt.cudaStreamDestroy(s1))
+    ok(rt, rt.cudaFree(a))
+
+
+def test_many_threads_many_streams(rt: ctypes.CDLL) -> None:
+    n = ndev(rt)
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        try:
+            ok(rt, rt.cudaSetDevice(k % n))
+            rng = np.random.default_rng(k)
+            data = rng.integers(0, 2**31, 5000, dtype=np.int64)
+            s = stream(rt)
+            to_pts, to_s = event(rt), event(rt)
+            a, b = malloc(rt, data.nbytes), malloc(rt, data.nbytes)
+            ok(rt, rt.cudaMemcpyAsync(a, data.ctypes.data, data.nbytes, H2D, s))
+            # Ping-pong between a user stream and the per-thread stream, ordered only
+            # by events (neither is the legacy stream, so nothing else orders them).
+            for _ in range(50):
+                ok(rt, rt.cudaMemcpyAsync(b, a, data.nbytes, D2D, s))
+                ok(rt, rt.cudaEventRecord(to_pts, s))
+                ok(rt, rt.cudaStreamWaitEvent(PER_THREAD, to_pts, 0))
+                ok(rt, rt.cudaMemsetAsync(a, 0, data.nbytes, PER_THREAD))
+                ok(rt, rt.cudaMemcpyAsync(a, b, data.nbytes, D2D, PER_THREAD))
+                ok(rt, rt.cudaEventRecord(to_s, PER_THREAD))
+                ok(rt, rt.cudaStreamWaitEvent(s, to_s, 0))
+            out = np.empty_like(data)
+            ok(rt, rt.cudaMemcpyAsync(out.ctypes.data, a, data.nbytes, D2H, s))
+            ok(rt, rt.cudaStreamSynchronize(s))
+            np.testing.assert_array_equal(out, data)
+            ok(rt, rt.cudaEventDestroy(to_pts))
+            ok(rt, rt.cudaEventDestroy(to_s))
+            ok(rt, rt.cudaStreamDestroy(s))
+            ok(rt, rt.cudaFree(a))
+            ok(rt, rt.cudaFree(b))
+        except AssertionError as exc:
+            errors.append(str(exc))
+
+    pool = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert errors == []
+
+
+# ---- no leaked threads, prompt exit, fork -------------------------------------------
+
+
+def _wait_for_threads(expected: int) -> int:
+    # A Python thread's join() returns before its OS thread has run its TLS
+    # destructors (which join the per-thread streams' workers): poll, bounded.
+    stop = threading.Event()
+    for _ in range(500):
+        if threads() == expected:
+            break
+        stop.wait(0.01)
+    return threads()
+
+
+def test_destroyed_streams_leave_no_threads(rt: ctypes.CDLL) -> None:
+    ok(rt, rt.cudaMemset(malloc(rt, 16), 0, 16))  # the legacy worker lives on: start it first
+    before = threads()
+    streams = [stream(rt, k % 2) for k in range(6)]
+    bufs = [malloc(rt, 1 << 16) for _ in streams]
+    for s, b in zip(streams, bufs):
+        ok(rt, rt.cudaMemsetAsync(b, 1, 1 << 16, s))
+    assert threads() == before + len(streams)
+    for s in streams:
+        ok(rt, rt.cudaStreamDestroy(s))  # drains and joins its worker
+    assert threads() == before
+    for b in bufs:
+        ok(rt, rt.cudaFree(b))
+
+    def per_thread_work() -> None:
+        buf = malloc(rt, 1 << 16)
+        ok(rt, rt.cudaMemsetAsync(buf, 2, 1 << 16, PER_THREAD))
+        ok(rt, rt.cudaStreamSynchronize(PER_THREAD))
+        ok(rt, rt.cudaFree(buf))
+
+    t = threading.Thread(target=per_thread_work)
+    t.start()
+    t.join()
+    assert _wait_for_threads(before) == before
+
+
+_EXIT_CHILD = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+libc = ctypes.CDLL(None)
+pause = ctypes.cast(libc.pause, ctypes.c_void_p)  # blocks forever: workers block signals
+enqueue = lib.pynccl_lb_stream_enqueue
+enqueue.argtypes = [ctypes.c_void_p] * 4
+s = ctypes.c_void_p()
+assert lib.cudaStreamCreate(ctypes.byref(s)) == 0
+assert enqueue(s, pause, None, None) == 0
+assert enqueue(None, pause, None, None) == 0
+assert enqueue(ctypes.c_void_p(2), pause, None, None) == 0
+print("queued", flush=True)
+"""
+
+
+def test_process_with_blocked_tasks_still_exits(cudart_path: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_CHILD, cudart_path],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a hang, not a speed limit
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "queued"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_with_live_workers_gets_initialization_error(rt: ctypes.CDLL) -> None:
+    ok(rt, rt.cudaMemset(malloc(rt, 16), 0, 16))  # a legacy worker now exists
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        p = c_void_p()
+        rc = rt.cudaMalloc(byref(p), 16)
+        os._exit(rc)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == INITIALIZATION_ERROR
+    ok(rt, rt.cudaDeviceSynchronize())  # the parent is unaffected
+
+
+# ---- sanitizers and header conformance ------------------------------------------------
+
+
+def test_sanitized_build_runs_clean(tmp_path: Path) -> None:
+    try:
+        path = loopback.build_cudart(sanitize=True)
+        extra = _build._sanitizer_env()
+    except loopback.LoopbackBuildError as exc:
+        pytest.skip(f"no sanitizer toolchain: {exc}")
+    code = textwrap.dedent(
+        """
+        import ctypes, sys, threading
+        lib = ctypes.CDLL(sys.argv[1])
+        V = ctypes.c_void_p
+        lib.cudaMemsetAsync.argtypes = [V, ctypes.c_int, ctypes.c_size_t, V]
+        lib.cudaMemcpyAsync.argtypes = [V, V, ctypes.c_size_t, ctypes.c_int, V]
+        lib.pynccl_lb_stream_enqueue.argtypes = [V] * 4
+        lib.cudaFree.argtypes = [V]
+        lib.cudaStreamSynchronize.argtypes = lib.cudaStreamDestroy.argtypes = [V]
+        gate = threading.Event()
+        cb = ctypes.CFUNCTYPE(None, V)(lambda _: gate.wait(60))
+        s, a, b = V(), V(), V()
+        assert lib.cudaStreamCreate(ctypes.byref(s)) == 0
+        for p in (a, b):
+            assert lib.cudaMalloc(ctypes.byref(p), 1 << 16) == 0
+        assert lib.pynccl_lb_stream_enqueue(s, ctypes.cast(cb, V), None, None) == 0
+        assert lib.cudaMemsetAsync(a, 1, 1 << 16, s) == 0
+        assert lib.cudaMemcpyAsync(b, a, 1 << 16, 3, s) == 0
+        assert lib.cudaFree(a) == 0          # queued work still uses a: must not be freed
+        gate.set()
+        assert lib.cudaStreamSynchronize(s) == 0
+        assert lib.cudaStreamDestroy(s) == 0
+        assert lib.cudaFree(b) == 0
+        assert lib.cudaFree(b) == 1
+        print("clean")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, path],
+        env={**os.environ, **extra},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "clean", proc.stderr[-4000:]
+    assert "runtime error" not in proc.stderr  # UBSan
+
+
+def _syntax_check(sources: list[Path], include: Path) -> subprocess.CompletedProcess[str]:
+    cc = os.environ.get("CC") or "cc"
+    return subprocess.run(
+        [
+            cc,
+            "-fsyntax-only",
+            "-std=gnu11",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-DLB_USE_REAL_HEADERS",
+            f"-I{include}",
+            f"-I{REAL_HEADERS}",
+            *map(str, sources),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_exports_match_the_real_cuda_headers(tmp_path: Path) -> None:
+    if not Path(REAL_HEADERS, "cuda_runtime_api.h").is_file():
+        pytest.skip(f"no CUDA headers in {REAL_HEADERS}")
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler")
+    src = loopback.SOURCE_DIR
+    sources = sorted(src.glob("cudart*.c"))
+    proc = _syntax_check(sources, src)
+    assert proc.returncode == 0, proc.stderr
+    # The check has teeth: one wrong parameter type is rejected by the real header.
+    for f in src.glob("*.[ch]"):
+        shutil.copy(f, tmp_path / f.name)
+    target = tmp_path / "cudart.c"
+    text = target.read_text()
+    assert "cudaError_t cudaSetDevice(int device) {" in text
+    target.write_text(text.replace("cudaSetDevice(int device) {", "cudaSetDevice(long device) {"))
+    bad = _syntax_check(sorted(tmp_path.glob("cudart*.c")), tmp_path)
+    assert bad.returncode != 0
+    assert "cudaSetDevice" in bad.stderr
