@@ -1,0 +1,494 @@
+"""``python -m pynccl launch``: start N local ranks of a script with the rendezvous env set.
+
+Usage::
+
+    python -m pynccl launch -n N [--devices 0,1,...] [--loopback] [--timeout S]
+                            [--grace S] [--master-port P] script.py [args...]
+    python -m pynccl launch -n N [...] -m package.module [args...]
+
+Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port), a fresh random
+``PYNCCL_RENDEZVOUS_KEY`` and ``PYNCCL_LAUNCHER=pynccl``, so that
+``pynccl.bootstrap.from_env()`` just works. ``--devices`` sets
+``CUDA_VISIBLE_DEVICES`` to the chosen devices (rank k uses the k-th);
+``--loopback`` adds the environment of the GPU-less loopback libraries.
+
+Every line a rank prints is prefixed with ``[rank k] `` (stdout to stdout,
+stderr to stderr, whole lines only). SIGINT/SIGTERM are forwarded to the ranks;
+a second one kills them. When a rank fails the others get SIGTERM, then SIGKILL
+after ``--grace`` seconds, and the launcher exits with the failed rank's code
+(128 + signal number for a rank killed by a signal). Each rank runs in its own
+process group, so the processes it starts are stopped with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import secrets
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+__all__ = ["main"]
+
+_VALUE_OPTIONS = frozenset(
+    {"-n", "--nproc", "--nproc-per-node", "--devices", "--timeout", "--grace", "--master-port"}
+)
+_MAX_LINE = 1 << 20  # longer lines are split (each piece still prefixed and whole)
+_POLL = 0.05  # seconds between checks of the children
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pynccl launch",
+        description="Start N local ranks of a Python script or module with RANK, WORLD_SIZE, "
+        "LOCAL_RANK, MASTER_ADDR/MASTER_PORT and a fresh PYNCCL_RENDEZVOUS_KEY set.",
+        usage="%(prog)s -n N [options] (script.py | -m module) [args ...]",
+    )
+    p.add_argument(
+        "-n",
+        "--nproc",
+        "--nproc-per-node",
+        dest="nproc",
+        type=int,
+        required=True,
+        help="number of ranks to start",
+    )
+    p.add_argument(
+        "--devices",
+        help="comma-separated CUDA devices, one per rank "
+        "(sets CUDA_VISIBLE_DEVICES; rank k uses the k-th)",
+    )
+    p.add_argument(
+        "--loopback",
+        action="store_true",
+        help="run on the GPU-less loopback libraries (pynccl.testing.loopback)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="stop all ranks after this many seconds (exit code 124)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)",
+    )
+    p.add_argument(
+        "--master-port", type=int, default=None, help="rendezvous port (default: a free port)"
+    )
+    p.add_argument("-m", dest="module", default=None, help="run a module, as python -m does")
+    return p
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Launcher options | the target and its arguments (which may look like options)."""
+    i = 0
+    while i < len(argv):
+        tok = argv[i]
+        if tok == "--":
+            return list(argv[:i]), list(argv[i + 1 :])
+        if tok == "-m":
+            return list(argv[: i + 2]), list(argv[i + 2 :])
+        if tok.startswith("-m") and not tok.startswith("--"):
+            return list(argv[: i + 1]), list(argv[i + 1 :])
+        if not tok.startswith("-") or tok == "-":
+            break
+        i += 2 if tok in _VALUE_OPTIONS else 1
+    return list(argv[:i]), list(argv[i:])
+
+
+def _parse_devices(spec: str, nproc: int) -> list[str]:
+    devices = [d.strip() for d in spec.split(",")]
+    for d in devices:
+        if not (d.isdigit() or d.startswith(("GPU-", "MIG-"))):
+            raise ValueError(f"--devices: {d!r} is not a device index or GPU-/MIG- UUID")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"--devices {spec!r} lists a device twice")
+    if len(devices) != nproc:
+        raise ValueError(f"--devices lists {len(devices)} device(s) but -n is {nproc}")
+    return devices
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class _Sink:
+    """One of the launcher's own output streams, written whole lines at a time."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._text = stream
+        self._binary: IO[bytes] | None = getattr(stream, "buffer", None)
+        self.broken = False
+
+    def write(self, data: bytes) -> None:
+        if self.broken:
+            return
+        try:
+            if self._binary is not None:
+                self._binary.write(data)
+            else:
+                self._text.write(data.decode("utf-8", "replace"))
+        except OSError:  # our reader went away (| head): keep supervising silently
+            self.broken = True
+
+    def flush(self) -> None:
+        if self.broken:
+            return
+        try:
+            if self._binary is not None:
+                self._binary.flush()
+            self._text.flush()
+        except OSError:
+            self.broken = True
+
+
+class _Stream:
+    __slots__ = ("buf", "fd", "prefix", "sink")
+
+    def __init__(self, fd: int, prefix: bytes, sink: _Sink) -> None:
+        self.fd = fd
+        self.prefix = prefix
+        self.sink = sink
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self.buf += data
+        start = 0
+        while True:
+            nl = self.buf.find(b"\n", start)
+            if nl < 0:
+                break
+            self.sink.write(self.prefix + bytes(self.buf[start : nl + 1]))
+            start = nl + 1
+        del self.buf[:start]
+        while len(self.buf) >= _MAX_LINE:
+            self.sink.write(self.prefix + bytes(self.buf[:_MAX_LINE]) + b"\n")
+            del self.buf[:_MAX_LINE]
+
+    def finish(self) -> None:
+        if self.buf:
+            self.sink.write(self.prefix + bytes(self.buf) + b"\n")
+            self.buf.clear()
+
+
+class _Job:
+    def __init__(
+        self, cmd: list[str], envs: list[dict[str, str]], grace: float, timeout: float | None
+    ) -> None:
+        self.cmd = cmd
+        self.envs = envs
+        self.grace = grace
+        self.timeout = timeout
+        self.out = _Sink(sys.stdout)
+        self.err = _Sink(sys.stderr)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.codes: dict[int, int] = {}
+        self.sel = selectors.DefaultSelector()
+        self.streams: dict[int, _Stream] = {}
+        self.failure: tuple[int, int] | None = None
+        self.signalled: int | None = None
+        self.timed_out = False
+        self.kill_at: float | None = None
+        self.wake_r, self.wake_w = socket.socketpair()
+
+    def say(self, text: str) -> None:
+        self.err.write(f"pynccl launch: {text}\n".encode())
+        self.err.flush()
+
+    # -- process groups ---------------------------------------------------------------
+
+    def _signal_group(self, rank: int, sig: int) -> None:
+        try:
+            os.killpg(self.procs[rank].pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone
+
+    def _group_alive(self, rank: int) -> bool:
+        try:
+            os.killpg(self.procs[rank].pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def stop_all(self, sig: int) -> None:
+        """Send ``sig`` to every group still alive and arm the SIGKILL deadline."""
+        for rank in range(len(self.procs)):
+            self._signal_group(rank, sig)
+        if self.kill_at is None:
+            self.kill_at = time.monotonic() + self.grace
+
+    def kill_all(self) -> None:
+        for rank in range(len(self.procs)):
+            self._signal_group(rank, signal.SIGKILL)
+
+    # -- main loop ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        for rank, env in enumerate(self.envs):
+            proc = subprocess.Popen(
+                self.cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # own process group: signals reach grandchildren
+                close_fds=True,
+            )
+            self.procs.append(proc)
+            prefix = f"[rank {rank}] ".encode()
+            for pipe, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
+                assert pipe is not None
+                fd = pipe.fileno()
+                os.set_blocking(fd, False)
+                self.streams[fd] = _Stream(fd, prefix, sink)
+                self.sel.register(fd, selectors.EVENT_READ, self.streams[fd])
+
+    def _pump(self, timeout: float) -> None:
+        for key, _ in self.sel.select(timeout):
+            stream = key.data
+            if stream is None:
+                try:
+                    while self.wake_r.recv(256):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            assert isinstance(stream, _Stream)
+            try:
+                data = os.read(stream.fd, 65536)
+            except BlockingIOError:
+                continue
+            if data:
+                stream.feed(data)
+            else:
+                self._close_stream(stream)
+        self.out.flush()
+        self.err.flush()
+
+    def _close_stream(self, stream: _Stream) -> None:
+        stream.finish()
+        self.sel.unregister(stream.fd)
+        del self.streams[stream.fd]
+        os.close(stream.fd)
+
+    def on_signal(self, signum: int) -> None:
+        if self.signalled is None:
+            self.signalled = signum
+            self.say(f"received {signal.Signals(signum).name}; forwarding it to the ranks")
+            for rank in range(len(self.procs)):
+                if rank not in self.codes:
+                    self._signal_group(rank, signum)
+            if self.kill_at is None:
+                self.kill_at = time.monotonic() + self.grace
+        else:
+            self.say(f"received {signal.Signals(signum).name} again; killing the ranks")
+            self.kill_all()
+
+    def run(self, pending_signals: list[int]) -> int:
+        started = time.monotonic()
+        self.sel.register(self.wake_r, selectors.EVENT_READ, None)
+        reaped_all_at: float | None = None
+        while True:
+            while pending_signals:
+                self.on_signal(pending_signals.pop(0))
+            for rank, proc in enumerate(self.procs):
+                if rank in self.codes:
+                    continue
+                code = proc.poll()
+                if code is None:
+                    continue
+                self.codes[rank] = code
+                if (
+                    code != 0
+                    and self.failure is None
+                    and self.signalled is None
+                    and not self.timed_out
+                ):
+                    self.failure = (rank, code)
+                    self.say(f"rank {rank} failed ({_describe(code)}); stopping the other ranks")
+                    self.stop_all(signal.SIGTERM)
+            now = time.monotonic()
+            if (
+                self.timeout is not None
+                and not self.timed_out
+                and self.failure is None
+                and now - started >= self.timeout
+                and len(self.codes) < len(self.procs)
+            ):
+                self.timed_out = True
+                self.say(f"timed out after {self.timeout:g} s; stopping the ranks")
+                self.stop_all(signal.SIGTERM)
+            if self.kill_at is not None and now >= self.kill_at:
+                self.kill_all()
+                self.kill_at = now + 3600.0  # once; the groups are gone after SIGKILL
+            if len(self.codes) == len(self.procs):
+                # the ranks are gone: stop whatever they left behind in their groups
+                if reaped_all_at is None:
+                    reaped_all_at = now
+                    if any(self._group_alive(r) for r in range(len(self.procs))):
+                        for r in range(len(self.procs)):
+                            self._signal_group(r, signal.SIGTERM)
+                if now - reaped_all_at >= min(self.grace, 2.0):
+                    self.kill_all()
+                if not self.streams:
+                    break
+                if now - reaped_all_at >= min(self.grace, 2.0) + 5.0:
+                    for stream in list(self.streams.values()):
+                        self._close_stream(stream)  # a descendant escaped its group
+                    break
+            self._pump(_POLL)
+        return self.exit_code()
+
+    def exit_code(self) -> int:
+        if self.failure is not None:
+            rank, code = self.failure
+            others = sorted(r for r in self.codes if r != rank)
+            stopped = ", ".join(f"{r}: {_describe(self.codes[r])}" for r in others)
+            self.say(
+                f"rank {rank} failed with {_describe(code)}"
+                + (f" (others: {stopped})" if stopped else "")
+            )
+            return code if code > 0 else 128 + (-code)
+        if self.signalled is not None:
+            return 128 + self.signalled
+        if self.timed_out:
+            return 124
+        return 0
+
+    def cleanup(self) -> None:
+        """Nothing survives the launcher: no child, zombie, pipe or descriptor."""
+        if self.procs:
+            self.kill_all()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for stream in list(self.streams.values()):
+            self._close_stream(stream)
+        self.out.flush()
+        self.err.flush()
+        self.sel.close()
+        self.wake_r.close()
+        self.wake_w.close()
+
+
+def _child_envs(
+    nproc: int, devices: list[str] | None, loopback: bool, port: int
+) -> list[dict[str, str]]:
+    base = dict(os.environ)
+    if loopback:
+        # imported late: it builds the loopback libraries on first use
+        try:
+            module = importlib.import_module("pynccl.testing.loopback")
+            base.update(module.env())
+        except Exception as e:  # a missing compiler, a failed build: say so, do not trace back
+            raise ValueError(
+                f"--loopback: could not prepare the loopback libraries: {type(e).__name__}: {e}"
+            ) from e
+    key = secrets.token_hex(32)
+    envs = []
+    for rank in range(nproc):
+        env = dict(base)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(nproc),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYNCCL_RENDEZVOUS_KEY=key,
+            PYNCCL_LAUNCHER="pynccl",
+            PYTHONUNBUFFERED="1",
+        )
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        envs.append(env)
+    return envs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m pynccl launch``; returns the exit code (see the module docstring)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    own, rest = _split(args)
+    parser = _parser()
+    try:
+        opts = parser.parse_args(own)
+    except SystemExit as e:  # --help or a usage error: argparse already printed why
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        if opts.nproc < 1:
+            raise ValueError(f"-n {opts.nproc}: need at least one rank")
+        if opts.grace < 0:
+            raise ValueError(f"--grace {opts.grace}: must be >= 0")
+        if opts.timeout is not None and opts.timeout <= 0:
+            raise ValueError(f"--timeout {opts.timeout}: must be > 0")
+        if opts.master_port is not None and not 1 <= opts.master_port <= 65535:
+            raise ValueError(f"--master-port {opts.master_port}: must be in 1..65535")
+        devices = None if opts.devices is None else _parse_devices(opts.devices, opts.nproc)
+        if opts.module is not None:
+            cmd = [sys.executable, "-u", "-m", opts.module, *rest]
+        elif rest:
+            cmd = [sys.executable, "-u", rest[0], *rest[1:]]
+        else:
+            raise ValueError("nothing to run: give a script or -m module")
+        port = opts.master_port or _free_port()
+        envs = _child_envs(opts.nproc, devices, opts.loopback, port)
+    except (ValueError, ImportError) as e:
+        parser.print_usage(sys.stderr)
+        print(f"python -m pynccl launch: error: {e}", file=sys.stderr)
+        return 2
+
+    job = _Job(cmd, envs, opts.grace, opts.timeout)
+    pending: list[int] = []
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous: dict[int, object] = {}
+    old_wakeup = -1
+    in_main = threading.current_thread() is threading.main_thread()
+    try:
+        if in_main:
+            job.wake_w.setblocking(False)
+            job.wake_r.setblocking(False)
+            old_wakeup = signal.set_wakeup_fd(job.wake_w.fileno(), warn_on_full_buffer=False)
+            for sig in handled:
+                previous[sig] = signal.signal(sig, lambda s, _f: pending.append(s))
+        try:
+            job.start()
+        except OSError as e:
+            job.say(f"could not start a rank: {e}")
+            job.stop_all(signal.SIGKILL)
+            return 1
+        return job.run(pending)
+    finally:
+        if in_main:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)  # type: ignore[arg-type]
+            signal.set_wakeup_fd(old_wakeup)
+        job.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
