@@ -404,9 +404,11 @@ class TcpRendezvousServer:
             conns = list(self._conns.values())
         for conn in conns:
             self._drop(conn)
-        for s in (self._listener, self._wake_r, self._wake_w):
-            s.close()
+        self._listener.close()
         self._sel.close()
+        with self._lock:  # close() may be writing to the wake socket
+            self._wake_r.close()
+            self._wake_w.close()
 
     def _set_listening(self, on: bool) -> None:
         if on and not self._listening:
