@@ -854,3 +854,28 @@ def test_from_env_errors(fake_comm, tmp_path):
     StoreRendezvous(store).share(_payload(2), rank=0, world_size=2, timeout=1)
     with pytest.raises(RendezvousProtocolError, match="expects nids=1"):
         from_env(environ=mpich, store=store)
+
+
+def _can_bind(host: str) -> bool:
+    try:
+        with socket.create_server(
+            (host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        ):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["localhost", "::1"])
+def test_tcp_other_loopback_spellings(no_leaks, host):
+    if not _can_bind("::1" if host == "::1" else "127.0.0.1"):
+        pytest.skip(f"cannot listen on {host} here")
+    payload = _payload()
+    with TcpRendezvousServer(
+        payload, host=host, port=0, world_size=2, key=KEY, timeout=OK_TIMEOUT
+    ).start() as server:
+        got = TcpRendezvous(host, server.address[1], KEY).fetch(
+            rank=1, world_size=2, timeout=OK_TIMEOUT
+        )
+        server.wait()
+    assert got == payload
