@@ -201,11 +201,18 @@ def _compile(
     flags: Sequence[str],
     link: Sequence[str],
     key: dict[str, object],
+    src: Path,
 ) -> str:
-    """Compile ``sources`` into ``<cache>/<tag>-<hash>/<out_name>`` unless it is cached."""
+    """Compile ``sources`` into ``<cache>/<tag>-<hash>/<out_name>`` unless it is cached.
+
+    The key covers the sources' names and contents, not where they live: identical
+    sources in two places share one build.
+    """
     cc = _compiler()
+    where = str(src)
+    portable = [f.replace(where, "<src>") for f in flags]
     digest = _digest(
-        {**key, "flags": list(flags), "link": list(link), "cc": list(cc.argv), "ccv": cc.version},
+        {**key, "flags": portable, "link": list(link), "cc": list(cc.argv), "ccv": cc.version},
         [*sources, *headers],
     )
     root = cache_dir()
@@ -248,13 +255,29 @@ def build_cudart(sanitize: bool = False, *, source_dir: Path | None = None) -> s
     sources = sorted(src.glob("cudart*.c"))
     if not sources:
         raise LoopbackBuildError(f"no cudart*.c sources in {src}")
-    headers = sorted({*src.glob("cudart*.h"), *src.glob("lb_*.h")})
+    # Only what cudart*.c include: an edit to the nccl headers must not rebuild it.
+    headers = sorted({*src.glob("cudart*.h"), *src.glob("lb_cuda.h"), *src.glob("lb_internal.h")})
     flags = [*_BASE_FLAGS, f"-I{src}", f"-Wl,-soname,{CUDART_SONAME}"]
     if sanitize:
         flags += _SANITIZE_FLAGS
     return _compile(
-        "cudart", "libcudart", CUDART_SONAME, sources, headers, flags, [], {"sanitize": sanitize}
+        "cudart",
+        "libcudart",
+        CUDART_SONAME,
+        sources,
+        headers,
+        flags,
+        [],
+        {"sanitize": sanitize},
+        src,
     )
+
+
+def _nccl_sources(src: Path) -> list[Path]:
+    sources = sorted(src.glob("nccl*.c"))
+    if not sources:
+        raise LoopbackBuildError(f"no nccl*.c sources in {src}: the loopback libnccl is missing")
+    return sources
 
 
 def _build_nccl(
@@ -265,9 +288,7 @@ def _build_nccl(
     source_dir: Path | None = None,
 ) -> str:
     src = SOURCE_DIR if source_dir is None else Path(source_dir).resolve()
-    sources = sorted(src.glob("nccl*.c"))
-    if not sources:
-        raise LoopbackBuildError(f"no nccl*.c sources in {src}: the loopback libnccl is missing")
+    sources = _nccl_sources(src)
     headers = sorted(src.glob("*.h"))
     flags = [
         *_BASE_FLAGS,
@@ -287,7 +308,7 @@ def _build_nccl(
         "sanitize": sanitize,
         "cudart": cudart,
     }
-    return _compile("nccl", "libnccl", NCCL_SONAME, sources, headers, flags, link, key)
+    return _compile("nccl", "libnccl", NCCL_SONAME, sources, headers, flags, link, key, src)
 
 
 def build(version: VersionLike = None, null: bool = False, sanitize: bool = False) -> LoopbackBuild:
@@ -300,6 +321,7 @@ def build(version: VersionLike = None, null: bool = False, sanitize: bool = Fals
     compiler or on a compile error, ``ValueError`` for an unsupported version.
     """
     triple = parse_version(version)
+    _nccl_sources(SOURCE_DIR)  # fail before spending time on the cudart
     cudart = build_cudart(sanitize)
     return LoopbackBuild(_build_nccl(triple, bool(null), bool(sanitize), cudart), cudart)
 
@@ -362,12 +384,12 @@ def use(version: VersionLike = None, null: bool = False, sanitize: bool = False)
     loaded other libraries, swaps them (communicators made before must not be used
     again). Several versions may be used in turn: they share one loopback cudart.
     """
-    b = build(version, null, sanitize)
     if sanitize and not _asan_loaded():
         raise LoopbackBuildError(
             "a sanitize=True loopback can only be loaded into a process that starts with the "
             "ASan runtime: run it in a child process with env(sanitize=True)"
         )
+    b = build(version, null, sanitize)
     os.environ["PYNCCL_NCCL_LIBRARY"] = b.nccl
     os.environ["PYNCCL_CUDART_LIBRARY"] = b.cudart
     library = sys.modules.get("pynccl.library")
