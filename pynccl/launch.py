@@ -166,10 +166,11 @@ class _Sink:
 
 
 class _Stream:
-    __slots__ = ("buf", "fd", "prefix", "sink")
+    __slots__ = ("buf", "fd", "pipe", "prefix", "sink")
 
-    def __init__(self, fd: int, prefix: bytes, sink: _Sink) -> None:
-        self.fd = fd
+    def __init__(self, pipe: IO[bytes], prefix: bytes, sink: _Sink) -> None:
+        self.pipe = pipe  # closed through its file object, which owns the descriptor
+        self.fd = pipe.fileno()
         self.prefix = prefix
         self.sink = sink
         self.buf = bytearray()
@@ -261,10 +262,10 @@ class _Job:
             prefix = f"[rank {rank}] ".encode()
             for pipe, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
                 assert pipe is not None
-                fd = pipe.fileno()
-                os.set_blocking(fd, False)
-                self.streams[fd] = _Stream(fd, prefix, sink)
-                self.sel.register(fd, selectors.EVENT_READ, self.streams[fd])
+                stream = _Stream(pipe, prefix, sink)
+                os.set_blocking(stream.fd, False)
+                self.streams[stream.fd] = stream
+                self.sel.register(stream.fd, selectors.EVENT_READ, stream)
 
     def _pump(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
@@ -292,7 +293,7 @@ class _Job:
         stream.finish()
         self.sel.unregister(stream.fd)
         del self.streams[stream.fd]
-        os.close(stream.fd)
+        stream.pipe.close()
 
     def on_signal(self, signum: int) -> None:
         if self.signalled is None:

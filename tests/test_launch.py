@@ -313,7 +313,11 @@ def test_loopback_environment(tmp_path, monkeypatch, capfd):
     monkeypatch.setitem(sys.modules, "pynccl.testing.loopback", module)
     monkeypatch.setenv("PYTHONPATH", ROOT)
     script = _script(tmp_path, "print(os.environ.get('PYNCCL_FAKE_LB'))\n")
+    fds = len(os.listdir("/proc/self/fd"))
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert launch.main(["-n", "2", "--loopback", script]) == 0
+    assert len(os.listdir("/proc/self/fd")) == fds  # pipes and wake-up sockets closed
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
     assert sorted(capfd.readouterr().out.splitlines()) == ["[rank 0] on", "[rank 1] on"]
 
 
