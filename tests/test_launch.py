@@ -11,6 +11,7 @@ import textwrap
 import time
 import types
 
+import numpy as np
 import pytest
 
 import pynccl.launch as launch
@@ -348,3 +349,42 @@ def test_children_detect_the_pynccl_convention():
         ("pynccl", 0, 2, 12345),
         ("pynccl", 1, 2, 12345),
     ]
+
+
+# -- end to end: launch -> from_env -> a collective on the loopback libraries --------------------
+
+E2E_SCRIPT = """
+    import numpy as np
+    from pynccl.bootstrap import from_env
+    from pynccl.cuda import DeviceBuffer
+
+    nids = int(sys.argv[1])
+    comm = from_env(timeout=60, nids=nids)
+    x = np.arange(16, dtype=np.float32) * (comm.rank + 1)
+    buf = DeviceBuffer.from_numpy(x)
+    comm.all_reduce(buf)
+    comm.synchronize()
+    print("result", comm.rank, comm.size, comm.device, *buf.to_numpy().tolist(), flush=True)
+    buf.close()
+    comm.destroy()
+"""
+
+
+@pytest.mark.parametrize("nids", [1, 2])
+def test_launch_from_env_all_reduce_on_loopback(tmp_path, nids):
+    from pynccl.testing import loopback
+
+    try:
+        loopback.build()
+    except loopback.LoopbackBuildError as e:
+        pytest.skip(f"the loopback libraries cannot be built here: {e}")
+    n = 3
+    out = _launch(["-n", n, "--loopback", _script(tmp_path, E2E_SCRIPT), nids])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = sorted(line.split() for line in out.stdout.splitlines() if " result " in line)
+    expected = (np.arange(16, dtype=np.float32) * sum(range(1, n + 1))).tolist()
+    assert len(rows) == n
+    for r, row in enumerate(rows):
+        assert row[:2] == ["[rank", f"{r}]"]
+        assert [int(v) for v in row[3:6]] == [r, n, r]  # rank, size, device = local rank
+        assert [float(v) for v in row[6:]] == expected
