@@ -12,6 +12,13 @@ library only:
   :class:`StoreRendezvous`, :class:`MpiRendezvous`, :class:`FileRendezvous`.
 * :func:`from_env` does all of it and returns a :class:`~pynccl.Communicator`.
 
+Typical use, on every rank::
+
+    from pynccl.bootstrap import from_env
+    comm = from_env()                  # TCP at MASTER_ADDR:MASTER_PORT, PYNCCL_RENDEZVOUS_KEY
+    comm = from_env(store=store)       # or a torch.distributed store, mpi_comm=, file=
+
+started by ``python -m pynccl launch -n 4 train.py``, torchrun, srun or mpirun.
 Importing this package loads no library.
 """
 
