@@ -386,6 +386,9 @@ def test_malloc_alignment_registry_and_attributes(rt: ctypes.CDLL) -> None:
     ok(rt, rt.cudaMalloc(byref(zero), 0))
     assert zero.value is None
     assert rt.cudaMalloc(None, 16) == INVALID_VALUE
+    huge = c_void_p()
+    assert rt.cudaMalloc(byref(huge), 1 << 62) == 2  # cudaErrorMemoryAllocation
+    assert huge.value is None
 
 
 def test_bad_frees_are_errors_not_crashes(rt: ctypes.CDLL) -> None:
@@ -636,6 +639,22 @@ def test_stream_device_follows_the_creating_thread(rt: ctypes.CDLL) -> None:
     ok(rt, rt.cudaSetDevice(0))
     assert rt.pynccl_lb_stream_device(s) == last
     assert rt.pynccl_lb_stream_device(LEGACY) == 0
+    ok(rt, rt.cudaStreamDestroy(s))
+
+
+def test_tasks_run_on_their_streams_device(rt: ctypes.CDLL) -> None:
+    last = ndev(rt) - 1
+    ok(rt, rt.cudaSetDevice(last))
+    s = stream(rt)
+    ok(rt, rt.cudaSetDevice(0))
+    seen: list[int] = []
+    callback = TASK_FN(lambda _arg: seen.append(rt.pynccl_lb_current_device()))
+    _callbacks.append(callback)
+    ok(rt, rt.pynccl_lb_stream_enqueue(s, ctypes.cast(callback, c_void_p), None, None))
+    ok(rt, rt.pynccl_lb_stream_enqueue(None, ctypes.cast(callback, c_void_p), None, None))
+    ok(rt, rt.cudaStreamSynchronize(s))
+    ok(rt, rt.cudaStreamSynchronize(None))
+    assert seen == [last, 0]
     ok(rt, rt.cudaStreamDestroy(s))
 
 

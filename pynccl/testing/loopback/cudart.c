@@ -75,6 +75,8 @@ LB_HIDDEN cudaError_t lb_check_usable(const char *fn) {
 
 LB_HIDDEN int lb_current_device(void) { return tls_device; }
 
+LB_HIDDEN void lb_set_thread_device(int device) { tls_device = device; }
+
 LB_HIDDEN double lb_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

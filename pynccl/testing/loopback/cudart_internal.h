@@ -76,6 +76,7 @@ LB_HIDDEN cudaError_t lb_fail(cudaError_t err, const char *fn, const char *fmt, 
     LB_PRINTF(3, 4);
 LB_HIDDEN cudaError_t lb_check_usable(const char *fn);
 LB_HIDDEN int lb_current_device(void);
+LB_HIDDEN void lb_set_thread_device(int device);
 LB_HIDDEN double lb_now_ms(void);
 
 /* cudart_stream.c */

@@ -207,6 +207,7 @@ static void *worker_main(void *arg) {
              s->kind == LB_STREAM_LEGACY ? "legacy" : s->kind == LB_STREAM_USER ? "strm" : "pts",
              s->device);
     pthread_setname_np(pthread_self(), name);
+    lb_set_thread_device(s->device); /* tasks run "on" their stream's device */
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (s->head == NULL && !s->stopping) pthread_cond_wait(&s->cv_work, &s->mu);
@@ -869,7 +870,7 @@ LB_HIDDEN void lb_streams_init(void) {
 }
 
 /* At unload (process exit): work not yet started is dropped, as a GPU context's
- * would be; running tasks get a short, bounded time to finish, so that a task
+ * would be (its memory is left to the exit); running tasks get a short, bounded time to finish, so that a task
  * blocked forever (a collective waiting for a dead peer) cannot hang the exit. */
 LB_HIDDEN void lb_streams_fini(void) {
     pthread_rwlock_rdlock(&g_streams_lock);
@@ -895,9 +896,10 @@ LB_HIDDEN void lb_streams_fini(void) {
         pthread_cond_broadcast(&s->cv_work);
         pthread_cond_broadcast(&s->cv_done);
         pthread_mutex_unlock(&s->mu);
+        /* Neither callback runs: libnccl (which depends on us) has already been
+         * finalized, so its release functions may touch freed state. */
         while (dropped != NULL) {
             lb_task *next = dropped->next;
-            if (dropped->release != NULL) dropped->release(dropped->arg);
             free(dropped);
             dropped = next;
         }
@@ -910,7 +912,8 @@ LB_HIDDEN void lb_streams_fini(void) {
         bool mine = s->worker_started && !s->worker_claimed;
         if (mine) {
             s->worker_claimed = true;
-            while (!s->worker_exited)
+            bool self = pthread_equal(pthread_self(), s->worker); /* a task called exit() */
+            while (!self && !s->worker_exited)
                 if (pthread_cond_timedwait(&s->cv_done, &s->mu, &deadline) == ETIMEDOUT) break;
         }
         bool exited = s->worker_exited;

@@ -2,7 +2,8 @@
  * Internal interface between the loopback libcudart and the loopback libnccl.
  *
  * Not part of any public ABI: the loopback libnccl links against the loopback
- * libcudart (soname libpynccl_loopback_cudart.so, found through RUNPATH $ORIGIN)
+ * libcudart (soname libpynccl_loopback_cudart.so, found through the RUNPATH the
+ * builder sets to that cudart build's cache directory)
  * and uses these hooks to enqueue work on streams and to check that a pointer
  * lies inside a loopback cudaMalloc allocation.
  */
@@ -21,12 +22,21 @@ extern "C" {
  * `run` is called once on the worker; `arg` is owned by the task.
  * `release` (may be NULL) is called after `run`, or instead of it if the
  * stream is destroyed with the task still queued. */
+/* (cudart engineer) What the loopback cudart actually does: cudaStreamDestroy
+ * runs every queued task (so `release` always follows `run`); only at process exit
+ * are still-queued tasks dropped, and then neither callback is called (libnccl has
+ * already been finalized by then). `run` executes on the stream's own worker
+ * thread, whose current device (pynccl_lb_current_device) is the stream's device.
+ * A task may block (e.g. waiting for peers): other streams are unaffected, but the
+ * destructor gives running tasks only ~0.5 s at exit before leaving them behind. */
 typedef void (*lb_task_fn)(void *arg);
 
 /* Enqueue a task on `stream` (a cudaStream_t as passed by the user:
  * NULL or cudaStreamLegacy = the calling thread's current device's legacy
  * default stream; cudaStreamPerThread = that thread's per-thread stream).
- * Returns 0 (cudaSuccess) or a cudaError_t value (invalid handle, ...). */
+ * Returns 0 (cudaSuccess) or a cudaError_t value (invalid handle, ...).
+ * On an error nothing was queued and neither callback is called: the caller
+ * still owns `arg`. */
 LB_EXPORT int pynccl_lb_stream_enqueue(void *stream, lb_task_fn run, lb_task_fn release, void *arg);
 
 /* Device of a stream handle (resolving NULL/legacy/per-thread as above);
