@@ -1,0 +1,752 @@
+"""pynccl._adapt: buffers and streams in every accepted form, and every refusal.
+
+The producers (tests/_producers.py) expose numpy arrays' host memory through
+``__cuda_array_interface__`` or a ctypes-built DLPack capsule; expectations
+come from numpy (address, size, strides, contiguity), never from pynccl.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+from ctypes import addressof, c_int, create_string_buffer
+from typing import Any
+
+import _producers as P
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pynccl import DataType
+from pynccl._adapt import as_buffer, as_stream, check_device
+
+# numpy dtype -> the NCCL type it must map to (written out, not derived).
+NUMPY_TYPES = [
+    (np.int8, DataType.INT8),
+    (np.uint8, DataType.UINT8),
+    (np.int32, DataType.INT32),
+    (np.uint32, DataType.UINT32),
+    (np.int64, DataType.INT64),
+    (np.uint64, DataType.UINT64),
+    (np.float16, DataType.FLOAT16),
+    (np.float32, DataType.FLOAT32),
+    (np.float64, DataType.FLOAT64),
+]
+ML_TYPES = [
+    (ml_dtypes.bfloat16, DataType.BFLOAT16),
+    (ml_dtypes.float8_e4m3fn, DataType.FLOAT8_E4M3),
+    (ml_dtypes.float8_e5m2, DataType.FLOAT8_E5M2),
+]
+
+
+def addr(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+# --- raw pointers -------------------------------------------------------------------------
+
+
+def test_raw_pointer() -> None:
+    assert as_buffer(0x7F00_0000_1000, 10, "float32") == (
+        0x7F00_0000_1000,
+        10,
+        DataType.FLOAT32,
+        None,
+    )
+    assert as_buffer(0x1000, np.int64(3), np.dtype("float16")) == (
+        0x1000,
+        3,
+        DataType.FLOAT16,
+        None,
+    )
+    # A NULL pointer is fine for zero elements (NCCL never dereferences it).
+    assert as_buffer(0, 0, DataType.INT8) == (0, 0, DataType.INT8, None)
+
+
+@pytest.mark.parametrize(
+    ("count", "dtype", "missing"),
+    [(None, "float32", "count="), (4, None, "dtype="), (None, None, "count= and dtype=")],
+)
+def test_raw_pointer_needs_count_and_dtype(count: Any, dtype: Any, missing: str) -> None:
+    with pytest.raises(TypeError, match=rf"recvbuf is a raw pointer \(0x1000\).*{missing}"):
+        as_buffer(0x1000, count, dtype, name="recvbuf")
+
+
+def test_raw_pointer_refusals() -> None:
+    with pytest.raises(ValueError, match=r"sendbuf is a NULL pointer but count=4"):
+        as_buffer(0, 4, "float32")
+    with pytest.raises(ValueError, match=r"recvbuf=-8 is not a valid pointer"):
+        as_buffer(-8, 4, "float32", name="recvbuf")
+    with pytest.raises(ValueError, match=r"is not a valid pointer"):
+        as_buffer(1 << 64, 4, "float32")
+    with pytest.raises(ValueError, match=r"count=-1 for sendbuf must be >= 0"):
+        as_buffer(0x1000, -1, "float32")
+    with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got float 2.0"):
+        as_buffer(0x1000, 2.0, "float32")
+    with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got bool"):
+        as_buffer(0x1000, True, "float32")
+    with pytest.raises(TypeError, match=r"dtype for sendbuf: data type 'int16' is not supported"):
+        as_buffer(0x1000, 4, "int16")
+
+
+def test_bool_is_not_a_pointer() -> None:
+    with pytest.raises(TypeError, match=r"recvbuf must be an int device pointer.*bool"):
+        as_buffer(True, 1, "float32", name="recvbuf")
+
+
+def test_int_subclass_is_a_pointer() -> None:
+    class Address(int):
+        pass
+
+    ptr, n, dt, dev = as_buffer(Address(0x2000), 2, "uint8")
+    assert (ptr, n, dt, dev) == (0x2000, 2, DataType.UINT8, None)
+    assert type(ptr) is int
+
+
+# --- __cuda_array_interface__ ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("producer", [P.CAIArray, P.CAIProperty])
+@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize(("np_type", "expected"), NUMPY_TYPES)
+def test_cai_types(producer: Any, version: int, np_type: Any, expected: DataType) -> None:
+    a = np.zeros((3, 5), dtype=np_type)
+    assert as_buffer(producer(a, version=version)) == (addr(a), a.size, expected, None)
+
+
+def test_cai_shapes() -> None:
+    a = np.zeros(7, np.float32)
+    assert as_buffer(P.CAIArray(a))[1] == 7
+    s = np.zeros((), np.float32)  # 0-d: one element
+    assert as_buffer(P.CAIArray(s))[:2] == (addr(s), 1)
+    e = np.zeros((4, 0, 3), np.float32)
+    assert as_buffer(P.CAIArray(e, strides="always"))[1] == 0
+
+
+def test_cai_empty_with_null_pointer() -> None:
+    cai = P.CAIArray(np.zeros(0, np.float32))
+    cai.__cuda_array_interface__["data"] = (0, False)
+    assert as_buffer(cai) == (0, 0, DataType.FLOAT32, None)
+
+
+def test_cai_null_pointer_with_elements() -> None:
+    cai = P.CAIArray(np.zeros(3, np.float32))
+    cai.__cuda_array_interface__["data"] = (0, False)
+    with pytest.raises(ValueError, match=r"recvbuf: .*data pointer 0 is not a valid device"):
+        as_buffer(cai, name="recvbuf")
+
+
+def test_cai_explicit_c_strides_accepted() -> None:
+    a = np.zeros((2, 3, 4), np.int32)
+    assert as_buffer(P.CAIArray(a, strides="always")) == (addr(a), 24, DataType.INT32, None)
+
+
+def test_cai_strided_refused() -> None:
+    a = np.zeros((4, 6), np.float32)[:, ::2]
+    with pytest.raises(ValueError) as info:
+        as_buffer(P.CAIArray(a), name="recvbuf")
+    text = str(info.value)
+    assert "recvbuf is a strided/non-contiguous view" in text
+    assert "shape=(4, 3)" in text and "strides=(24, 8)" in text
+    assert "make it contiguous" in text
+
+
+def test_cai_transposed_refused() -> None:
+    a = np.zeros((3, 4), np.float64).T
+    with pytest.raises(ValueError, match=r"shape=\(4, 3\), strides=\(8, 32\)"):
+        as_buffer(P.CAIArray(a))
+
+
+def test_cai_masked_refused() -> None:
+    a = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=r"sendbuf is a masked array"):
+        as_buffer(P.CAIArray(a, mask=(0x1234, False)))
+    assert as_buffer(P.CAIArray(a, mask=None))[1] == 4
+
+
+def test_cai_readonly() -> None:
+    a = np.zeros(4, np.float32)
+    ro = P.CAIArray(a, readonly=True)
+    assert as_buffer(ro, name="sendbuf") == (addr(a), 4, DataType.FLOAT32, None)
+    with pytest.raises(ValueError, match=r"recvbuf is read-only .*data=\(0x[0-9a-f]+, True\)"):
+        as_buffer(ro, name="recvbuf", writable=True)
+
+
+@pytest.mark.parametrize(("ml_type", "expected"), ML_TYPES)
+def test_cai_void_typestr_uses_dtype(ml_type: Any, expected: DataType) -> None:
+    a = np.zeros(6, dtype=ml_type)
+    # numpy has no typestr for these ('<V2', '<V1', '<f1'): the premise of the test
+    assert a.dtype.str[1] == "V" or a.dtype.str[1:] == "f1"
+    assert as_buffer(P.CAIWithDType(a, a.dtype)) == (addr(a), 6, expected, None)
+    # Our own DeviceBuffer's style: .dtype is a DataType, typestr '|V1' / '<V2'.
+    cai = P.CAIWithDType(a, expected)
+    cai.__cuda_array_interface__["typestr"] = f"{'<' if a.itemsize > 1 else '|'}V{a.itemsize}"
+    assert as_buffer(cai) == (addr(a), 6, expected, None)
+
+
+def test_cai_void_typestr_without_usable_dtype() -> None:
+    a = np.zeros(6, dtype=ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match=r"sendbuf has typestr '<V2', .*no \.dtype"):
+        as_buffer(P.CAIArray(a))
+    with pytest.raises(TypeError, match=r"\.dtype='complex64'"):
+        as_buffer(P.CAIWithDType(a, "complex64"))
+
+
+def test_cai_void_typestr_size_mismatch() -> None:
+    a = np.zeros(6, dtype=ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match=r"typestr '<V2' but \.dtype=.*float32.*4 bytes"):
+        as_buffer(P.CAIWithDType(a, "float32"))
+
+
+@pytest.mark.parametrize("np_type", [np.int16, np.bool_, np.complex64, np.float128])
+def test_cai_unsupported_types(np_type: Any) -> None:
+    a = np.zeros(3, dtype=np_type)
+    with pytest.raises(TypeError, match=rf"recvbuf: data type '{a.dtype.str}' is not supported"):
+        as_buffer(P.CAIArray(a), name="recvbuf")
+
+
+def test_cai_big_endian_refused() -> None:
+    a = np.zeros(3, dtype=">f4")
+    with pytest.raises(TypeError, match=r"big-endian"):
+        as_buffer(P.CAIArray(a))
+
+
+def test_cai_malformed() -> None:
+    bad = P.CAIArray(np.zeros(3, np.float32))
+    del bad.__cuda_array_interface__["data"]
+    with pytest.raises(TypeError, match=r"sendbuf has a malformed __cuda_array_interface__"):
+        as_buffer(bad)
+    bad = P.CAIArray(np.zeros(3, np.float32))
+    bad.__cuda_array_interface__["shape"] = (3, -2)
+    with pytest.raises(TypeError, match=r"shape \(3, -2\) is not a tuple of ints >= 0"):
+        as_buffer(bad)
+
+
+def test_cai_count_and_dtype() -> None:
+    a = np.zeros((2, 5), np.float32)
+    cai = P.CAIArray(a)
+    assert as_buffer(cai, 4) == (addr(a), 4, DataType.FLOAT32, None)
+    assert as_buffer(cai, 10, np.float32) == (addr(a), 10, DataType.FLOAT32, None)
+    assert as_buffer(cai, 0) == (addr(a), 0, DataType.FLOAT32, None)
+    with pytest.raises(ValueError, match=r"count=11 is larger than recvbuf, which holds only 10"):
+        as_buffer(cai, 11, name="recvbuf")
+    with pytest.raises(
+        TypeError, match=r"dtype=int32 does not match recvbuf, whose data type is float32"
+    ):
+        as_buffer(cai, None, "int32", name="recvbuf")
+
+
+def test_cai_device_from_dlpack_device() -> None:
+    a = np.zeros(2, np.float32)
+    assert as_buffer(P.CAIWithDLPackDevice(a, (P.kDLCUDA, 3)))[3] == 3
+    # Managed memory's device_id is always 0 (dlpack.h): it says nothing.
+    assert as_buffer(P.CAIWithDLPackDevice(a, (P.kDLCUDAManaged, 0)))[3] is None
+
+
+def test_cai_device_from_device_attribute() -> None:
+    a = np.zeros(2, np.float32)
+    assert as_buffer(P.TorchLikeCAI(a, "cuda", 1))[3] == 1
+    assert as_buffer(P.TorchLikeCAI(a, "cuda", None))[3] is None
+    assert as_buffer(P.CupyLikeCAI(a, 2))[3] == 2
+
+
+def test_torch_bf16_like_falls_back_to_dlpack() -> None:
+    # torch's __cuda_array_interface__ raises KeyError for bfloat16; its DLPack works.
+    a = np.zeros(5, ml_dtypes.bfloat16)
+    assert as_buffer(P.TorchBF16Like(a)) == (addr(a), 5, DataType.BFLOAT16, 0)
+
+
+def test_cai_property_error_is_the_producers() -> None:
+    class NoDLPack:
+        @property
+        def __cuda_array_interface__(self) -> Any:
+            raise AttributeError("Can't get __cuda_array_interface__ on a CPU tensor")
+
+    with pytest.raises(AttributeError, match="on a CPU tensor"):
+        as_buffer(NoDLPack())
+
+
+def test_torch_cpu_like_falls_back_to_dlpack() -> None:
+    a = np.zeros(2, np.float32)
+    with pytest.raises(ValueError, match=r"recvbuf is a CPU array \(kDLCPU\); NCCL needs device"):
+        as_buffer(P.TorchCPULike(a), name="recvbuf")
+
+
+def test_cai_handler_is_cached_per_type() -> None:
+    import pynccl._adapt as adapt
+
+    class Fresh(P.CAIArray):
+        pass
+
+    a, b = np.zeros(2, np.float32), np.zeros(5, np.int8)
+    assert Fresh not in adapt._BUFFER_HANDLERS
+    as_buffer(Fresh(a))
+    handler = adapt._BUFFER_HANDLERS[Fresh]
+    assert as_buffer(Fresh(b)) == (addr(b), 5, DataType.INT8, None)
+    assert adapt._BUFFER_HANDLERS[Fresh] is handler
+
+
+# Contiguity against numpy's own verdict, over random views.
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_cai_contiguity_matches_numpy(shape: list[int], data: Any) -> None:
+    base = np.zeros(shape, np.float32)
+    index = tuple(
+        slice(data.draw(st.integers(0, n - 1)), None, data.draw(st.sampled_from([1, 1, 2, -1])))
+        for n in shape
+    )
+    view = base[index]
+    if data.draw(st.booleans()):
+        view = view.T
+    cai = P.CAIArray(view, strides="always")
+    if view.flags.c_contiguous:
+        assert as_buffer(cai) == (addr(view), view.size, DataType.FLOAT32, None)
+    else:
+        with pytest.raises(ValueError, match="strided/non-contiguous"):
+            as_buffer(cai)
+
+
+# --- DLPack ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("versioned", [False, True])
+@pytest.mark.parametrize(("np_type", "expected"), NUMPY_TYPES + ML_TYPES)
+def test_dlpack_types(versioned: bool, np_type: Any, expected: DataType) -> None:
+    a = np.zeros((2, 3), dtype=np_type)
+    p = P.DLPackProducer(a, versioned=versioned, device=(P.kDLCUDA, 1))
+    assert as_buffer(p) == (addr(a), 6, expected, 1)
+
+
+def test_dlpack_capsule_is_released() -> None:
+    a = np.zeros(4, np.float32)
+    for versioned in (False, True):
+        p = P.DLPackProducer(a, versioned=versioned)
+        for i in range(3):
+            as_buffer(p)
+            assert p.deleted == i + 1  # released at once, by the capsule's own destructor
+            assert p.exported == 0
+
+
+def test_dlpack_capsule_is_released_on_error() -> None:
+    p = P.DLPackProducer(np.zeros((4, 4), np.float32)[:, ::2])
+    with pytest.raises(ValueError, match="strided"):
+        as_buffer(p)
+    gc.collect()
+    assert (p.deleted, p.exported) == (1, 0)
+
+
+def test_dlpack_versioned_request() -> None:
+    a = np.zeros(4, np.float32)
+    p = P.DLPackProducer(a)
+    as_buffer(p, stream=0x5000)
+    assert p.calls == [{"stream": 0x5000, "max_version": (1, 1)}]
+
+
+def test_dlpack_stream_mapping() -> None:
+    p = P.DLPackProducer(np.zeros(4, np.float32))
+    as_buffer(p)  # no stream: the producer assumes the legacy default stream
+    as_buffer(p, stream=0)  # CUDA's 0 is DLPack's 1 (0 is forbidden by the spec)
+    as_buffer(p, stream=2)  # per-thread default stream passes through
+    assert [c["stream"] for c in p.calls] == [None, 1, 2]
+
+
+@pytest.mark.parametrize("producer", [P.StreamOnlyDLPack, P.BareDLPack])
+def test_dlpack_older_producers(producer: Any) -> None:
+    a = np.zeros((3, 3), np.int64)
+    p = producer(a)
+    for _ in range(2):  # second call: the learnt calling style
+        assert as_buffer(p, stream=7) == (addr(a), 9, DataType.INT64, 0)
+    expected = [{"stream": 7}] * 2 if producer is P.StreamOnlyDLPack else [{}] * 2
+    assert p.calls == expected
+    gc.collect()
+    assert (p.deleted, p.exported) == (2, 0)
+
+
+def test_dlpack_byte_offset() -> None:
+    a = np.zeros(8, np.float32)
+    p = P.DLPackProducer(a, byte_offset=64)
+    assert as_buffer(p)[0] == addr(a)  # data + byte_offset is the array's start
+
+
+def test_dlpack_managed_memory_has_no_device() -> None:
+    p = P.DLPackProducer(np.zeros(2, np.float32), device=(P.kDLCUDAManaged, 0))
+    assert as_buffer(p)[3] is None
+
+
+@pytest.mark.parametrize(
+    ("device", "words"),
+    [
+        ((P.kDLCPU, 0), r"a CPU array \(kDLCPU\); NCCL needs device memory"),
+        ((P.kDLCUDAHost, 0), r"in pinned host memory \(kDLCUDAHost\)"),
+        ((10, 0), r"a ROCm array \(kDLROCM\)"),
+        ((99, 0), r"on DLPack device type 99"),
+    ],
+)
+def test_dlpack_non_cuda_devices_refused(device: tuple[int, int], words: str) -> None:
+    p = P.DLPackProducer(np.zeros(2, np.float32), device=device)
+    with pytest.raises(ValueError, match=rf"recvbuf is {words}"):
+        as_buffer(p, name="recvbuf")
+    assert p.calls == []  # refused before any export
+
+
+def test_numpy_array_refused() -> None:
+    with pytest.raises(ValueError, match=r"sendbuf is a CPU array \(kDLCPU\).*DeviceBuffer"):
+        as_buffer(np.zeros(3, np.float32))
+
+
+def test_dlpack_strided_refused() -> None:
+    a = np.zeros((4, 6), np.float32)[::2]
+    with pytest.raises(ValueError) as info:
+        as_buffer(P.DLPackProducer(a))
+    assert "shape=(2, 6), strides=(12, 1) in elements" in str(info.value)
+
+
+def test_dlpack_explicit_c_strides_accepted() -> None:
+    a = np.zeros((2, 1, 3), np.float32)
+    p = P.DLPackProducer(a, strides=(3, 99, 1))  # extent-1 dims may carry any stride
+    assert as_buffer(p) == (addr(a), 6, DataType.FLOAT32, 0)
+
+
+@pytest.mark.parametrize(
+    ("dl_dtype", "words"),
+    [
+        ((P.kDLFloat, 32, 4), r"a vector type \(4 lanes\)"),
+        ((P.kDLInt, 16, 1), r"int of 16 bits, which NCCL does not support"),
+        ((P.kDLBool, 8, 1), r"bool of 8 bits"),
+        ((P.kDLComplex, 64, 1), r"complex of 64 bits"),
+        ((P.kDLFloat8_e4m3, 8, 1), r"IEEE-style; NCCL's FP8 is float8_e4m3fn"),
+        ((P.kDLBfloat, 32, 1), r"bfloat of 32 bits"),
+        ((200, 8, 1), r"type code 200"),
+    ],
+)
+def test_dlpack_unsupported_dtypes(dl_dtype: tuple[int, int, int], words: str) -> None:
+    p = P.DLPackProducer(np.zeros(4, np.float32), dl_dtype=dl_dtype)
+    code, bits, lanes = dl_dtype
+    with pytest.raises(TypeError) as info:
+        as_buffer(p, name="recvbuf")
+    text = str(info.value)
+    del info  # its traceback holds the frame that held the capsule
+    assert f"recvbuf has DLPack dtype (code={code}, bits={bits}, lanes={lanes})" in text
+    assert re.search(words, text)
+    gc.collect()
+    assert p.deleted == 1
+
+
+def test_dlpack_readonly_flag() -> None:
+    a = np.zeros(4, np.float32)
+    p = P.DLPackProducer(a, flags=P.FLAG_READ_ONLY)
+    assert as_buffer(p, name="sendbuf")[0] == addr(a)
+    with pytest.raises(ValueError, match=r"recvbuf is read-only \(DLPack read-only flag\)"):
+        as_buffer(p, name="recvbuf", writable=True)
+
+
+def test_dlpack_copy_refused() -> None:
+    p = P.DLPackProducer(np.zeros(4, np.float32), flags=P.FLAG_IS_COPIED)
+    with pytest.raises(ValueError, match=r"sendbuf: the DLPack producer exported a copy"):
+        as_buffer(p)
+
+
+def test_dlpack_future_major_version_refused() -> None:
+    p = P.DLPackProducer(np.zeros(4, np.float32), version=(2, 0))
+    with pytest.raises(ValueError, match=r"exported as DLPack 2.0; pynccl reads DLPack 1.x"):
+        as_buffer(p)
+    gc.collect()
+    assert p.deleted == 1  # the deleter sits before the version-dependent fields
+
+
+def test_dlpack_consumed_capsule_refused() -> None:
+    p = P.DLPackProducer(np.zeros(4, np.float32), capsule_name=P.NAME_USED)
+    with pytest.raises(ValueError, match=r"capsule named b'used_dltensor'"):
+        as_buffer(p)
+
+
+def test_dlpack_null_data() -> None:
+    p = P.DLPackProducer(np.zeros(0, np.float32), null_data=True)
+    assert as_buffer(p) == (0, 0, DataType.FLOAT32, 0)
+    p = P.DLPackProducer(np.zeros(3, np.float32), null_data=True)
+    with pytest.raises(ValueError, match=r"DLPack data pointer is NULL for 3 elements"):
+        as_buffer(p)
+
+
+def test_dlpack_count_and_dtype() -> None:
+    a = np.zeros(10, ml_dtypes.bfloat16)
+    p = P.DLPackProducer(a)
+    assert as_buffer(p, 3, "bfloat16") == (addr(a), 3, DataType.BFLOAT16, 0)
+    with pytest.raises(ValueError, match=r"count=11 is larger than sendbuf, which holds only 10"):
+        as_buffer(p, 11)
+    with pytest.raises(TypeError, match=r"dtype=float16 does not match sendbuf.* bfloat16"):
+        as_buffer(p, None, np.float16)
+
+
+def test_dlpack_returns_non_capsule() -> None:
+    class Liar:
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (P.kDLCUDA, 0)
+
+        def __dlpack__(self, **kw: Any) -> Any:
+            return b"not a capsule"
+
+    with pytest.raises(TypeError, match=r"sendbuf.__dlpack__\(\) returned bytes"):
+        as_buffer(Liar())
+
+
+@settings(max_examples=100, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), data=st.data())
+def test_dlpack_contiguity_matches_numpy(shape: list[int], data: Any) -> None:
+    base = np.zeros(shape, np.int32)
+    index = tuple(
+        slice(data.draw(st.integers(0, n - 1)), None, data.draw(st.sampled_from([1, 2])))
+        for n in shape
+    )
+    view = base[index]
+    p = P.DLPackProducer(view, strides="always")
+    if view.flags.c_contiguous:
+        assert as_buffer(p) == (addr(view), view.size, DataType.INT32, 0)
+    else:
+        with pytest.raises(ValueError, match="strided/non-contiguous"):
+            as_buffer(p)
+
+
+# --- other objects ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("obj", [None, "0x1000", 1.5, [1, 2], b"abc", object()])
+def test_not_a_buffer(obj: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        as_buffer(obj, 4, "float32", name="recvbuf")
+    text = str(info.value)
+    assert text.startswith("recvbuf must be an int device pointer")
+    assert "__cuda_array_interface__" in text and "DLPack" in text
+    assert type(obj).__qualname__ in text
+
+
+def test_host_memory_hint() -> None:
+    class HostArray:
+        __array_interface__ = {"shape": (3,), "typestr": "<f4", "data": (0x1000, False)}
+
+    with pytest.raises(TypeError, match=r"this looks like host memory"):
+        as_buffer(HostArray())
+    with pytest.raises(TypeError, match=r"this looks like host memory"):
+        as_buffer(bytearray(8))
+
+
+# --- check_device -------------------------------------------------------------------------------
+
+
+def test_check_device() -> None:
+    check_device(None, 0, "recvbuf")
+    check_device(1, None, "recvbuf")
+    check_device(2, 2, "recvbuf")
+    with pytest.raises(
+        ValueError, match=r"^`?recvbuf`? is on device 1 but the communicator is on device 0$"
+    ):
+        check_device(1, 0, "recvbuf")
+
+
+# --- pynccl.cuda.DeviceBuffer -------------------------------------------------------------------
+
+
+class _FakeRuntime:
+    """The few cudart calls DeviceBuffer makes, over host memory (no GPU here)."""
+
+    def __init__(self) -> None:
+        self.device = 0
+        self.blocks: dict[int, Any] = {}
+
+    def cudaGetDevice(self, out: Any) -> None:
+        out._obj.value = self.device
+
+    def cudaSetDevice(self, device: int) -> None:
+        self.device = device
+
+    def cudaMalloc(self, out: Any, nbytes: int) -> None:
+        block = create_string_buffer(nbytes)
+        self.blocks[addressof(block)] = block
+        out._obj.value = addressof(block)
+
+    def cudaFree(self, ptr: int) -> None:
+        del self.blocks[ptr]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
+    cuda = pytest.importorskip("pynccl.cuda")
+    if not hasattr(cuda, "_rt") or not hasattr(cuda, "DeviceBuffer"):
+        pytest.skip("pynccl.cuda has no DeviceBuffer over _rt()")
+    rt = _FakeRuntime()
+    monkeypatch.setattr(cuda, "_rt", lambda: rt)
+    yield cuda, rt
+    assert rt.blocks == {}  # every buffer made in the test was freed
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"), [("float32", DataType.FLOAT32), ("bfloat16", DataType.BFLOAT16)]
+)
+def test_device_buffer(fake_cuda: Any, dtype: str, expected: DataType) -> None:
+    cuda, rt = fake_cuda
+    import pynccl._adapt as adapt
+
+    with cuda.DeviceBuffer((3, 4), dtype, device=1) as buf:
+        assert rt.device == 0  # restored after allocating on device 1
+        ptr = next(iter(rt.blocks))
+        assert as_buffer(buf, name="recvbuf", writable=True) == (ptr, 12, expected, 1)
+        assert adapt._BUFFER_HANDLERS[cuda.DeviceBuffer] is adapt._from_device_buffer
+        # The property-based fallback (used should DeviceBuffer's slots change) agrees.
+        public = adapt._from_device_buffer_public(buf, None, None, "recvbuf", True, None)
+        assert public == (ptr, 12, expected, 1)
+        assert as_buffer(buf, 5, dtype) == (ptr, 5, expected, 1)
+        with pytest.raises(ValueError, match=r"count=13 is larger than sendbuf.*only 12"):
+            as_buffer(buf, 13)
+        with pytest.raises(TypeError, match=r"does not match sendbuf"):
+            as_buffer(buf, None, "int8")
+    with pytest.raises(ValueError, match=r"recvbuf is a DeviceBuffer that has been freed"):
+        as_buffer(buf, name="recvbuf")
+    with pytest.raises(ValueError, match=r"recvbuf is a DeviceBuffer that has been freed"):
+        adapt._from_device_buffer_public(buf, None, None, "recvbuf", True, None)
+
+
+def test_device_buffer_through_its_cai(fake_cuda: Any) -> None:
+    # A subclass misses the fast path and goes through __cuda_array_interface__ and
+    # .dtype (typestr '<V2' for bfloat16): the result must be the same.
+    cuda, rt = fake_cuda
+
+    class Sub(cuda.DeviceBuffer):  # type: ignore[misc,name-defined]
+        __slots__ = ()
+
+    with Sub(7, "bfloat16") as buf:
+        ptr = next(iter(rt.blocks))
+        assert as_buffer(buf) == (ptr, 7, DataType.BFLOAT16, 0)
+
+
+LOOPBACK_SCRIPT = """
+import json
+from pynccl import cuda
+from pynccl._adapt import as_buffer
+with cuda.DeviceBuffer(16, "float16", device=1) as buf:
+    ptr, n, dt, dev = as_buffer(buf, name="recvbuf", writable=True)
+    print(json.dumps([ptr, buf.ptr, n, dt.name, dev, cuda.get_device()]))
+"""
+
+
+def test_device_buffer_on_loopback_cudart() -> None:
+    # A real DeviceBuffer over the loopback libcudart, in a child: loading a libcudart
+    # is for the whole process.
+    loopback = pytest.importorskip("pynccl.testing.loopback")
+    try:
+        cudart = loopback.build_cudart()
+    except loopback.LoopbackBuildError as exc:
+        pytest.skip(f"loopback libcudart cannot be built here: {exc}")
+    env = {**os.environ, "PYNCCL_CUDART_LIBRARY": cudart, "PYNCCL_LOOPBACK_DEVICES": "2"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", LOOPBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    ptr, buf_ptr, n, dt, dev, current = json.loads(out.stdout)
+    assert ptr == buf_ptr != 0
+    assert (n, dt, dev, current) == (16, "FLOAT16", 1, 0)
+
+
+# --- streams -------------------------------------------------------------------------------
+
+
+def test_stream_none_and_ints() -> None:
+    assert as_stream(None) == 0
+    assert as_stream(0) == 0
+    assert as_stream(0x7F12_3456_0000) == 0x7F12_3456_0000
+    assert as_stream(np.uint64(2)) == 2
+    with pytest.raises(ValueError, match=r"stream handle -1 is out of range"):
+        as_stream(-1)
+    with pytest.raises(ValueError, match=r"stream handle 18446744073709551616 is out of range"):
+        as_stream(1 << 64)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [P.ProtocolStream, P.ProtocolAttrStream, P.TorchLikeStream, P.CupyLikeStream],
+)
+def test_stream_objects(make: Any) -> None:
+    assert as_stream(make(0x5555_0000)) == 0x5555_0000
+    assert as_stream(make(0x6666_0000)) == 0x6666_0000  # cached handler, new instance
+
+
+def test_stream_cuda_python_like_uses_int_not_getptr() -> None:
+    s = P.CudaPythonLikeStream(0x7777_0000)
+    assert s.getPtr() != 0x7777_0000  # the premise: getPtr() is not the handle
+    assert as_stream(s) == 0x7777_0000
+
+
+def test_stream_pynccl_stream() -> None:
+    cuda = pytest.importorskip("pynccl.cuda")
+    s = cuda.Stream._borrow(0x4242_0000, None) if hasattr(cuda.Stream, "_borrow") else None
+    if s is None:
+        pytest.skip("pynccl.cuda.Stream cannot be made without a GPU")
+    assert as_stream(s) == 0x4242_0000
+    assert as_stream(cuda.Stream.legacy_default()) == 1
+
+
+@pytest.mark.parametrize(
+    ("obj", "words"),
+    [
+        (P.TorchLikeStream(-5), r"stream \.cuda_stream is -5; expected a cudaStream_t handle"),
+        (P.CupyLikeStream("x"), r"stream \.ptr is str 'x'; expected an int handle"),
+        (P.CupyLikeStream(True), r"stream \.ptr is bool True"),
+        (P.ProtocolStream(1 << 64), r"__cuda_stream__ handle is 18446744073709551616"),
+    ],
+)
+def test_stream_bad_handles(obj: Any, words: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=words):
+        as_stream(obj)
+
+
+def test_stream_bad_protocol_value() -> None:
+    class Broken:
+        def __cuda_stream__(self) -> Any:
+            return 5
+
+    with pytest.raises(
+        TypeError, match=r"Broken.__cuda_stream__ gave 5; expected \(version, handle\)"
+    ):
+        as_stream(Broken())
+
+
+@pytest.mark.parametrize("obj", [True, 1.0, "0", b"0", object(), [1], c_int(3)])
+def test_stream_refused(obj: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        as_stream(obj)
+    text = str(info.value)
+    assert text.startswith("stream must be None, an int cudaStream_t handle")
+    assert "__cuda_stream__" in text and ".cuda_stream" in text and ".ptr" in text
+    assert type(obj).__qualname__ in text
+
+
+def test_stream_handler_lost_attribute() -> None:
+    # Same type, attribute missing on a later instance: a TypeError, not AttributeError.
+    class Flaky:
+        pass
+
+    ok = Flaky()
+    ok.cuda_stream = 9  # type: ignore[attr-defined]
+    assert as_stream(ok) == 9
+    with pytest.raises(TypeError, match=r"stream must be"):
+        as_stream(Flaky())
+
+
+def test_import_pulls_in_no_third_party() -> None:
+    # The adaptation layer recognises torch/CuPy objects by protocol only.
+    code = (
+        "import sys, pynccl._adapt; "
+        "print(sorted(m for m in ('numpy', 'torch', 'cupy', 'ml_dtypes') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
