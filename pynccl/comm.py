@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from . import groups as _group
-from ._adapt import as_buffer, as_stream
+from ._adapt import as_buffer, as_stream, check_device
 from ._capi.nccl import NcclLibrary
 from ._capi.structs import (
     NCCL_SPLIT_NOCOLOR,
@@ -904,26 +904,27 @@ class Communicator:
         return value
 
     def _buf(
-        self, obj: _Buf, count: Any, dtype: Any, name: str, writable: bool = False
+        self,
+        obj: _Buf,
+        count: Any,
+        dtype: Any,
+        name: str,
+        writable: bool = False,
+        *,
+        stream: int = 0,
     ) -> tuple[int, int, DataType]:
         """``(ptr, elements available or -1 if unknown, datatype)`` for a buffer argument."""
-        if type(obj) is int:
-            if count is None or dtype is None:
-                raise TypeError(f"{name} is a raw pointer, so count= and dtype= are required")
-            n = _check_count(count)
-            if obj <= 0 and n:
-                raise ValueError(f"{name} is a NULL or negative pointer ({obj:#x})")
-            return obj, -1, self._datatype(dtype)
         if obj is None:
             raise TypeError(f"{name} is required")
-        ptr, n, dt, dev = as_buffer(obj, None, dtype, name=name, writable=writable)
-        if dev is not None and self._device is not None and dev != self._device:
-            raise ValueError(
-                f"{name} is on device {dev} but the communicator is on device {self._device}"
-            )
+        raw = type(obj) is int
+        # Arrays are read whole (count=None) so that a short one is reported with both sizes.
+        ptr, n, dt, dev = as_buffer(
+            obj, count if raw else None, dtype, name=name, writable=writable, stream=stream
+        )
+        check_device(dev, self._device, name)
         if not self._types[dt]:
             raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
-        return ptr, n, dt
+        return ptr, -1 if raw else n, dt
 
     @staticmethod
     def _need(name: str, have: int, need: int) -> None:
@@ -987,6 +988,7 @@ class Communicator:
         h = self._h
         if h is None:
             h = self._live()
+        s = self._stream if stream is None else as_stream(stream)
         if type(sendbuf) is int and (recvbuf is None or type(recvbuf) is int):
             # Raw-pointer route: no probing.
             if count is None or dtype is None:
@@ -997,19 +999,19 @@ class Communicator:
             if (sendbuf <= 0 or recv <= 0) and n:
                 raise ValueError(f"NULL pointer: sendbuf={sendbuf:#x} recvbuf={recv:#x}")
         else:
-            sendbuf, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", recvbuf is None)
+            sendbuf, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", recvbuf is None, stream=s)
             n = self._count(count, sn, "sendbuf")
             self._need("sendbuf", sn, n)
             if recvbuf is None:
                 recv = sendbuf
             else:
-                recv, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True)
+                recv, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True, stream=s)
                 self._same_type(dt, rdt)
                 self._need("recvbuf", rn, n)
         opv = _OP_NAMES.get(op)
         if opv is None or opv == 4:
             opv = self._op(op, dt)
-        args = (sendbuf, recv, n, dt, opv, h, self._stream if stream is None else as_stream(stream))
+        args = (sendbuf, recv, n, dt, opv, h, s)
         if self._watch is not None:
             self._call("ncclAllReduce", -1, args)
             return
@@ -1039,18 +1041,19 @@ class Communicator:
         ``recvbuf=None`` broadcasts in place in ``sendbuf``.
         """
         h = self._live()
+        s = self._s(stream)
         root = _check_rank(root, self._size, "root")
-        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", writable=recvbuf is None)
+        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", writable=recvbuf is None, stream=s)
         n = self._count(count, sn, "sendbuf")
         if recvbuf is None or self._rank == root:
             self._need("sendbuf", sn, n)
         if recvbuf is None:
             rp = sp
         else:
-            rp, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True)
+            rp, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True, stream=s)
             self._same_type(dt, rdt)
             self._need("recvbuf", rn, n)
-        self._call("ncclBroadcast", root, (sp, rp, n, dt, root, h, self._s(stream)))
+        self._call("ncclBroadcast", root, (sp, rp, n, dt, root, h, s))
 
     def reduce(
         self,
@@ -1068,18 +1071,19 @@ class Communicator:
         ``recvbuf=None`` reduces in place (on the root the result lands in ``sendbuf``).
         """
         h = self._live()
+        s = self._s(stream)
         root = _check_rank(root, self._size, "root")
-        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", writable=recvbuf is None)
+        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", writable=recvbuf is None, stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
         if recvbuf is None:
             rp = sp
         else:
-            rp, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True)
+            rp, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True, stream=s)
             self._same_type(dt, rdt)
             if self._rank == root:
                 self._need("recvbuf", rn, n)
-        self._call("ncclReduce", root, (sp, rp, n, dt, self._op(op, dt), root, h, self._s(stream)))
+        self._call("ncclReduce", root, (sp, rp, n, dt, self._op(op, dt), root, h, s))
 
     def all_gather(
         self,
@@ -1092,13 +1096,14 @@ class Communicator:
     ) -> None:
         """``ncclAllGather``: ``recvbuf`` = every rank's ``sendbuf`` (``count`` each), by rank."""
         h = self._live()
-        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf")
+        s = self._s(stream)
+        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
-        rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True)
+        rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True, stream=s)
         self._same_type(dt, rdt)
         self._need("recvbuf", rn, n * self._size)
-        self._call("ncclAllGather", -1, (sp, rp, n, dt, h, self._s(stream)))
+        self._call("ncclAllGather", -1, (sp, rp, n, dt, h, s))
 
     def reduce_scatter(
         self,
@@ -1112,13 +1117,14 @@ class Communicator:
     ) -> None:
         """``ncclReduceScatter``: rank r gets block r (``count`` elements) of op(sendbuf)."""
         h = self._live()
-        rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True)
+        s = self._s(stream)
+        rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)
         n = self._count(count, rn, "recvbuf")
         self._need("recvbuf", rn, n)
-        sp, sn, sdt = self._buf(sendbuf, n * self._size, dt, "sendbuf")
+        sp, sn, sdt = self._buf(sendbuf, n * self._size, dt, "sendbuf", stream=s)
         self._same_type(sdt, dt)
         self._need("sendbuf", sn, n * self._size)
-        self._call("ncclReduceScatter", -1, (sp, rp, n, dt, self._op(op, dt), h, self._s(stream)))
+        self._call("ncclReduceScatter", -1, (sp, rp, n, dt, self._op(op, dt), h, s))
 
     def gather(
         self,
@@ -1136,18 +1142,18 @@ class Communicator:
         ``ncclSend``/``ncclRecv`` with the same result. ``recvbuf`` matters on the root only.
         """
         h = self._live()
+        s = self._s(stream)
         root = _check_rank(root, self._size, "root")
-        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf")
+        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
         rp = 0
         if self._rank == root:
             if recvbuf is None:
                 raise TypeError("recvbuf is required on the root of a gather")
-            rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True)
+            rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True, stream=s)
             self._same_type(dt, rdt)
             self._need("recvbuf", rn, n * self._size)
-        s = self._s(stream)
         if self._native:
             self._call("ncclGather", root, (sp, rp, n, dt, root, h, s))
             return
@@ -1174,18 +1180,18 @@ class Communicator:
         send/recv. ``sendbuf`` matters on the root only (may be ``None`` elsewhere).
         """
         h = self._live()
+        s = self._s(stream)
         root = _check_rank(root, self._size, "root")
-        rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True)
+        rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)
         n = self._count(count, rn, "recvbuf")
         self._need("recvbuf", rn, n)
         sp = 0
         if self._rank == root:
             if sendbuf is None:
                 raise TypeError("sendbuf is required on the root of a scatter")
-            sp, sn, sdt = self._buf(sendbuf, n * self._size, dt, "sendbuf")
+            sp, sn, sdt = self._buf(sendbuf, n * self._size, dt, "sendbuf", stream=s)
             self._same_type(sdt, dt)
             self._need("sendbuf", sn, n * self._size)
-        s = self._s(stream)
         if self._native:
             self._call("ncclScatter", root, (sp, rp, n, dt, root, h, s))
             return
@@ -1212,7 +1218,8 @@ class Communicator:
         ``count`` defaults to ``len(sendbuf) // size``.
         """
         h = self._live()
-        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf")
+        s = self._s(stream)
+        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         if count is None:
             if sn < 0:
                 raise TypeError("count= is required: sendbuf does not know its size")
@@ -1224,10 +1231,9 @@ class Communicator:
         else:
             n = _check_count(count)
         self._need("sendbuf", sn, n * self._size)
-        rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True)
+        rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True, stream=s)
         self._same_type(dt, rdt)
         self._need("recvbuf", rn, n * self._size)
-        s = self._s(stream)
         if self._native:
             self._call("ncclAlltoAll", -1, (sp, rp, n, dt, h, s))
             return
@@ -1248,11 +1254,12 @@ class Communicator:
     ) -> None:
         """``ncclSend`` (NCCL >= 2.7): send ``count`` elements to ``peer`` (pair with its recv)."""
         h = self._live()
+        s = self._s(stream)
         peer = _check_rank(peer, self._size, "peer")
-        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf")
+        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
-        self._call("ncclSend", peer, (sp, n, dt, peer, h, self._s(stream)))
+        self._call("ncclSend", peer, (sp, n, dt, peer, h, s))
 
     def recv(
         self,
@@ -1265,11 +1272,12 @@ class Communicator:
     ) -> None:
         """``ncclRecv`` (NCCL >= 2.7): receive ``count`` elements from ``peer``."""
         h = self._live()
+        s = self._s(stream)
         peer = _check_rank(peer, self._size, "peer")
-        rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True)
+        rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)
         n = self._count(count, rn, "recvbuf")
         self._need("recvbuf", rn, n)
-        self._call("ncclRecv", peer, (rp, n, dt, peer, h, self._s(stream)))
+        self._call("ncclRecv", peer, (rp, n, dt, peer, h, s))
 
 
 def _set_device(device: int) -> None:
