@@ -19,6 +19,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
 from . import library as _library
+from ._adapt import as_stream
 from .dtypes import as_datatype, to_numpy_dtype
 from .enums import DataType
 from .errors import CudaError, LibraryNotFoundError
@@ -188,35 +189,11 @@ def stream_handle(stream: StreamLike) -> int:
     """The ``cudaStream_t`` of ``stream`` as an ``int`` (0 for ``None``: the default stream).
 
     Accepts an ``int``, a :class:`Stream`, or any object with ``__cuda_stream__()``
-    (returning ``(version, handle)``), ``.cuda_stream`` (torch) or ``.ptr`` (CuPy).
+    (returning ``(version, handle)``), ``.cuda_stream`` (torch), ``.ptr`` (CuPy) or
+    ``__int__`` (cuda-python); the one stream adapter of pynccl,
+    :func:`pynccl._adapt.as_stream`.
     """
-    if stream is None:
-        return 0
-    if isinstance(stream, Stream):
-        return stream.handle
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        if stream < 0:
-            raise ValueError(f"stream handle {stream} must be >= 0")
-        return stream
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        info = proto() if callable(proto) else proto
-        try:
-            _version, handle = info
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"{type(stream).__name__}.__cuda_stream__ returned {info!r}; "
-                "expected a (version, handle) pair"
-            ) from None
-        return int(handle)
-    for attr in ("cuda_stream", "ptr"):
-        handle = getattr(stream, attr, None)
-        if isinstance(handle, int) and not isinstance(handle, bool):
-            return handle
-    raise TypeError(
-        f"expected a stream (None, int handle, pynccl.cuda.Stream or an object with "
-        f"__cuda_stream__), got {type(stream).__name__}"
-    )
+    return as_stream(stream)
 
 
 class Stream:
