@@ -278,8 +278,17 @@ def test_bad_nodelists(bad):
         expand_nodelist(bad)
 
 
-def test_first_host_does_not_expand_everything():
-    assert first_host("n[0000000-9999999]") == "n0000000"
+def test_first_host_does_not_expand_the_list(monkeypatch):
+    from pynccl.bootstrap import env as envmod
+
+    def no_expansion(piece):
+        raise AssertionError("first_host expanded a range")
+
+    monkeypatch.setattr(envmod, "_choices", no_expansion)
+    assert first_host("n[0000000-9999999],m[5-6]") == "n0000000"
+    assert first_host("r[07-99]-c[3,1]") == "r07-c3"
+    with pytest.raises(ValueError):  # the rest of the list is still validated
+        first_host("n[1-2],m[3-")
 
 
 # -- devices ------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import itertools
 import os
 import re
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .errors import LaunchEnvError
@@ -418,8 +418,9 @@ def _split_top_level(nodelist: str) -> list[str]:
     return items
 
 
-def _expand_range(spec: str, nodelist: str) -> list[str]:
-    out: list[str] = []
+def _parse_ranges(spec: str, nodelist: str) -> list[tuple[int, int, int]]:
+    """``"01-03,7"`` -> ``[(1, 3, 2), (7, 7, 1)]``: (low, high, zero-padded width)."""
+    ranges: list[tuple[int, int, int]] = []
     for part in spec.split(","):
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
@@ -430,25 +431,33 @@ def _expand_range(spec: str, nodelist: str) -> list[str]:
         hi = lo if hi_text is None else int(hi_text)
         if hi < lo:
             raise ValueError(f"descending range {part!r} in node list {nodelist!r}")
-        width = len(lo_text)  # Slurm keeps the zero padding of the lower bound
-        out.extend(str(n).zfill(width) for n in range(lo, hi + 1))
-    return out
+        ranges.append((lo, hi, len(lo_text)))  # Slurm keeps the lower bound's zero padding
+    return ranges
 
 
-def _iter_nodelist(nodelist: str) -> Iterator[str]:
+def _parse_nodelist(nodelist: str) -> list[list[str | list[tuple[int, int, int]]]]:
+    """Each host expression as [literal, ranges, literal, ranges, ..., literal]."""
     if not nodelist.strip():
         raise ValueError("empty node list")
+    items = []
     for item in _split_top_level(nodelist.strip()):
         item = item.strip()
         if not item:
             raise ValueError(f"empty host name in node list {nodelist!r}")
-        pieces = _BRACKET.split(item)  # literal, range, literal, range, ..., literal
-        choices = [
-            [piece] if i % 2 == 0 else _expand_range(piece, nodelist)
-            for i, piece in enumerate(pieces)
-        ]
-        for combo in itertools.product(*choices):
-            yield "".join(combo)
+        pieces = _BRACKET.split(item)  # literal, range spec, literal, ..., literal
+        items.append(
+            [
+                piece if i % 2 == 0 else _parse_ranges(piece, nodelist)
+                for i, piece in enumerate(pieces)
+            ]
+        )
+    return items
+
+
+def _choices(piece: str | list[tuple[int, int, int]]) -> list[str]:
+    if isinstance(piece, str):
+        return [piece]
+    return [str(n).zfill(width) for lo, hi, width in piece for n in range(lo, hi + 1)]
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -458,13 +467,21 @@ def expand_nodelist(nodelist: str) -> list[str]:
     Zero padding and several bracket groups per name (``"r[1-2]n[1-2]"``) are
     handled; malformed lists raise :class:`ValueError`.
     """
-    return list(_iter_nodelist(nodelist))
+    hosts: list[str] = []
+    for item in _parse_nodelist(nodelist):
+        hosts.extend("".join(combo) for combo in itertools.product(*map(_choices, item)))
+    return hosts
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm compressed host list (without expanding the rest)."""
-    # validate the whole list's bracket structure but expand only the first entry
-    return next(_iter_nodelist(nodelist))
+    """The first host of a Slurm compressed host list, without expanding the list.
+
+    The whole list is validated (:class:`ValueError` if malformed).
+    """
+    first = _parse_nodelist(nodelist)[0]
+    return "".join(
+        piece if isinstance(piece, str) else str(piece[0][0]).zfill(piece[0][2]) for piece in first
+    )
 
 
 # -- devices ----------------------------------------------------------------------------------
