@@ -1,0 +1,313 @@
+/*
+ * Private to the loopback libnccl (nccl*.c): shared types and helpers.
+ *
+ * Layers, bottom to top:
+ *   nccl_reduce.c     numerics: element types, conversions, reduction kernels
+ *   nccl_transport.c  the shared-memory "world" of one communicator: join, waits with
+ *                     failure detection, the collective algorithms and the p2p rings
+ *   nccl.c            communicators: init, split, config, teardown, errors, versions
+ *   nccl_enqueue.c    argument checks, groups, and tasks on the loopback streams
+ *   nccl_unsupported.c the API the loopback does not implement
+ *
+ * Locking: a communicator's mu guards its task counters, refs, user ops and
+ * registrations; it is never held while waiting on other ranks. The executor state
+ * (gchunk, cseq, nexec) is touched only by the task that holds the comm's turn.
+ */
+#ifndef PYNCCL_NCCL_LB_INTERNAL_H
+#define PYNCCL_NCCL_LB_INTERNAL_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "lb_internal.h"
+#include "lb_nccl.h"
+
+#pragma GCC visibility push(hidden)
+
+#define LBN_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#define LBN_UNUSED __attribute__((unused))
+
+/* pnccl* aliases, as NCCL exports them (profiling interposition). */
+#define LB_ALIAS(name) \
+    extern __typeof__(name) p##name __attribute__((alias(#name), visibility("default")));
+
+#ifndef LB_NULL
+#define LB_NULL 0
+#endif
+
+/* ---- numerics (nccl_reduce.c) ---------------------------------------------------- */
+
+enum lb_rkind { LB_R_SUM, LB_R_PROD, LB_R_MAX, LB_R_MIN, LB_R_PREMULSUM, LB_R_SUMPOSTDIV };
+
+/* A reduction as executed: resolved at call time (NCCL copies the op state at
+ * enqueue too, so a user op may be destroyed while the collective is queued). */
+struct lb_redop {
+    int kind;          /* enum lb_rkind */
+    int api_op;        /* the ncclRedOp_t the caller passed, for messages */
+    int scalar_is_ptr; /* PREMULSUM: scalar read from scalar_ptr when the op runs */
+    const void *scalar_ptr;
+    uint64_t scalar;   /* PREMULSUM immediate: an element of the op's type, little-endian */
+    int divisor;       /* SUMPOSTDIV */
+};
+
+size_t lb_type_size(int dtype);
+const char *lb_type_name(int dtype);
+int lb_type_is_float(int dtype);
+/* The element of type dtype nearest to v (round to nearest even), as raw bits. */
+uint64_t lb_scalar_from_double(int dtype, double v);
+/* dst1/dst2 (either may be NULL) = srcs[0] op srcs[1] op ... op srcs[nsrc-1], element
+ * by element, in that order, rounding to the type after every step. A destination
+ * may alias a source element for element (in-place). */
+void lb_reduce(int dtype, const struct lb_redop *op, uint64_t scalar, void *dst1, void *dst2,
+               const void *const *srcs, int nsrc, size_t n);
+
+struct lb_op {
+    int kind; /* enum lb_kind */
+    int dtype;
+    int root; /* peer for send/recv; -1 when unused */
+    int api_op;
+    size_t count;
+    const void *sbuf;
+    void *rbuf;
+    struct lb_redop rop;
+    cudaEvent_t launch_event; /* ncclCollConfig_t.launchCompletionEvent (2.32) */
+};
+
+/* ---- shared memory world (nccl_transport.c) ------------------------------------- */
+
+#define LBW_MAGIC 0x314457424c4e4350ULL /* "PCNLBWD1" */
+#define LBW_LAYOUT 1
+#define LBW_SHM_PREFIX "pynccl-lb-"
+#define LB_CACHELINE 64
+
+enum lbw_rank_state { LBR_EMPTY = 0, LBR_JOINED = 1, LBR_LEFT = 2, LBR_FAILED = 3 };
+
+enum lb_kind {
+    LB_K_ALLREDUCE,
+    LB_K_BROADCAST,
+    LB_K_REDUCE,
+    LB_K_ALLGATHER,
+    LB_K_REDUCESCATTER,
+    LB_K_ALLTOALL,
+    LB_K_GATHER,
+    LB_K_SCATTER,
+    LB_K_SEND,
+    LB_K_RECV,
+    LB_K_COUNT
+};
+
+/* What each rank posts for its current collective, compared by every rank. */
+struct lbw_desc {
+    uint64_t seq; /* collective number + 1 */
+    uint64_t count;
+    int32_t kind, dtype, op, root;
+};
+
+struct lbw_rank {
+    int32_t pid;
+    int32_t device;
+    uint32_t state; /* enum lbw_rank_state */
+    uint32_t pad0;
+    uint64_t split_post; /* number of the split whose color/key are posted below */
+    int32_t split_color, split_key;
+    uint64_t split_read; /* last split this rank has read everyone's post of */
+    uint64_t cstep __attribute__((aligned(LB_CACHELINE))); /* collective phase counter */
+    struct lbw_desc desc[2] __attribute__((aligned(LB_CACHELINE)));
+};
+
+/* One direction of a p2p channel: bytes written by the sender and consumed by the
+ * receiver, each on its own cache line. */
+struct lbw_ring {
+    uint64_t head __attribute__((aligned(LB_CACHELINE)));
+    uint64_t tail __attribute__((aligned(LB_CACHELINE)));
+};
+
+struct lbw_hdr {
+    uint64_t magic; /* LBW_MAGIC once the creator has filled the header */
+    uint32_t layout;
+    int32_t nranks;
+    uint64_t size;
+    uint64_t slot_bytes, ring_bytes;
+    uint64_t ranks_off, rings_off, slots_off, ringdata_off;
+    int32_t creator_pid;
+    int32_t lib_version;
+    uint32_t joined __attribute__((aligned(LB_CACHELINE)));
+    uint32_t epoch __attribute__((aligned(LB_CACHELINE))); /* futex word: bumped on progress */
+    uint32_t waiters;
+    uint32_t broken __attribute__((aligned(LB_CACHELINE))); /* 0 or the ncclResult_t others get */
+    int32_t broken_rank;
+    uint32_t broken_msg_ready;
+    char broken_msg[512];
+};
+
+/* ---- communicators (nccl.c) ------------------------------------------------------ */
+
+enum lb_comm_state { LBC_JOINING = 0, LBC_READY = 1, LBC_FAILED = 2 };
+
+struct lb_userop {
+    int used;
+    int dtype;
+    int residence;
+    uint64_t imm;
+    const void *ptr;
+};
+
+struct lb_reg {
+    struct lb_reg *next;
+    void *buff;
+    size_t size;
+};
+
+struct lb_split;
+
+struct lb_comm {
+    struct ncclComm *handle;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs; /* mu */
+
+    int rank, nranks, dev;
+    pid_t pid;
+    unsigned char uid[NCCL_UNIQUE_ID_BYTES];
+    char shm_name[96];
+    uint64_t hash; /* for messages */
+
+    /* the mapped world and pointers into it */
+    struct lbw_hdr *w;
+    size_t wsize;
+    struct lbw_rank *ranks;
+    struct lbw_ring *rings;
+    char *slots, *ringdata;
+    size_t slot_bytes, ring_bytes;
+    const void **srcs; /* nranks scratch pointers for the executor */
+
+    /* config */
+    int blocking, strict, split_share;
+    const char *comm_name;
+
+    /* state */
+    int state;        /* enum lb_comm_state, atomic */
+    int async;        /* ncclResult_t, atomic */
+    int halt;         /* atomic: pending and future tasks do nothing */
+    int aborted;      /* atomic */
+    int finalized;
+    int nb_polls_left;
+    uint64_t init_deadline_ns;
+
+    /* tasks (mu) */
+    uint64_t issued, completed;
+    int running;
+
+    /* executor state: only the task holding the turn touches these */
+    uint64_t gchunk, cseq, nexec;
+    uint64_t last_sweep_ns;      /* executor's peer check */
+    uint64_t last_poll_sweep_ns; /* ncclCommGetAsyncError's */
+
+    /* fault injection (PYNCCL_LOOPBACK_*) */
+    long long fail_after;
+    int fail_code;
+    long long hang_at;
+
+    /* user reduction ops and registrations (mu) */
+    struct lb_userop *uops;
+    int nuops;
+    struct lb_reg *regs;
+
+    /* splits of this comm as a parent */
+    uint64_t nsplits;
+    struct lb_split *pending_splits; /* nonblocking splits still in progress */
+};
+
+#define LB_HANDLE_LIVE 0x4c42434f4d4d4c56ULL
+#define LB_HANDLE_DEAD 0x4c42434f4d4d4444ULL
+
+/* The ncclComm_t users hold. Never freed (kept reachable from a global list), so
+ * that a destroyed handle is recognised instead of being a use-after-free. */
+struct ncclComm {
+    uint64_t magic;
+    struct lb_comm *c;
+    struct ncclComm *next_all;
+};
+
+/* Split in progress (stages: posted -> gathered and joined -> ready). */
+struct lb_split {
+    struct lb_split *next;
+    struct lb_comm *parent; /* ref held */
+    uint64_t seq;
+    int color, key;
+    ncclComm_t *out;
+    int stage;            /* 0 posted, 1 child joining (or no child), 2 done */
+    struct lb_comm *child; /* created at stage 1 unless NOCOLOR */
+    int have_config;
+    ncclConfig_t config;  /* parsed child config, or the parent's */
+};
+
+/* last error / logging */
+void lb_set_error(const char *fmt, ...) LBN_PRINTF(1, 2);
+void lb_vset_error(const char *fmt, va_list ap);
+ncclResult_t lb_err(ncclResult_t r, const char *fmt, ...) LBN_PRINTF(2, 3);
+
+/* communicator helpers */
+ncclResult_t lb_comm_get(ncclComm_t comm, const char *opname, struct lb_comm **out);
+ncclResult_t lb_comm_ensure_ready(struct lb_comm *c, const char *opname);
+void lb_comm_ref(struct lb_comm *c);
+void lb_comm_unref(struct lb_comm *c);
+/* Set the async error (first one wins), stop pending work, tell the other ranks. */
+void lb_comm_fail(struct lb_comm *c, ncclResult_t code, const char *fmt, ...) LBN_PRINTF(3, 4);
+/* Advance a joining communicator; blocking waits until it is ready or failed. */
+ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking);
+/* Advance a split; blocking waits. Returns InProgress while not done. */
+ncclResult_t lb_split_progress(struct lb_split *s, int blocking);
+/* Group end, first pass: gather the posts and join the child world (no waiting for it). */
+ncclResult_t lb_split_stage_join(struct lb_split *s);
+void lb_split_free(struct lb_split *s, ncclResult_t why);
+uint64_t lb_now_ns(void);
+long long lb_env_ll(const char *name, long long dflt);
+
+/* transport */
+ncclResult_t lbw_join(struct lb_comm *c, const char *opname);
+int lbw_all_joined(struct lb_comm *c);
+ncclResult_t lbw_check_joined(struct lb_comm *c, const char *opname);
+ncclResult_t lbw_wait_joined(struct lb_comm *c, const char *opname);
+void lbw_leave(struct lb_comm *c, enum lbw_rank_state state);
+void lbw_notify(struct lb_comm *c);
+/* Mark the world broken (first caller wins): other ranks adopt `code`. set_local also
+ * makes the message this process's last error. */
+void lbw_break(struct lb_comm *c, ncclResult_t code, int set_local, const char *fmt, ...)
+    LBN_PRINTF(4, 5);
+/* The error a healthy rank adopts when the world is broken, or ncclSuccess. */
+ncclResult_t lbw_broken(struct lb_comm *c);
+ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns);
+ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key);
+/* Non-blocking unless blocking: 1 with colors/keys filled once everyone posted. */
+ncclResult_t lbw_split_gather(struct lb_comm *c, uint64_t seq, int *colors, int *keys,
+                              int blocking, int *done);
+void lbw_reclaim_stale(void);
+/* Executors, run on a stream worker. Return ncclSuccess, or an error already recorded
+ * in the comm's async error (LB_ABORTED when the comm was aborted). */
+#define LB_ABORTED ((ncclResult_t)-1)
+ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op);
+ncclResult_t lbx_exec_p2p(struct lb_comm *c, const struct lb_op *ops, int n);
+ncclResult_t lbx_hang(struct lb_comm *c);
+
+/* ---- operations and groups (nccl_enqueue.c) ------------------------------------- */
+
+
+const char *lb_kind_name(int kind);
+const char *lb_op_name(int api_op);
+int lb_group_depth(void);
+/* Record the blocking mode of a comm joining the thread's group; mixing is an error. */
+ncclResult_t lb_group_join_mode(int blocking, const char *opname);
+ncclResult_t lb_group_defer_init(struct lb_comm *c);
+ncclResult_t lb_group_defer_split(struct lb_split *s);
+ncclResult_t lb_group_error(ncclResult_t r);
+
+#pragma GCC visibility pop
+
+#endif /* PYNCCL_NCCL_LB_INTERNAL_H */
