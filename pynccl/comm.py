@@ -711,11 +711,7 @@ class Communicator:
                 break
             if rc != 600:
                 raise rt.make_error(rc, "cudaStreamQuery")
-            result = self.get_async_error()
-            if result not in (Result.SUCCESS, Result.IN_PROGRESS):
-                error = self._lib.make_error(result, "ncclCommGetAsyncError")
-                error.message += ". " + self.format_flight_record()
-                raise error
+            self._raise_async_error()
             if deadline is not None and time.monotonic() >= deadline:
                 last = self.last_operation()
                 record = self.format_flight_record()
@@ -728,7 +724,16 @@ class Communicator:
                 )
             time.sleep(delay)
             delay = min(delay * 2 or 0.0001, 0.005)
-        self.check()
+        # An error found after the stream drained gets the same flight record as one
+        # found while waiting: which of the two happens is a matter of timing.
+        self._raise_async_error()
+
+    def _raise_async_error(self) -> None:
+        result = self.get_async_error()
+        if result not in (Result.SUCCESS, Result.IN_PROGRESS):
+            error = self._lib.make_error(result, "ncclCommGetAsyncError")
+            error.message += ". " + self.format_flight_record()
+            raise error
 
     def start_watchdog(self, timeout: float, interval: float | None = None) -> None:
         """Start a daemon thread that aborts this communicator when an operation hangs.
