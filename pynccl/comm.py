@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -772,7 +773,9 @@ class Communicator:
         if self._owner:
             self._lib.raw("ncclCommAbort")(handle)
         if watch is not None:
-            watch.stop()
+            # This thread holds watch.lock, which stop() takes too: stopping here would
+            # deadlock the watchdog thread. Another thread stops it once the lock is free.
+            threading.Thread(target=watch.stop, name="pynccl-watchdog-stop", daemon=True).start()
 
     # -- splitting -----------------------------------------------------------------------
 
