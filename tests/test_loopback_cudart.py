@@ -166,8 +166,18 @@ def event(rt: ctypes.CDLL, flags: int = 0) -> int:
     return e.value
 
 
-def threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def worker_threads(prefix: str) -> set[int]:
+    """Thread ids in /proc/self/task whose name starts with ``prefix`` (the loopback
+    names its workers lb-strm-dN, lb-legacy-dN, lb-pts-dN)."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:  # exited meanwhile
+            continue
+        if name.startswith(prefix):
+            found.add(int(tid))
+    return found
 
 
 _callbacks: list[object] = []  # a gate's callback must outlive the task that calls it
@@ -651,8 +661,8 @@ def test_tasks_run_on_their_streams_device(rt: ctypes.CDLL) -> None:
     callback = TASK_FN(lambda _arg: seen.append(rt.pynccl_lb_current_device()))
     _callbacks.append(callback)
     ok(rt, rt.pynccl_lb_stream_enqueue(s, ctypes.cast(callback, c_void_p), None, None))
-    ok(rt, rt.pynccl_lb_stream_enqueue(None, ctypes.cast(callback, c_void_p), None, None))
     ok(rt, rt.cudaStreamSynchronize(s))
+    ok(rt, rt.pynccl_lb_stream_enqueue(None, ctypes.cast(callback, c_void_p), None, None))
     ok(rt, rt.cudaStreamSynchronize(None))
     assert seen == [last, 0]
     ok(rt, rt.cudaStreamDestroy(s))
@@ -763,41 +773,44 @@ def test_many_threads_many_streams(rt: ctypes.CDLL) -> None:
 # ---- no leaked threads, prompt exit, fork -------------------------------------------
 
 
-def _wait_for_threads(expected: int) -> int:
-    # A Python thread's join() returns before its OS thread has run its TLS
-    # destructors (which join the per-thread streams' workers): poll, bounded.
-    stop = threading.Event()
-    for _ in range(500):
-        if threads() == expected:
-            break
-        stop.wait(0.01)
-    return threads()
-
-
 def test_destroyed_streams_leave_no_threads(rt: ctypes.CDLL) -> None:
-    ok(rt, rt.cudaMemset(malloc(rt, 16), 0, 16))  # the legacy worker lives on: start it first
-    before = threads()
+    before = worker_threads("lb-strm-")
     streams = [stream(rt, k % 2) for k in range(6)]
+    assert worker_threads("lb-strm-") == before  # workers start lazily, with the first task
     bufs = [malloc(rt, 1 << 16) for _ in streams]
     for s, b in zip(streams, bufs):
         ok(rt, rt.cudaMemsetAsync(b, 1, 1 << 16, s))
-    assert threads() == before + len(streams)
+        ok(rt, rt.cudaStreamSynchronize(s))  # its worker has run (and named itself)
+    mine = worker_threads("lb-strm-") - before
+    assert len(mine) == len(streams)
     for s in streams:
         ok(rt, rt.cudaStreamDestroy(s))  # drains and joins its worker
-    assert threads() == before
+    assert worker_threads("lb-strm-") & mine == set()
     for b in bufs:
         ok(rt, rt.cudaFree(b))
 
+    pts: set[int] = set()
+
     def per_thread_work() -> None:
+        old = worker_threads("lb-pts-")
         buf = malloc(rt, 1 << 16)
         ok(rt, rt.cudaMemsetAsync(buf, 2, 1 << 16, PER_THREAD))
         ok(rt, rt.cudaStreamSynchronize(PER_THREAD))
         ok(rt, rt.cudaFree(buf))
+        pts.update(worker_threads("lb-pts-") - old)
 
     t = threading.Thread(target=per_thread_work)
     t.start()
     t.join()
-    assert _wait_for_threads(before) == before
+    assert len(pts) == 1
+    # join() returns before the OS thread has run its TLS destructors, which join its
+    # per-thread stream's worker: wait (bounded) for that worker to be gone.
+    pause = threading.Event()
+    for _ in range(500):
+        if not worker_threads("lb-pts-") & pts:
+            break
+        pause.wait(0.01)
+    assert worker_threads("lb-pts-") & pts == set()
 
 
 _EXIT_CHILD = """

@@ -26,6 +26,7 @@
 #define LB_DESTROY_WAIT_MS 10000
 #define LB_THREAD_EXIT_WAIT_MS 2000
 #define LB_UNLOAD_WAIT_MS 500
+#define LB_SPIN_MS 0.05 /* a synchronizer polls this long before sleeping */
 
 LB_HIDDEN atomic_uint_fast64_t g_ticket = 1;
 LB_HIDDEN atomic_long g_pending;
@@ -223,7 +224,7 @@ static void *worker_main(void *arg) {
         free(t);
         pthread_mutex_lock(&s->mu);
         s->running = false;
-        s->done_seq++;
+        __atomic_store_n(&s->done_seq, s->done_seq + 1, __ATOMIC_RELEASE); /* see wait_seq */
         atomic_fetch_sub(&g_pending, 1);
         pthread_cond_broadcast(&s->cv_done);
     }
@@ -303,7 +304,29 @@ static void wait_stream_release(void *arg) {
     free(w);
 }
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 LB_HIDDEN void lb_stream_wait_seq(struct CUstream_st *s, uint64_t seq) {
+    /* Short work (a small copy) finishes within microseconds, far less than a futex
+     * sleep and wake-up costs: poll briefly before blocking. */
+    double until = 0;
+    for (unsigned i = 0;; i++) {
+        if (__atomic_load_n(&s->done_seq, __ATOMIC_ACQUIRE) >= seq) return;
+        if ((i & 63) == 0) {
+            double now = lb_now_ms();
+            if (until == 0)
+                until = now + LB_SPIN_MS;
+            else if (now > until)
+                break;
+        }
+        cpu_relax();
+    }
     pthread_mutex_lock(&s->mu);
     while (s->done_seq < seq) pthread_cond_wait(&s->cv_done, &s->mu);
     pthread_mutex_unlock(&s->mu);
@@ -890,7 +913,7 @@ LB_HIDDEN void lb_streams_fini(void) {
         uint64_t count = 0;
         for (lb_task *t = dropped; t != NULL; t = t->next) count++;
         s->head = s->tail = NULL;
-        s->done_seq += count;
+        __atomic_store_n(&s->done_seq, s->done_seq + count, __ATOMIC_RELEASE);
         atomic_fetch_sub(&g_pending, (long)count);
         s->stopping = true;
         pthread_cond_broadcast(&s->cv_work);
