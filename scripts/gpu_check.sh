@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# GPU check: run pynccl's GPU-only tests and a short perf sweep from this checkout, then print
+# a compact summary. Meant for a machine with an NVIDIA GPU and no network: nothing is
+# installed, the checkout is used in place (PYTHONPATH=.), and the machine is expected to have
+# numpy, pytest, hypothesis, nvidia-nccl-cu13 and, for the interop tests, cupy, torch and
+# cuda-python. Every step has a time limit (the whole run stays well under 5 minutes on one
+# H200); a step that fails or times out is reported and the next one still runs.
+#
+#   scripts/gpu_check.sh            # PYTHON=python3 by default; logs in a temporary directory
+#   GPU_CHECK_LOG_DIR=out PYTHON=.venv/bin/python scripts/gpu_check.sh
+#
+# Exit status: 0 when every step passed; 1 when a step failed; 2 when no GPU is visible (the
+# GPU tests then only show that they skip cleanly, and the perf steps are left out).
+set -u
+set -o pipefail
+
+cd "$(dirname "$0")/.." || exit 1
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+# The real libraries, whatever the calling shell had pointed pynccl at.
+unset PYNCCL_NCCL_LIBRARY PYNCCL_CUDART_LIBRARY RANK WORLD_SIZE LOCAL_RANK
+PY="${PYTHON:-python3}"
+LOG_DIR="${GPU_CHECK_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/pynccl-gpu-check.XXXXXX")}"
+mkdir -p "$LOG_DIR"
+START=$SECONDS
+
+names=()
+results=()
+notes=()
+failed=0
+
+# run NAME LIMIT_SECONDS COMMAND...: run with a time limit, keep the log, record the outcome.
+run() {
+    local name=$1 limit=$2
+    shift 2
+    local log="$LOG_DIR/$name.log" t0=$SECONDS rc
+    echo "=== $name (limit ${limit}s): $*"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$log"
+    rc=$?
+    local took=$((SECONDS - t0))
+    names+=("$name")
+    if [ "$rc" -eq 0 ]; then
+        results+=("ok      ${took}s")
+    elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        results+=("TIMEOUT ${took}s (limit ${limit}s)")
+        failed=1
+    else
+        results+=("FAILED  ${took}s (exit $rc)")
+        failed=1
+    fi
+    notes+=("$(summarize "$name" "$log")")
+    return "$rc"
+}
+
+# One line of what a step's log says: pytest's totals, perf's verdicts.
+summarize() {
+    local name=$1 log=$2
+    case "$name" in
+        pytest*)
+            grep -E '^(=+ )?[0-9]+ (passed|failed|skipped|error|deselected)' "$log" | tail -n 1 \
+                | tr -d '=' | sed 's/^ *//'
+            ;;
+        perf*)
+            local wrong bw
+            wrong=$(grep -E '^# Out of bounds values' "$log" | sed 's/^# Out of bounds values *: *//')
+            bw=$(grep -E '^# Avg bus bandwidth' "$log" | sed 's/^# Avg bus bandwidth *: *//')
+            if [ -n "$wrong$bw" ]; then
+                echo "out of bounds: ${wrong:-?}${bw:+; avg busbw: $bw GB/s}"
+            else
+                grep -E 'error|Error' "$log" | tail -n 1 | cut -c1-100
+            fi
+            ;;
+        info)
+            { grep -E '^libnccl ' "$log" | awk '{print "libnccl " $2 ";"}'
+              grep -E '^GPUs ' "$log" | sed 's/^GPUs *//'; } | tr '\n' ' ' | cut -c1-100
+            ;;
+        *)
+            tail -n 1 "$log" | cut -c1-100
+            ;;
+    esac
+}
+
+echo "# pynccl GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), logs in $LOG_DIR"
+if command -v nvidia-smi >/dev/null 2>&1; then
+    timeout 30 nvidia-smi -L || true
+fi
+
+run info 60 "$PY" -m pynccl info
+
+gpus=$(timeout 60 "$PY" -c 'from pynccl import cuda; print(cuda.device_count())' 2>/dev/null | tail -n 1)
+case "$gpus" in
+    '' | *[!0-9]*) gpus=0 ;;
+esac
+echo "# visible GPUs: $gpus"
+
+# Every gpu-marked test of the suite (tests/test_gpu.py and the others'). pytest exits 0 when
+# all of them skip, so the summary line is checked too: on a GPU machine something must pass.
+run pytest-gpu 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
+pytest_rc=$?
+if [ "$gpus" -gt 0 ] && [ "$pytest_rc" -eq 0 ] && ! grep -qE '[0-9]+ passed' "$LOG_DIR/pytest-gpu.log"; then
+    results[${#results[@]} - 1]="FAILED  (no GPU test passed: all skipped?)"
+    failed=1
+fi
+
+if [ "$gpus" -gt 0 ]; then
+    # nccl-tests-style sweeps on every visible GPU (one rank each), results checked (-c 1).
+    run perf-all_reduce 90 "$PY" -m pynccl perf all_reduce -b 8 -e 256M -f 4 -n 20 -w 2 -c 1 -T 80 \
+        --json "$LOG_DIR/perf-all_reduce.json"
+    run perf-all_reduce-graph 60 "$PY" -m pynccl perf all_reduce -b 1K -e 64M -f 8 -n 10 -G 5 -c 1 -T 50
+    run perf-every-collective 120 "$PY" - <<'PY'
+import subprocess, sys
+colls = ["all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
+         "all_to_all", "sendrecv"]
+bad = []
+for c in colls:
+    cmd = [sys.executable, "-m", "pynccl", "perf", c, "-b", "1K", "-e", "16M", "-f", "16",
+           "-n", "5", "-w", "1", "-c", "1", "-T", "25"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=40)
+    rows = [l for l in p.stdout.splitlines() if l and not l.startswith("#")]
+    print(f"{c:>15}: exit {p.returncode}, {len(rows)} rows, last: {rows[-1] if rows else '-'}")
+    if p.returncode != 0:
+        bad.append(c)
+        print(p.stdout[-2000:], p.stderr[-2000:], sep="\n")
+verdict = "FAILED " + ",".join(bad) if bad else "0 OK"
+print(f"# Out of bounds values : {verdict}")
+sys.exit(1 if bad else 0)
+PY
+else
+    echo "# no GPU visible: perf steps left out (python -m pynccl perf would use the loopback)"
+fi
+
+echo
+echo "==================== pynccl GPU check summary ($((SECONDS - START))s, $gpus GPU(s)) ===================="
+for i in "${!names[@]}"; do
+    printf '%-24s %-34s %s\n' "${names[$i]}" "${results[$i]}" "${notes[$i]}"
+done
+echo "logs: $LOG_DIR"
+if [ "$failed" -ne 0 ]; then
+    echo "RESULT: FAILED"
+    exit 1
+fi
+if [ "$gpus" -eq 0 ]; then
+    echo "RESULT: NO GPU (nothing was checked on a GPU)"
+    exit 2
+fi
+echo "RESULT: OK"
+exit 0
