@@ -1449,6 +1449,19 @@ def _use_loopback(nranks: int) -> None:
         ) from e
 
 
+def _loopback_env() -> dict[str, str]:
+    """The environment that makes child processes use the loopback (built here, once)."""
+    try:
+        from .testing import loopback
+
+        return dict(loopback.env())
+    except Exception as e:
+        raise PerfError(
+            f"there is no GPU here and the loopback libraries could not be prepared: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
 def _worker(opts: Options) -> int:
     """Inside a launcher: this process is one rank."""
     from .bootstrap import detect_launch_env, from_env
@@ -1523,12 +1536,12 @@ def _launch(
     nccl-tests' does (other ranks' lines, and everything on stderr, keep theirs).
     """
     cmd = [sys.executable, "-m", "pynccl", "launch", "-n", str(nranks)]
-    if loopback_build:
-        cmd.append("--loopback")
     if opts.timeout:
         cmd += ["--timeout", f"{opts.timeout:g}"]
     cmd += ["-m", "pynccl", "perf", *argv]
     env = dict(os.environ)
+    if loopback_build:
+        env.update(_loopback_env())
     # The ranks import this very pynccl, wherever it was imported from.
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
