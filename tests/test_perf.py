@@ -86,6 +86,22 @@ def test_sweep_sizes_errors(args: tuple[int, int, int, int], match: str) -> None
         perf.sweep_sizes(*args)
 
 
+def test_default_sweeps() -> None:
+    # On a GPU nccl-tests' defaults (one 32 MiB step); on the loopback 8 B .. 32 MiB, doubling.
+    gpu = perf._parse([])
+    gpu.resolve(loopback=False)
+    assert gpu.sizes == [32 << 20] and (gpu.iters, gpu.warmup_iters) == (20, 1)
+    lb = perf._parse([])
+    lb.resolve(loopback=True)
+    assert lb.sizes == [8 << k for k in range(23)]
+    only_max = perf._parse(["-e", "1M"])
+    only_max.resolve(loopback=False)
+    assert only_max.sizes == [1 << 20]
+    only_min = perf._parse(["-b", "64M", "-f", "2"])
+    only_min.resolve(loopback=True)
+    assert only_min.sizes == [64 << 20]
+
+
 # -- nccl-tests' counts and bandwidths --------------------------------------------------
 
 # Bus-bandwidth factors (doc/PERFORMANCE.md, src/*.cu) for 2, 4 and 8 ranks.
@@ -175,14 +191,17 @@ def test_number_format_matches_nccl_tests() -> None:
 # -- host reference -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("op", ["sum", "prod", "max", "min", "avg", "mulsum"])
-@pytest.mark.parametrize(
-    "dtype", [DataType.FLOAT32, DataType.FLOAT16, DataType.INT32, DataType.UINT8]
-)
+REFERENCE_CASES = [
+    (op, dtype)
+    for op in ("sum", "prod", "max", "min", "avg", "mulsum")
+    for dtype in (DataType.FLOAT32, DataType.FLOAT16, DataType.INT32, DataType.UINT8)
+    if not (op == "avg" and dtype.is_integer)  # avg is for floating-point types
+]
+
+
+@pytest.mark.parametrize(("op", "dtype"), REFERENCE_CASES)
 def test_reference_against_numpy(op: str, dtype: DataType) -> None:
     np = pytest.importorskip("numpy")
-    if op == "avg" and dtype.is_integer:
-        pytest.skip("avg is for floating-point types")
     n = 3
     data = perf._Data(np, dtype, op, n, rep=5)
     xs = np.stack([data.values(r, 0, 1000) for r in range(n)])
