@@ -1,0 +1,64 @@
+"""Shared fixtures: the loopback libraries and worlds of communicators over them.
+
+Nothing here is autouse: a test module opts in by asking for ``lb`` (the default
+loopback build made this process's libnccl/libcudart for the module), or uses
+``_worlds.use_loopback(version)`` for other emulated releases. Each swap is undone
+when its scope ends (the previously loaded libraries and environment come back),
+so modules that test the real libnccl or library discovery are unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def lb() -> Iterator[Any]:
+    """The default loopback (NCCL 2.32.3) as this process's libraries, for one module."""
+    from _worlds import use_loopback
+
+    with use_loopback() as build:
+        yield build
+
+
+@pytest.fixture(scope="session")
+def lb_env() -> dict[str, str]:
+    """Environment for child processes that should run on the default loopback."""
+    from _worlds import loopback_build
+
+    loopback_build()
+    from pynccl.testing import loopback
+
+    env = {**os.environ, **loopback.env()}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.fixture(scope="module")
+def thread_worlds(lb: Any) -> Iterator[Callable[[int], Any]]:
+    """``get(n)``: a ``ThreadWorld`` of ``n`` ranks, made once per module and size
+    (remade if a failure left it broken); all destroyed when the module ends."""
+    from _worlds import ThreadWorld
+
+    worlds: dict[int, ThreadWorld] = {}
+
+    def get(n: int) -> ThreadWorld:
+        world = worlds.get(n)
+        if world is not None and world.broken:
+            world.close()
+            world = None
+        if world is None:
+            world = worlds[n] = ThreadWorld(n)
+        return world
+
+    try:
+        yield get
+    finally:
+        for world in worlds.values():
+            world.close()
