@@ -51,6 +51,16 @@ def _no_thread_named(prefix: str) -> bool:
     return not any(t.name.startswith(prefix) for t in threading.enumerate())
 
 
+def test_public_names() -> None:
+    import pynccl
+    from pynccl import groups
+
+    assert pynccl.Communicator is Communicator and pynccl.Config is Config
+    assert pynccl.UniqueId is UniqueId and pynccl.DeviceBuffer is DeviceBuffer
+    assert pynccl.group is group and pynccl.group_start is group_start
+    assert pynccl.group_end is group_end and groups.group_depth is group_depth
+
+
 # --- UniqueId -------------------------------------------------------------------------------------
 
 
@@ -1046,11 +1056,10 @@ def test_a_peer_abort_is_a_remote_error(lb: Any) -> None:
             time.sleep(0.1)  # rank 0 is waiting in its all_reduce by now (or soon)
             comm.abort()
             return "aborted"
-        with _buf([1.0, 2.0]) as b:
-            comm.all_reduce(b)
-            with pytest.raises(NcclRemoteError) as info:
-                comm.synchronize(timeout=30)
-            return str(info.value)
+        with _buf([1.0, 2.0]) as b, pytest.raises(NcclRemoteError) as info:
+            comm.all_reduce(b)  # refused at once if the peer has already aborted
+            comm.synchronize(timeout=30)
+        return str(info.value)
 
     try:
         out = world.run(one)
