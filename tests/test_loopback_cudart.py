@@ -888,6 +888,7 @@ def test_sanitized_build_runs_clean(tmp_path: Path) -> None:
         assert lib.cudaStreamDestroy(s) == 0
         assert lib.cudaFree(b) == 0
         assert lib.cudaFree(b) == 1
+        assert lib.cudaMalloc(ctypes.byref(b), ctypes.c_size_t(1 << 62)) == 2  # error, not abort
         print("clean")
         """
     )
