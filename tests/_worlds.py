@@ -116,13 +116,19 @@ def _loopback() -> Any:
     return loopback
 
 
+def sanitized() -> bool:
+    """True when the suite should use the ASan/UBSan loopback builds
+    (``PYNCCL_TEST_SANITIZE=1``, in a process started with ``loopback.env(sanitize=True)``)."""
+    return os.environ.get("PYNCCL_TEST_SANITIZE", "") not in ("", "0")
+
+
 def loopback_build(version: Any = None) -> Any:
     """``loopback.build(version)``, or skip the test when it cannot be built here."""
     import pytest
 
     loopback = _loopback()
     try:
-        return loopback.build(version)
+        return loopback.build(version, sanitize=sanitized())
     except loopback.LoopbackBuildError as exc:
         pytest.skip(f"the loopback libraries cannot be built: {exc}")
 
@@ -137,7 +143,7 @@ def use_loopback(version: Any = None) -> Iterator[Any]:
     with warnings.catch_warnings():
         # Swapping builds maps several libnccl files into this process, on purpose.
         warnings.filterwarnings("ignore", ".*different libnccl files", RuntimeWarning)
-        _loopback().use(version)
+        _loopback().use(version, sanitize=sanitized())
         library.lib()  # loaded now, inside this filter, if use() only set the environment
         library.cudart()
     try:

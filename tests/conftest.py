@@ -29,12 +29,12 @@ def lb() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def lb_env() -> dict[str, str]:
     """Environment for child processes that should run on the default loopback."""
-    from _worlds import loopback_build
+    from _worlds import loopback_build, sanitized
 
     loopback_build()
     from pynccl.testing import loopback
 
-    env = {**os.environ, **loopback.env()}
+    env = {**os.environ, **loopback.env(sanitize=sanitized())}
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env

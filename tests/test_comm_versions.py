@@ -29,6 +29,7 @@ from _worlds import (
     ThreadWorld,
     check,
     fixed_matrix,
+    sanitized,
     use_loopback,
 )
 
@@ -106,7 +107,7 @@ def test_processes(version: str) -> None:
     from pynccl.testing import loopback
 
     specs = [s for s in fixed_matrix(4, ("float32",)) if s.coll in FALLBACK or s.count == 0]
-    env = {**os.environ, **loopback.env(version)}
+    env = {**os.environ, **loopback.env(version, sanitize=sanitized())}
     env["PYTHONPATH"] = str(HERE.parent)
     env["PYNCCL_TEST_SPECS"] = json.dumps([json.loads(s.to_json()) for s in specs])
     env["PYNCCL_TEST_SIZE"] = "4"
