@@ -87,8 +87,9 @@ static lb_ptrset g_events;
 static pthread_mutex_t g_legacy_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct CUstream_st *_Atomic *g_legacy; /* [g_ndev], created lazily */
 
+/* Each thread's per-thread default streams, [g_ndev], as this key's value: glibc
+ * calls its destructor at thread exit (and has cleared the value by then). */
 static pthread_key_t g_pt_key;
-static _Thread_local struct CUstream_st **tls_pt; /* per-thread streams, [g_ndev] */
 
 /* ---- small helpers ------------------------------------------------------- */
 
@@ -165,14 +166,16 @@ static struct CUstream_st *legacy_stream(int device) {
 }
 
 static struct CUstream_st *per_thread_stream(int device) {
-    if (tls_pt == NULL) {
-        tls_pt = calloc((size_t)g_ndev, sizeof *tls_pt);
-        if (tls_pt == NULL) return NULL;
-        /* The key's destructor retires these streams when the thread exits. */
-        pthread_setspecific(g_pt_key, tls_pt);
+    struct CUstream_st **pts = pthread_getspecific(g_pt_key);
+    if (pts == NULL) {
+        pts = calloc((size_t)g_ndev, sizeof *pts);
+        if (pts == NULL || pthread_setspecific(g_pt_key, pts) != 0) {
+            free(pts);
+            return NULL;
+        }
     }
-    if (tls_pt[device] == NULL) tls_pt[device] = stream_new(device, 0, LB_STREAM_PER_THREAD);
-    return tls_pt[device];
+    if (pts[device] == NULL) pts[device] = stream_new(device, 0, LB_STREAM_PER_THREAD);
+    return pts[device];
 }
 
 /* Resolve a user handle to a referenced stream (put it when done). */
@@ -884,7 +887,6 @@ static void per_thread_streams_exit(void *value) {
         lb_stream_put(s);
     }
     free(pts);
-    tls_pt = NULL;
 }
 
 LB_HIDDEN void lb_streams_init(void) {
