@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 from . import _loader
 from ._capi.cudart import CudartLibrary
@@ -115,7 +116,9 @@ def _replace_for_testing(nccl_path: str | None, cudart_path: str | None) -> None
     Used by :func:`pynccl.testing.loopback.use` to switch between loopback builds.
     """
     global _nccl, _cudart
-    with _lock:
+    with _lock, warnings.catch_warnings():
+        # A deliberate swap maps a second libnccl file: not the accident the warning is for.
+        warnings.simplefilter("ignore", RuntimeWarning)
         if cudart_path is not None:
             found = _loader.open_cudart(cudart_path)
             _cudart = CudartLibrary(found.cdll, found.path, found.rule)

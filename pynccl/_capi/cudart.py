@@ -177,8 +177,28 @@ class CudartLibrary(BoundLibrary):
         return "" if text is None else str(text.decode("utf-8", "replace"))
 
     def make_error(self, code: int, function: str) -> CudaError:
-        """The :class:`CudaError` for ``code`` from ``function``, with CUDA's name and text."""
-        return CudaError(code, function, self.error_name(code), self.error_string(code))
+        """The :class:`CudaError` for ``code`` from ``function``, with CUDA's name and text.
+
+        The loopback libcudart also explains its last error in a sentence; it is appended.
+        """
+        text = self.error_string(code)
+        detail = self._detail()
+        if detail:
+            text = f"{text} ({detail})"
+        return CudaError(code, function, self.error_name(code), text)
+
+    def _detail(self) -> str:
+        try:
+            fn = self.__dict__["_detail_fn"]
+        except KeyError:
+            fn = getattr(self._cdll, "pynccl_lb_last_error_detail", None)
+            if fn is not None:
+                fn.restype, fn.argtypes = c_char_p, []
+            self.__dict__["_detail_fn"] = fn
+        if fn is None:
+            return ""
+        text = fn()
+        return "" if not text else str(text.decode("utf-8", "replace"))
 
     def _fail(self, code: int, function: str) -> Any:
         if code == cudaErrorNotReady and function in _QUERIES:
