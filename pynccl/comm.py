@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -30,7 +29,7 @@ from ._capi.structs import (
     ncclConfig_t,
     ncclUniqueId,
 )
-from .dtypes import as_datatype
+from .dtypes import as_datatype, canonical_name
 from .enums import DataType, RedOp, Result, ScalarResidence
 from .errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
 from .library import cudart, lib
@@ -761,9 +760,10 @@ class Communicator:
         return self._error
 
     def _abort_with(self, reason: BaseException) -> None:
-        # Called by the watchdog thread (holding the watchdog's lock).
+        # Called by the watchdog thread, holding the watchdog's lock; the watchdog
+        # frees its own events once it has released that lock.
         self._error = reason
-        watch, self._watch = self._watch, None
+        self._watch = None
         handle = self._handle
         self._h = None
         if handle is None or self._state in ("destroyed", "aborted", "closed"):
@@ -772,10 +772,6 @@ class Communicator:
         self._handle = None
         if self._owner:
             self._lib.raw("ncclCommAbort")(handle)
-        if watch is not None:
-            # This thread holds watch.lock, which stop() takes too: stopping here would
-            # deadlock the watchdog thread. Another thread stops it once the lock is free.
-            threading.Thread(target=watch.stop, name="pynccl-watchdog-stop", daemon=True).start()
 
     # -- splitting -----------------------------------------------------------------------
 
@@ -920,11 +916,14 @@ class Communicator:
         writable: bool = False,
         *,
         stream: int = 0,
+        like: DataType | None = None,
     ) -> tuple[int, int, DataType]:
         """``(ptr, elements available or -1 if unknown, datatype)`` for a buffer argument."""
         if obj is None:
             raise TypeError(f"{name} is required")
         raw = type(obj) is int
+        if dtype is None and raw:
+            dtype = like  # a raw pointer takes the type of the call's other buffer
         # Arrays are read whole (count=None) so that a short one is reported with both sizes.
         ptr, n, dt, dev = as_buffer(
             obj, count if raw else None, dtype, name=name, writable=writable, stream=stream
@@ -943,7 +942,8 @@ class Communicator:
     def _same_type(a: DataType, b: DataType) -> None:
         if a is not b:
             raise TypeError(
-                f"sendbuf and recvbuf have different data types: {a.c_name} and {b.c_name}"
+                f"sendbuf and recvbuf have different data types: sendbuf is "
+                f"{canonical_name(a)} but recvbuf is {canonical_name(b)}"
             )
 
     def _count(self, count: Any, default: int, name: str) -> int:
@@ -1013,7 +1013,7 @@ class Communicator:
             if recvbuf is None:
                 recv = sendbuf
             else:
-                recv, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True, stream=s)
+                recv, rn, rdt = self._buf(recvbuf, n, dtype, "recvbuf", True, stream=s, like=dt)
                 self._same_type(dt, rdt)
                 self._need("recvbuf", rn, n)
         opv = _OP_NAMES.get(op)
@@ -1058,7 +1058,7 @@ class Communicator:
         if recvbuf is None:
             rp = sp
         else:
-            rp, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True, stream=s)
+            rp, rn, rdt = self._buf(recvbuf, n, dtype, "recvbuf", True, stream=s, like=dt)
             self._same_type(dt, rdt)
             self._need("recvbuf", rn, n)
         self._call("ncclBroadcast", root, (sp, rp, n, dt, root, h, s))
@@ -1087,7 +1087,7 @@ class Communicator:
         if recvbuf is None:
             rp = sp
         else:
-            rp, rn, rdt = self._buf(recvbuf, n, dt, "recvbuf", True, stream=s)
+            rp, rn, rdt = self._buf(recvbuf, n, dtype, "recvbuf", True, stream=s, like=dt)
             self._same_type(dt, rdt)
             if self._rank == root:
                 self._need("recvbuf", rn, n)
@@ -1108,7 +1108,7 @@ class Communicator:
         sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
-        rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True, stream=s)
+        rp, rn, rdt = self._buf(recvbuf, n * self._size, dtype, "recvbuf", True, stream=s, like=dt)
         self._same_type(dt, rdt)
         self._need("recvbuf", rn, n * self._size)
         self._call("ncclAllGather", -1, (sp, rp, n, dt, h, s))
@@ -1129,7 +1129,7 @@ class Communicator:
         rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)
         n = self._count(count, rn, "recvbuf")
         self._need("recvbuf", rn, n)
-        sp, sn, sdt = self._buf(sendbuf, n * self._size, dt, "sendbuf", stream=s)
+        sp, sn, sdt = self._buf(sendbuf, n * self._size, dtype, "sendbuf", stream=s, like=dt)
         self._same_type(sdt, dt)
         self._need("sendbuf", sn, n * self._size)
         self._call("ncclReduceScatter", -1, (sp, rp, n, dt, self._op(op, dt), h, s))
@@ -1159,7 +1159,9 @@ class Communicator:
         if self._rank == root:
             if recvbuf is None:
                 raise TypeError("recvbuf is required on the root of a gather")
-            rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True, stream=s)
+            rp, rn, rdt = self._buf(
+                recvbuf, n * self._size, dtype, "recvbuf", True, stream=s, like=dt
+            )
             self._same_type(dt, rdt)
             self._need("recvbuf", rn, n * self._size)
         if self._native:
@@ -1197,7 +1199,7 @@ class Communicator:
         if self._rank == root:
             if sendbuf is None:
                 raise TypeError("sendbuf is required on the root of a scatter")
-            sp, sn, sdt = self._buf(sendbuf, n * self._size, dt, "sendbuf", stream=s)
+            sp, sn, sdt = self._buf(sendbuf, n * self._size, dtype, "sendbuf", stream=s, like=dt)
             self._same_type(sdt, dt)
             self._need("sendbuf", sn, n * self._size)
         if self._native:
@@ -1239,7 +1241,7 @@ class Communicator:
         else:
             n = _check_count(count)
         self._need("sendbuf", sn, n * self._size)
-        rp, rn, rdt = self._buf(recvbuf, n * self._size, dt, "recvbuf", True, stream=s)
+        rp, rn, rdt = self._buf(recvbuf, n * self._size, dtype, "recvbuf", True, stream=s, like=dt)
         self._same_type(dt, rdt)
         self._need("recvbuf", rn, n * self._size)
         if self._native:

@@ -150,12 +150,15 @@ class Watchdog:
 
     def _trip(self, comm: Communicator, reason: BaseException) -> None:
         self.reason = reason
+        # An enqueue that hangs inside NCCL holds the lock: abort anyway after a while,
+        # since releasing hung calls is what abort is for.
         acquired = self.lock.acquire(timeout=max(self.timeout, 1.0))
         try:
             comm._abort_with(reason)
         finally:
             if acquired:
                 self.lock.release()
+        self.stop()  # from this thread: no join, frees the events
 
 
 def _async_error(comm: Communicator, handle: int) -> NcclError | None:
