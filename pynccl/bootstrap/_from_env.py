@@ -81,6 +81,7 @@ def from_env(
     device: int | None = None,
     rendezvous: Rendezvous | None = None,
     environ: Mapping[str, str] | None = None,
+    watchdog_timeout: float | None = None,
 ) -> Communicator:
     """Create this process's :class:`~pynccl.Communicator` from its launcher's environment.
 
@@ -96,7 +97,8 @@ def from_env(
 
     Every rank must call it with the same ``nids`` and backend. ``timeout``
     bounds the id exchange, not NCCL's own initialisation. ``environ`` replaces
-    :data:`os.environ` (for tests and embedding).
+    :data:`os.environ` (for tests and embedding). ``watchdog_timeout`` starts the
+    communicator's watchdog (see :meth:`Communicator.start_watchdog`).
     """
     if isinstance(nids, bool) or not isinstance(nids, int) or not 1 <= nids <= _MAX_IDS:
         raise ValueError(f"nids={nids!r} is not an integer in 1..{_MAX_IDS}")
@@ -122,5 +124,10 @@ def from_env(
         )
     ids = [UniqueId.from_bytes(data[i : i + _ID_BYTES]) for i in range(0, len(data), _ID_BYTES)]
     return Communicator(
-        env.world_size, ids[0] if nids == 1 else ids, env.rank, device=device, config=config
+        env.world_size,
+        ids[0] if nids == 1 else ids,
+        env.rank,
+        device=device,
+        config=config,
+        watchdog_timeout=watchdog_timeout,
     )
