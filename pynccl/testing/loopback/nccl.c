@@ -36,7 +36,11 @@
  * Read when the world is created (the first rank to arrive decides for all):
  *   PYNCCL_LOOPBACK_CHUNK_BYTES      collective slot size per rank (pipelining chunk).
  *   PYNCCL_LOOPBACK_RING_BYTES       p2p ring size per ordered pair of ranks.
- * Read at load: PYNCCL_LOOPBACK_SPIN / PYNCCL_LOOPBACK_YIELDS (busy-wait tuning).
+ * Read at a communicator's first collective:
+ *   PYNCCL_LOOPBACK_DIRECT=0         never read peers' buffers directly (stage every
+ *                                    collective through the shared-memory slots).
+ * Read at load: PYNCCL_LOOPBACK_SPIN / PYNCCL_LOOPBACK_YIELDS (busy-wait tuning: pauses
+ * and sched_yield()s before sleeping on the futex; default 0 below 8 cores).
  *
  * Beyond NCCL (debugging aids): ranks that issue mismatched collectives get
  * ncclInvalidUsage with a message naming both sides instead of hanging; the death of
@@ -305,6 +309,7 @@ static void comm_free(struct lb_comm *c) {
     }
     free(c->uops);
     free(c->srcs);
+    free(c->scratch);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c);
@@ -361,7 +366,7 @@ void lb_comm_fail(struct lb_comm *c, ncclResult_t code, const char *fmt, ...) {
 ncclResult_t lb_comm_ensure_ready(struct lb_comm *c, const char *opname) {
     int st = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE);
     if (st == LBC_FAILED) return (ncclResult_t)__atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
-    if (st != LBC_READY || c->pending_splits)
+    if (st != LBC_READY || __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE))
         return lb_err(ncclInvalidArgument,
                       "%s : Attempt to use communicator before the previous operation returned "
                       "ncclSuccess",
@@ -400,14 +405,12 @@ ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking) {
     return ncclSuccess;
 }
 
+static void drop_splits_of(struct lb_comm *parent);
+
 /* Tear down after the comm's tasks stopped: leave the world, kill the handle. */
 static void comm_teardown(struct lb_comm *c, enum lbw_rank_state state) {
     comm_halt(c);
-    while (c->pending_splits) {
-        struct lb_split *s = c->pending_splits;
-        c->pending_splits = s->next;
-        lb_split_free(s, LB_ABORTED);
-    }
+    drop_splits_of(c);
     handle_kill(c);
     lbw_leave(c, state);
     lb_comm_unref(c);
@@ -878,11 +881,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
         return p->blocking ? ncclSuccess : ncclInProgress;
     }
     if (!p->blocking) {
-        /* written later: polling the parent's async error completes it */
-        pthread_mutex_lock(&p->mu);
-        s->next = p->pending_splits;
-        p->pending_splits = s;
-        pthread_mutex_unlock(&p->mu);
+        lb_split_defer(s); /* *newcomm is written by a later poll */
         return ncclInProgress;
     }
     r = lb_split_progress(s, 1);
@@ -894,26 +893,48 @@ LB_ALIAS(ncclCommSplit)
 
 /* ---- queries --------------------------------------------------------------------------- */
 
-/* Progress the nonblocking splits made from c; returns InProgress while any remains. */
-static ncclResult_t progress_splits(struct lb_comm *c) {
-    ncclResult_t ret = ncclSuccess;
-    struct lb_split **pp = &c->pending_splits;
-    while (*pp) {
+static pthread_mutex_t g_splits_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct lb_split *g_splits; /* every nonblocking split in progress in this process */
+
+void lb_split_defer(struct lb_split *s) {
+    pthread_mutex_lock(&g_splits_mu);
+    s->next = g_splits;
+    g_splits = s;
+    __atomic_add_fetch(&s->parent->nb_pending, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g_splits_mu);
+}
+
+/* One non-blocking step for every pending split; finished ones leave the list. */
+static void progress_all_splits(void) {
+    pthread_mutex_lock(&g_splits_mu);
+    for (struct lb_split **pp = &g_splits; *pp;) {
         struct lb_split *s = *pp;
         ncclResult_t r = lb_split_progress(s, 0);
         if (r == ncclInProgress) {
-            ret = ncclInProgress;
             pp = &s->next;
             continue;
         }
         *pp = s->next;
+        if (r != ncclSuccess) lb_comm_fail(s->parent, r, NULL);
+        __atomic_sub_fetch(&s->parent->nb_pending, 1, __ATOMIC_RELEASE);
         lb_split_free(s, r);
-        if (r != ncclSuccess) {
-            lb_comm_fail(c, r, NULL);
-            return r;
-        }
     }
-    return ret;
+    pthread_mutex_unlock(&g_splits_mu);
+}
+
+static void drop_splits_of(struct lb_comm *parent) {
+    pthread_mutex_lock(&g_splits_mu);
+    for (struct lb_split **pp = &g_splits; *pp;) {
+        struct lb_split *s = *pp;
+        if (s->parent != parent) {
+            pp = &s->next;
+            continue;
+        }
+        *pp = s->next;
+        __atomic_sub_fetch(&parent->nb_pending, 1, __ATOMIC_RELEASE);
+        lb_split_free(s, LB_ABORTED);
+    }
+    pthread_mutex_unlock(&g_splits_mu);
 }
 
 #if LB_AT_LEAST(2, 4, 2)
@@ -923,19 +944,17 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
     if (r != ncclSuccess) return r;
     if (asyncError == NULL)
         return lb_err(ncclInvalidArgument, "ncclGetAsyncError : asyncError argument is NULL");
+    if (__atomic_load_n(&g_splits, __ATOMIC_ACQUIRE)) progress_all_splits();
     int st = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE);
     if (st == LBC_JOINING) {
         *asyncError = lb_comm_progress(c, 0);
         return ncclSuccess;
     }
-    if (st == LBC_READY && c->pending_splits) {
-        r = progress_splits(c);
-        if (r != ncclSuccess) {
-            *asyncError = r;
-            return ncclSuccess;
-        }
-    }
     int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
+    if (a == ncclSuccess && __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE)) {
+        *asyncError = ncclInProgress;
+        return ncclSuccess;
+    }
     if (a == ncclSuccess && st == LBC_READY && c->w) {
         ncclResult_t b = lbw_broken(c);
         if (b != ncclSuccess) {

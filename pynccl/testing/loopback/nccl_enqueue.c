@@ -298,12 +298,8 @@ static ncclResult_t group_launch(struct lb_gitem *items, int n, int blocking, in
                 ncclResult_t r = lb_split_progress(s, 1);
                 if (r != ncclSuccess) ret = r;
             } else if (!blocking) {
-                struct lb_comm *p = s->parent;
-                pthread_mutex_lock(&p->mu);
-                s->next = p->pending_splits;
-                p->pending_splits = s;
-                pthread_mutex_unlock(&p->mu);
-                items[i].split = NULL; /* owned by the parent now */
+                lb_split_defer(s);
+                items[i].split = NULL; /* owned by the pending list now */
             }
         }
     }

@@ -107,6 +107,8 @@ struct lbw_desc {
     uint64_t seq; /* collective number + 1 */
     uint64_t count;
     int32_t kind, dtype, op, root;
+    uint64_t sbuf, rbuf; /* addresses in the rank's process (direct mode) */
+    uint32_t direct;     /* 1: this rank can read every peer's memory */
 };
 
 struct lbw_rank {
@@ -117,6 +119,7 @@ struct lbw_rank {
     uint64_t split_post; /* number of the split whose color/key are posted below */
     int32_t split_color, split_key;
     uint64_t split_read; /* last split this rank has read everyone's post of */
+    uint64_t probe_addr; /* address of a known value in the rank's process */
     uint64_t cstep __attribute__((aligned(LB_CACHELINE))); /* collective phase counter */
     struct lbw_desc desc[2] __attribute__((aligned(LB_CACHELINE)));
 };
@@ -186,6 +189,10 @@ struct lb_comm {
     char *slots, *ringdata;
     size_t slot_bytes, ring_bytes;
     const void **srcs; /* nranks scratch pointers for the executor */
+    uint64_t probe;    /* the value peers read to test cross-process reads */
+    int probed;
+    int direct;        /* collectives read peers' buffers directly (no staging) */
+    char *scratch;     /* direct mode: staging blocks for cross-process reductions */
 
     /* config */
     int blocking, strict, split_share;
@@ -221,7 +228,7 @@ struct lb_comm {
 
     /* splits of this comm as a parent */
     uint64_t nsplits;
-    struct lb_split *pending_splits; /* nonblocking splits still in progress */
+    int nb_pending; /* nonblocking splits of this parent still in progress (g_splits_mu) */
 };
 
 #define LB_HANDLE_LIVE 0x4c42434f4d4d4c56ULL
@@ -267,6 +274,9 @@ ncclResult_t lb_split_progress(struct lb_split *s, int blocking);
 /* Group end, first pass: gather the posts and join the child world (no waiting for it). */
 ncclResult_t lb_split_stage_join(struct lb_split *s);
 void lb_split_free(struct lb_split *s, ncclResult_t why);
+/* A nonblocking split: completed by polls of any communicator's async error (NCCL does
+ * it in a background thread; here every poll in the process pushes every split on). */
+void lb_split_defer(struct lb_split *s);
 uint64_t lb_now_ns(void);
 long long lb_env_ll(const char *name, long long dflt);
 

@@ -17,7 +17,8 @@
 #include <math.h>
 #include <string.h>
 
-#pragma GCC optimize("O3") /* let gcc vectorize the native-type loops */
+#pragma GCC optimize("O3")              /* let gcc vectorize the native-type loops */
+#pragma GCC optimize("fp-contract=off") /* x*s + y stays two roundings, like numpy */
 
 /* ---- element types ---- */
 

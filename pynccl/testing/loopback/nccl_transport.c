@@ -20,7 +20,16 @@
  * with a short timeout so that they notice aborts, broken worlds and dead peers
  * (kill(pid, 0) and /proc/<pid>/stat, every LB_SWEEP_MS) within a bounded time.
  *
- * Collective algorithms (R ranks, chunk g uses slot buffer g%2; phases 3g+1..3g+3):
+ * Every collective starts with a descriptor barrier: each rank posts (kind, count, type,
+ * op, root, buffer addresses, whether it can read every peer's memory); all compare,
+ * so mismatched collectives fail with ncclInvalidUsage instead of hanging. Then:
+ *
+ * Direct mode, when every rank can read every other's memory (threads of one process,
+ * or processes allowed process_vm_readv): each rank pulls what it needs straight from
+ * the peers' buffers; a final barrier keeps the sources valid until all have pulled.
+ * One copy of the data instead of two, and no chunking.
+ *
+ * Staged mode otherwise (R ranks, chunk g uses slot buffer g%2; phases 3g+1..3g+3):
  *   AllReduce/Reduce: each rank copies the slices of its chunk that others reduce into
  *     its slot, reduces its own slice in rank order from every slot (its own data read
  *     in place) and publishes the result; everyone copies the other slices back.
@@ -28,10 +37,7 @@
  *   AllGather/Gather/AlltoAll: everyone fills its slot; readers copy out.
  *   ReduceScatter: everyone fills its slot with the others' segments; each rank reduces
  *     its own segment.
- * Before filling buffer g%2 a rank waits until everyone finished chunk g-2. With
- * chunk 0 each rank posts a descriptor (kind, count, type, op, root); all compare them
- * after the first wait, so mismatched collectives fail with ncclInvalidUsage instead
- * of hanging.
+ * Before filling buffer g%2 a rank waits until everyone finished chunk g-2.
  *
  * P2P: one ring per ordered pair, a 32-byte message header (size, type) then the
  * payload padded to 32 bytes. Ops of one group progress together, so pairs of sends
@@ -51,6 +57,8 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
+#include <alloca.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -59,6 +67,8 @@
 #define LB_MSG_HDR 32         /* p2p message header bytes */
 #define LB_MSG_MAGIC 0x47534d4e43424cULL
 #define LB_REMOTE_ERR (LB_HAS_REMOTE_ERROR ? ncclRemoteError : ncclSystemError)
+#define LB_PROBE 0x50524f42454c4e43ULL
+#define LB_DIRECT_BLK (256u << 10) /* staging block per source, cross-process reductions */
 
 /* ---- futex and waiting ------------------------------------------------------------ */
 
@@ -83,10 +93,11 @@ static int g_spin_pause = -1, g_spin_yield = -1;
 
 static void spin_params(void) {
     if (__atomic_load_n(&g_spin_pause, __ATOMIC_RELAXED) >= 0) return;
-    /* Few cores and many ranks: spinning steals the core a peer needs, so yield early. */
+    /* With few cores, spinning (or sched_yield, which only looks at this core's run
+     * queue) steals the core a peer needs: sleep on the futex at once. */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    int pause = (int)lb_env_ll("PYNCCL_LOOPBACK_SPIN", ncpu >= 8 ? 2000 : 50);
-    int yield = (int)lb_env_ll("PYNCCL_LOOPBACK_YIELDS", 20);
+    int pause = (int)lb_env_ll("PYNCCL_LOOPBACK_SPIN", ncpu >= 8 ? 2000 : 0);
+    int yield = (int)lb_env_ll("PYNCCL_LOOPBACK_YIELDS", 0);
     __atomic_store_n(&g_spin_yield, yield < 0 ? 0 : yield, __ATOMIC_RELAXED);
     __atomic_store_n(&g_spin_pause, pause < 0 ? 0 : pause, __ATOMIC_RELEASE);
 }
@@ -395,6 +406,8 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
                       opname, c->rank, (int)expected);
     }
     me->device = c->dev;
+    c->probe = LB_PROBE ^ (uint64_t)c->pid;
+    me->probe_addr = (uint64_t)(uintptr_t)&c->probe;
     __atomic_store_n(&me->state, LBR_JOINED, __ATOMIC_RELEASE);
     uint32_t n = __atomic_add_fetch(&w->joined, 1, __ATOMIC_SEQ_CST);
     if ((int)n == c->nranks) shm_unlink(c->shm_name); /* everyone has it mapped */
@@ -427,6 +440,21 @@ static int first_missing(struct lb_comm *c) {
     for (int s = 0; s < c->nranks; s++)
         if (__atomic_load_n(&c->ranks[s].state, __ATOMIC_ACQUIRE) == LBR_EMPTY) return s;
     return -1;
+}
+
+/* Can this rank read every peer's memory (same process, or process_vm_readv)? */
+static int probe_peers(struct lb_comm *c) {
+    if (lb_env_ll("PYNCCL_LOOPBACK_DIRECT", 1) == 0) return 0;
+    for (int s = 0; s < c->nranks; s++) {
+        pid_t pid = c->ranks[s].pid;
+        if (s == c->rank || pid == c->pid) continue;
+        uint64_t v = 0;
+        struct iovec local = {&v, sizeof v};
+        struct iovec remote = {(void *)(uintptr_t)c->ranks[s].probe_addr, sizeof v};
+        if (process_vm_readv(pid, &local, 1, &remote, 1, 0) != (ssize_t)sizeof v) return 0;
+        if (v != (LB_PROBE ^ (uint64_t)pid)) return 0;
+    }
+    return 1;
 }
 
 ncclResult_t lbw_check_joined(struct lb_comm *c, const char *opname) {
@@ -652,11 +680,7 @@ static ncclResult_t compare_descs(struct lb_comm *c, uint64_t seq) {
         char a[160], b[160];
         describe(a, sizeof a, mine);
         describe(b, sizeof b, theirs);
-        const struct lbw_desc *lo = c->rank < s ? mine : theirs;
-        const struct lbw_desc *hi = c->rank < s ? theirs : mine;
         int rlo = c->rank < s ? c->rank : s, rhi = c->rank < s ? s : c->rank;
-        (void)lo;
-        (void)hi;
         lbw_break(c, ncclInvalidUsage, 1,
                   "mismatched collectives at collective #%llu of communicator %llx: rank %d called "
                   "nccl%s but rank %d called nccl%s",
@@ -673,7 +697,219 @@ static ncclResult_t compare_descs(struct lb_comm *c, uint64_t seq) {
         if (r_ != ncclSuccess) return r_;             \
     } while (0)
 
+/* ---- direct mode: read the peers' buffers where they are ----------------------------
+ * When every rank can read every other rank's memory (threads of one process, or
+ * processes allowed to use process_vm_readv), a collective is: post a descriptor with
+ * the buffer addresses, barrier, pull what this rank needs straight from the peers'
+ * buffers, barrier (the peers' buffers must stay untouched until everyone pulled).
+ * AllReduce reduces its own slice first and pulls the other slices from their owners'
+ * receive buffers after a middle barrier. No staging copies, three waits at most. */
+
+static ncclResult_t peer_read(struct lb_comm *c, int peer, void *dst, uint64_t src, size_t n) {
+    if (n == 0) return ncclSuccess;
+    pid_t pid = c->ranks[peer].pid;
+    if (pid == c->pid) {
+        memcpy(dst, (const void *)(uintptr_t)src, n);
+        return ncclSuccess;
+    }
+    while (n) {
+        struct iovec local = {dst, n};
+        struct iovec remote = {(void *)(uintptr_t)src, n};
+        ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+        if (got <= 0) {
+            int e = errno;
+            if (got < 0 && e == EINTR) continue;
+            if (e == ESRCH || !pid_alive(pid)) {
+                lbw_break(c, LB_REMOTE_ERR, 1, "rank %d (pid %d) exited during a collective", peer,
+                          (int)pid);
+                return LB_REMOTE_ERR;
+            }
+            lbw_break(c, ncclInvalidUsage, 1,
+                      "rank %d could not read %zu bytes at %#llx in rank %d (pid %d): %s (was the "
+                      "buffer freed before the collective ran?)",
+                      c->rank, n, (unsigned long long)src, peer, (int)pid, strerror(e));
+            return ncclInvalidUsage;
+        }
+        dst = (char *)dst + got;
+        src += (uint64_t)got;
+        n -= (size_t)got;
+    }
+    return ncclSuccess;
+}
+
+/* dst[0..n) = reduction over ranks of (their buffer at addr[s]), in rank order. */
+static ncclResult_t direct_reduce(struct lb_comm *c, const struct lb_op *op, uint64_t scalar,
+                                  const uint64_t *addr, void *dst, size_t n) {
+    const int R = c->nranks;
+    const size_t E = lb_type_size(op->dtype);
+    int staged = 0;
+    for (int s = 0; s < R; s++) staged |= c->ranks[s].pid != c->pid;
+    if (!staged) {
+        for (int s = 0; s < R; s++) c->srcs[s] = (const void *)(uintptr_t)addr[s];
+        lb_reduce(op->dtype, &op->rop, scalar, NULL, dst, c->srcs, R, n);
+        return ncclSuccess;
+    }
+    if (!c->scratch && !(c->scratch = malloc((size_t)R * LB_DIRECT_BLK)))
+        return lb_err(ncclSystemError, "loopback: out of memory for staging buffers");
+    const size_t blk = LB_DIRECT_BLK / E;
+    for (size_t o = 0; o < n; o += blk) {
+        size_t m = n - o < blk ? n - o : blk;
+        for (int s = 0; s < R; s++) {
+            if (c->ranks[s].pid == c->pid) {
+                c->srcs[s] = (const char *)(uintptr_t)addr[s] + o * E;
+            } else {
+                char *tmp = c->scratch + (size_t)s * LB_DIRECT_BLK;
+                CHECK(peer_read(c, s, tmp, addr[s] + o * E, m * E));
+                c->srcs[s] = tmp;
+            }
+        }
+        lb_reduce(op->dtype, &op->rop, scalar, NULL, (char *)dst + o * E, c->srcs, R, m);
+    }
+    return ncclSuccess;
+}
+
+/* The rest of a direct-mode collective, after the descriptor barrier of step 3g+1. */
+static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint64_t scalar,
+                                uint64_t seq, uint64_t g) {
+    const int R = c->nranks, me = c->rank, root = op->root, kind = op->kind;
+    const size_t E = lb_type_size(op->dtype), count = op->count, nb = count * E;
+    const char *what = lb_kind_name(kind);
+    const char *sb = (const char *)op->sbuf;
+    char *rb = (char *)op->rbuf;
+#define SB(s) (c->ranks[s].desc[seq & 1].sbuf)
+#define RB(s) (c->ranks[s].desc[seq & 1].rbuf)
+    uint64_t *addr = (uint64_t *)alloca((size_t)R * sizeof(uint64_t));
+    char *tmp = NULL;
+    ncclResult_t r = ncclSuccess;
+    switch (kind) {
+    case LB_K_ALLREDUCE: {
+        size_t q = (count + (size_t)R - 1) / (size_t)R;
+        q = (q + 15) / 16 * 16;
+        size_t lo = (size_t)me * q < count ? (size_t)me * q : count;
+        size_t hi = lo + q < count ? lo + q : count;
+        for (int s = 0; s < R; s++) addr[s] = SB(s) + lo * E;
+        if (hi > lo) r = direct_reduce(c, op, scalar, addr, rb + lo * E, hi - lo);
+        if (r != ncclSuccess) break;
+        set_step(c, 3 * g + 2);
+        if ((r = wait_steps(c, -1, 3 * g + 2, what)) != ncclSuccess) break;
+        for (int j = 0; j < R && r == ncclSuccess; j++) {
+            size_t jl = (size_t)j * q < count ? (size_t)j * q : count;
+            size_t jh = jl + q < count ? jl + q : count;
+            if (j != me && jh > jl) r = peer_read(c, j, rb + jl * E, RB(j) + jl * E, (jh - jl) * E);
+        }
+        break;
+    }
+    case LB_K_REDUCE:
+        if (me == root) {
+            for (int s = 0; s < R; s++) addr[s] = SB(s);
+            r = direct_reduce(c, op, scalar, addr, rb, count);
+        }
+        break;
+    case LB_K_REDUCESCATTER:
+        for (int s = 0; s < R; s++) addr[s] = SB(s) + (size_t)me * nb;
+        r = direct_reduce(c, op, scalar, addr, rb, count);
+        break;
+    case LB_K_BROADCAST:
+        if (me != root)
+            r = peer_read(c, root, rb, SB(root), nb);
+        else if (sb != rb)
+            memcpy(rb, sb, nb);
+        break;
+    case LB_K_ALLGATHER:
+        for (int j = 0; j < R && r == ncclSuccess; j++) {
+            char *dst = rb + (size_t)j * nb;
+            if (j != me)
+                r = peer_read(c, j, dst, SB(j), nb);
+            else if (dst != sb)
+                memcpy(dst, sb, nb);
+        }
+        break;
+    case LB_K_ALLTOALL: {
+        /* in place, a peer may still read the segment this rank overwrites: stage */
+        char *out = rb;
+        if (sb == rb && R > 1) {
+            if (!(tmp = malloc((size_t)R * nb))) {
+                r = lb_err(ncclSystemError, "loopback: out of memory for an in-place AlltoAll");
+                break;
+            }
+            out = tmp;
+        }
+        for (int j = 0; j < R && r == ncclSuccess; j++) {
+            if (j != me)
+                r = peer_read(c, j, out + (size_t)j * nb, SB(j) + (size_t)me * nb, nb);
+            else if (out + (size_t)j * nb != sb + (size_t)j * nb)
+                memcpy(out + (size_t)j * nb, sb + (size_t)j * nb, nb);
+        }
+        break;
+    }
+    case LB_K_GATHER:
+        if (me == root) {
+            for (int j = 0; j < R && r == ncclSuccess; j++) {
+                char *dst = rb + (size_t)j * nb;
+                if (j != me)
+                    r = peer_read(c, j, dst, SB(j), nb);
+                else if (dst != sb)
+                    memcpy(dst, sb, nb);
+            }
+        }
+        break;
+    case LB_K_SCATTER:
+        if (me != root)
+            r = peer_read(c, root, rb, SB(root) + (size_t)me * nb, nb);
+        else if (rb != sb + (size_t)me * nb)
+            memcpy(rb, sb + (size_t)me * nb, nb);
+        break;
+    default:
+        r = lb_err(ncclInternalError, "loopback: unknown collective kind %d", kind);
+        break;
+    }
+#undef SB
+#undef RB
+    if (r == ncclSuccess) {
+        /* everyone has pulled from this rank's buffers once all reach 3g+3 */
+        set_step(c, 3 * g + 3);
+        r = wait_steps(c, -1, 3 * g + 3, what);
+        if (r == ncclSuccess && tmp) memcpy(rb, tmp, (size_t)R * nb);
+    }
+    free(tmp);
+    return r;
+}
+
+static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint64_t scalar);
+
+/* Every collective starts by posting its descriptor and waiting for everyone's: the
+ * mismatch check, and the choice between direct mode and staging through the slots. */
 ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
+    const size_t E = lb_type_size(op->dtype);
+    uint64_t scalar = op->rop.scalar;
+    if (op->rop.kind == LB_R_PREMULSUM && op->rop.scalar_is_ptr)
+        memcpy(&scalar, op->rop.scalar_ptr, E); /* device scalar: read when the op runs */
+    if (!c->probed) {
+        c->probed = 1;
+        c->direct = probe_peers(c);
+    }
+    const uint64_t seq = ++c->cseq, g = c->gchunk++;
+    struct lbw_desc *d = &c->ranks[c->rank].desc[seq & 1];
+    d->count = op->count;
+    d->kind = op->kind;
+    d->dtype = op->dtype;
+    d->op = op->api_op;
+    d->root = op->root;
+    d->sbuf = (uint64_t)(uintptr_t)op->sbuf;
+    d->rbuf = (uint64_t)(uintptr_t)op->rbuf;
+    d->direct = (uint32_t)c->direct;
+    d->seq = seq;
+    set_step(c, 3 * g + 1);
+    CHECK(wait_steps(c, -1, 3 * g + 1, lb_kind_name(op->kind)));
+    CHECK(compare_descs(c, seq));
+    int direct = 1;
+    for (int s = 0; s < c->nranks; s++) direct &= c->ranks[s].desc[seq & 1].direct == 1;
+    if (direct) return exec_direct(c, op, scalar, seq, g);
+    set_step(c, 3 * g + 3); /* the preamble used this step; the slots start at the next */
+    return exec_staged(c, op, scalar);
+}
+
+static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint64_t scalar) {
     const int R = c->nranks, me = c->rank, root = op->root, kind = op->kind;
     const size_t E = lb_type_size(op->dtype), count = op->count;
     const int sub = kind == LB_K_REDUCESCATTER || kind == LB_K_ALLTOALL || kind == LB_K_SCATTER;
@@ -682,10 +918,6 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
     const char *sb = (const char *)op->sbuf;
     char *rb = (char *)op->rbuf;
     const char *what = lb_kind_name(kind);
-    const uint64_t seq = ++c->cseq;
-    uint64_t scalar = op->rop.scalar;
-    if (op->rop.kind == LB_R_PREMULSUM && op->rop.scalar_is_ptr)
-        memcpy(&scalar, op->rop.scalar_ptr, E); /* device scalar: read when the op runs */
 
     for (size_t k = 0; k < nch; k++) {
         const uint64_t g = c->gchunk++;
@@ -760,21 +992,12 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
         default:
             return lb_err(ncclInternalError, "loopback: unknown collective kind %d", kind);
         }
-        if (k == 0) {
-            struct lbw_desc *d = &c->ranks[me].desc[seq & 1];
-            d->count = count;
-            d->kind = kind;
-            d->dtype = op->dtype;
-            d->op = op->api_op;
-            d->root = root;
-            d->seq = seq;
-        }
         set_step(c, 3 * g + 1);
 
         /* who must have filled before this rank reads */
         int who = -1;
         int need_wait = 1;
-        if (k > 0) {
+        {
             if (kind == LB_K_BROADCAST || kind == LB_K_SCATTER) {
                 who = root;
                 need_wait = me != root;
@@ -783,7 +1006,6 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
             }
         }
         if (need_wait) CHECK(wait_steps(c, who, 3 * g + 1, what));
-        if (k == 0) CHECK(compare_descs(c, seq));
 
         /* phase 2: reduce */
         if (kind == LB_K_ALLREDUCE || kind == LB_K_REDUCE) {

@@ -1,0 +1,499 @@
+"""Helpers for test_loopback_nccl.py: the loopback libnccl through plain ctypes.
+
+``Lib`` wraps one loaded libnccl (every function bound with nccl.h's prototype by
+pynccl's low-level table, called *unchecked* so tests see the raw ncclResult_t)
+and the loopback libcudart. ``GroupWorld`` is ``ncclCommInitAll`` driven from one
+thread. ``expected`` is the numpy reference of every collective: integers wrap,
+floats fold in rank order with float16 / bfloat16 / float8 rounded after every
+step (ml_dtypes), avg is NCCL's (integers: sum then truncating division; floats:
+each input pre-multiplied by 1/nranks rounded to the type).
+
+Run as a script, this module is one rank of a multi-process job::
+
+    python tests/_lb_nccl.py <scenario> <uid hex> <nranks> <rank> [args]
+
+with the library paths in $PYNCCL_NCCL_LIBRARY / $PYNCCL_CUDART_LIBRARY. It prints
+one JSON line per event (``{"event": ..., ...}``) and exits 0 unless a check failed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from ctypes import byref, c_int, c_void_p
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+if __name__ == "__main__":  # the worker: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pynccl._capi.cudart import CudartLibrary
+from pynccl._capi.nccl import NcclLibrary
+from pynccl._capi.structs import ncclUniqueId
+
+# ncclResult_t
+SUCCESS, CUDA_ERR, SYSTEM, INTERNAL, INVALID_ARG, INVALID_USAGE, REMOTE, IN_PROGRESS = range(8)
+
+#: ncclDataType_t -> numpy dtype
+DTYPES: dict[int, Any] = {
+    0: np.dtype(np.int8),
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int32),
+    3: np.dtype(np.uint32),
+    4: np.dtype(np.int64),
+    5: np.dtype(np.uint64),
+    6: np.dtype(np.float16),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.float64),
+    9: np.dtype(ml_dtypes.bfloat16),
+    10: np.dtype(ml_dtypes.float8_e4m3fn),
+    11: np.dtype(ml_dtypes.float8_e5m2),
+}
+SUM, PROD, MAX, MIN, AVG = range(5)
+OPS = {"sum": SUM, "prod": PROD, "max": MAX, "min": MIN, "avg": AVG}
+KINDS = (
+    "AllReduce",
+    "Broadcast",
+    "Bcast",
+    "Reduce",
+    "AllGather",
+    "ReduceScatter",
+    "AlltoAll",
+    "Gather",
+    "Scatter",
+)
+REDUCING = ("AllReduce", "Reduce", "ReduceScatter")
+H2D, D2H = 1, 2
+
+
+class Lib:
+    """One loaded loopback libnccl (raw, unchecked calls by C name) and its cudart."""
+
+    def __init__(self, nccl_path: str, cudart_path: str) -> None:
+        self.cudart = CudartLibrary(ctypes.CDLL(cudart_path), cudart_path)
+        self.nccl = NcclLibrary(ctypes.CDLL(nccl_path), nccl_path)
+        self.path = nccl_path
+        self.version = self.nccl.version
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("nccl"):
+            return self.nccl.raw(name)
+        raise AttributeError(name)
+
+    def has(self, name: str) -> bool:
+        return self.nccl.has(name)
+
+    def last_error(self) -> str:
+        return self.nccl.last_error()
+
+    def error_string(self, code: int) -> str:
+        return self.nccl.error_string(code)
+
+    # -- cudart --
+    def set_device(self, dev: int) -> None:
+        assert self.cudart.raw("cudaSetDevice")(dev) == 0
+
+    def device(self) -> int:
+        d = c_int()
+        assert self.cudart.raw("cudaGetDevice")(byref(d)) == 0
+        return d.value
+
+    def malloc(self, nbytes: int, dev: int | None = None) -> int:
+        old = self.device()
+        if dev is not None:
+            self.set_device(dev)
+        p = c_void_p()
+        rc = self.cudart.raw("cudaMalloc")(byref(p), max(nbytes, 1))
+        self.set_device(old)
+        assert rc == 0, f"cudaMalloc({nbytes}) = {rc}"
+        return int(p.value or 0)
+
+    def free(self, ptr: int) -> None:
+        assert self.cudart.raw("cudaFree")(ptr) == 0
+
+    def upload(self, ptr: int, array: np.ndarray) -> None:
+        a = np.ascontiguousarray(array)
+        if a.nbytes:
+            assert self.cudart.raw("cudaMemcpy")(ptr, a.ctypes.data, a.nbytes, H2D) == 0
+
+    def download(self, ptr: int, dtype: Any, count: int) -> np.ndarray:
+        out = np.empty(count, dtype=dtype)
+        if out.nbytes:
+            assert self.cudart.raw("cudaMemcpy")(out.ctypes.data, ptr, out.nbytes, D2H) == 0
+        return out
+
+    def stream(self, dev: int) -> int:
+        old = self.device()
+        self.set_device(dev)
+        s = c_void_p()
+        rc = self.cudart.raw("cudaStreamCreate")(byref(s))
+        self.set_device(old)
+        assert rc == 0
+        return int(s.value or 0)
+
+    def sync(self, stream: int) -> int:
+        return int(self.cudart.raw("cudaStreamSynchronize")(stream))
+
+    def destroy_stream(self, stream: int) -> None:
+        assert self.cudart.raw("cudaStreamDestroy")(stream) == 0
+
+    # -- nccl helpers --
+    def unique_id(self) -> ncclUniqueId:
+        uid = ncclUniqueId()
+        assert self.ncclGetUniqueId(byref(uid)) == 0
+        return uid
+
+    def async_error(self, comm: int) -> int:
+        r = c_int(-1)
+        rc = self.ncclCommGetAsyncError(comm, byref(r))
+        assert rc == 0, f"ncclCommGetAsyncError = {rc}: {self.last_error()}"
+        return r.value
+
+    def user_rank(self, comm: int) -> int:
+        r = c_int(-1)
+        assert self.ncclCommUserRank(comm, byref(r)) == 0
+        return r.value
+
+    def count(self, comm: int) -> int:
+        r = c_int(-1)
+        assert self.ncclCommCount(comm, byref(r)) == 0
+        return r.value
+
+
+class GroupWorld:
+    """``ncclCommInitAll(n)``: rank r on device r with its own stream, driven by
+    this thread (every call for every rank inside one group)."""
+
+    def __init__(self, lib: Lib, n: int) -> None:
+        self.lib, self.n = lib, n
+        comms = (c_void_p * n)()
+        rc = lib.ncclCommInitAll(comms, n, None)
+        assert rc == 0, f"ncclCommInitAll = {rc}: {lib.last_error()}"
+        self.comms = [int(c or 0) for c in comms]
+        self.streams = [lib.stream(r) for r in range(n)]
+        self.buffers: list[int] = []
+
+    def alloc(self, rank: int, nbytes: int) -> int:
+        p = self.lib.malloc(nbytes, rank)
+        self.buffers.append(p)
+        return p
+
+    def run(self, call: Callable[[int], int]) -> list[int]:
+        """call(rank) for every rank inside one group; then synchronize the streams."""
+        lib = self.lib
+        assert lib.ncclGroupStart() == 0
+        codes = [call(r) for r in range(self.n)]
+        end = lib.ncclGroupEnd()
+        if any(codes) or end:
+            return [*codes, end]
+        for s in self.streams:
+            assert lib.sync(s) == 0
+        return codes
+
+    def close(self) -> None:
+        for c in self.comms:
+            if c:
+                assert self.lib.ncclCommDestroy(c) == 0, self.lib.last_error()
+        for s in self.streams:
+            self.lib.destroy_stream(s)
+        for p in self.buffers:
+            self.lib.free(p)
+        self.comms, self.streams, self.buffers = [], [], []
+
+
+# ---- data and numpy references ---------------------------------------------------------
+
+
+def make_input(dtype: Any, count: int, rank: int, seed: int, op: int = SUM) -> np.ndarray:
+    """Deterministic data for `rank`: full-range integers (to exercise wrap-around),
+    values whose products stay finite for the small float types."""
+    rng = np.random.default_rng(seed * 1009 + rank)
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, size=count, endpoint=True, dtype=dt)
+    if dt.itemsize <= 2 or dt == np.dtype(ml_dtypes.bfloat16):
+        choices = np.array([-2.0, -1.5, -1.0, -0.5, 0.25, 0.5, 1.0, 1.5, 2.0])
+        return rng.choice(choices, size=count).astype(dt)
+    return rng.standard_normal(count).astype(dt)
+
+
+def fold(arrays: Sequence[np.ndarray], op: int, nranks: int, scalar: Any = None) -> np.ndarray:
+    """The reduction of arrays in rank order, in the arrays' own dtype."""
+    dt = arrays[0].dtype
+    if op == AVG and dt.kind in "iu":
+        total = fold(arrays, SUM, nranks)
+        return np.array(
+            [int(v) // nranks if int(v) >= 0 else -(-int(v) // nranks) for v in total], dtype=dt
+        )
+    if op == AVG:  # NCCL: 1/n in double for float64, through float for the others
+        scalar = np.array(1.0 / nranks)
+        scalar = scalar.astype(dt) if dt == np.float64 else scalar.astype(np.float32).astype(dt)
+        op = -1
+    if op == -1:  # PreMulSum
+        s = np.asarray(scalar, dtype=dt)
+        acc = (arrays[0] * s).astype(dt)
+        for a in arrays[1:]:
+            acc = (acc + (a * s).astype(dt)).astype(dt)
+        return acc
+    acc = arrays[0].copy()
+    for a in arrays[1:]:
+        if op == SUM:
+            acc = (acc + a).astype(dt)
+        elif op == PROD:
+            acc = (acc * a).astype(dt)
+        elif op == MAX:
+            acc = np.maximum(acc, a)
+        elif op == MIN:
+            acc = np.minimum(acc, a)
+    return acc
+
+
+def expected(
+    kind: str,
+    sends: Sequence[np.ndarray],
+    count: int,
+    op: int,
+    root: int,
+    rank: int,
+    scalar: Any = None,
+) -> np.ndarray | None:
+    """What `rank` receives; None when it receives nothing (off-root Reduce/Gather)."""
+    n = len(sends)
+    if kind == "AllReduce":
+        return fold(sends, op, n, scalar)
+    if kind in ("Broadcast", "Bcast"):
+        return sends[root]
+    if kind == "Reduce":
+        return fold(sends, op, n, scalar) if rank == root else None
+    if kind == "AllGather":
+        return np.concatenate(sends)
+    if kind == "ReduceScatter":
+        return fold([s[rank * count : (rank + 1) * count] for s in sends], op, n, scalar)
+    if kind == "AlltoAll":
+        return np.concatenate([s[rank * count : (rank + 1) * count] for s in sends])
+    if kind == "Gather":
+        return np.concatenate(sends) if rank == root else None
+    if kind == "Scatter":
+        return sends[root][rank * count : (rank + 1) * count]
+    raise ValueError(kind)
+
+
+def sizes(kind: str, count: int, n: int) -> tuple[int, int]:
+    """(send elements, receive elements) per rank."""
+    return {
+        "AllGather": (count, n * count),
+        "ReduceScatter": (n * count, count),
+        "AlltoAll": (n * count, n * count),
+        "Gather": (count, n * count),
+        "Scatter": (n * count, count),
+    }.get(kind, (count, count))
+
+
+def assert_matches(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Integers and float32/64 exactly; half, bfloat16 and float8 within one unit in the
+    last place of the type (numpy's SIMD float16 may round directly, not via float)."""
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    if got.dtype.kind in "iu" or got.dtype.itemsize >= 4:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    eps = float(ml_dtypes.finfo(got.dtype).eps)
+    tiny = float(ml_dtypes.finfo(got.dtype).smallest_subnormal)
+    np.testing.assert_allclose(g, w, rtol=eps, atol=tiny, err_msg=what)
+
+
+# ---- one collective on every rank of a world -------------------------------------------
+
+
+def call_collective(
+    lib: Lib,
+    kind: str,
+    comm: int,
+    stream: int,
+    sbuf: int,
+    rbuf: int,
+    count: int,
+    dtype: int,
+    op: int,
+    root: int,
+    config: Any = None,
+) -> int:
+    if config is not None:
+        fn = getattr(lib, f"nccl{kind}Config")
+        extra: tuple[Any, ...] = (byref(config),)
+    else:
+        fn = getattr(lib, f"nccl{kind}")
+        extra = ()
+    if kind == "AllReduce" or kind == "ReduceScatter":
+        return int(fn(sbuf, rbuf, count, dtype, op, comm, stream, *extra))
+    if kind == "Reduce":
+        return int(fn(sbuf, rbuf, count, dtype, op, root, comm, stream, *extra))
+    if kind == "Bcast":
+        return int(fn(rbuf, count, dtype, root, comm, stream))
+    if kind in ("Broadcast", "Gather", "Scatter"):
+        return int(fn(sbuf, rbuf, count, dtype, root, comm, stream, *extra))
+    return int(fn(sbuf, rbuf, count, dtype, comm, stream, *extra))  # AllGather, AlltoAll
+
+
+# ---- the multi-process worker ----------------------------------------------------------
+
+
+def _emit(**event: Any) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _init(lib: Lib, uid_hex: str, nranks: int, rank: int) -> int:
+    uid = ncclUniqueId()
+    ctypes.memmove(byref(uid), bytes.fromhex(uid_hex), ctypes.sizeof(uid))
+    lib.set_device(rank % 8)
+    comm = c_void_p()
+    rc = lib.ncclCommInitRank(byref(comm), nranks, uid, rank)
+    if rc:
+        _emit(event="init", rc=rc, error=lib.last_error())
+        sys.exit(1)
+    return int(comm.value or 0)
+
+
+def _scenario_colls(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) -> bool:
+    """Every collective kind over a few types; the data of every rank is deterministic,
+    so each process computes the full reference itself."""
+    stream = lib.stream(rank % 8)
+    ok = True
+    count = 1000 + 7
+    for kind in KINDS:
+        if not lib.has(f"nccl{'Broadcast' if kind == 'Bcast' else kind}"):
+            continue
+        for dt in (7, 9, 2, 6):
+            op = PROD if dt == 9 else SUM
+            root = 1 % nranks
+            ns, nr = sizes(kind, count, nranks)
+            sends = [make_input(DTYPES[dt], ns, r, seed=dt, op=op) for r in range(nranks)]
+            sb = lib.malloc(ns * DTYPES[dt].itemsize)
+            rb = lib.malloc(nr * DTYPES[dt].itemsize)
+            lib.upload(sb, sends[rank])
+            if kind == "Bcast":
+                lib.upload(rb, sends[rank])
+            rc = call_collective(lib, kind, comm, stream, sb, rb, count, dt, op, root)
+            rc = rc or lib.sync(stream)
+            want = expected(kind, sends, count, op, root, rank)
+            if rc:
+                ok = False
+                _emit(event="fail", kind=kind, dtype=dt, rc=rc, error=lib.last_error())
+            elif want is not None:
+                got = lib.download(rb, DTYPES[dt], nr)
+                try:
+                    assert_matches(got, want, f"{kind} {dt}")
+                except AssertionError as exc:
+                    ok = False
+                    _emit(event="fail", kind=kind, dtype=dt, error=str(exc)[:500])
+            lib.free(sb)
+            lib.free(rb)
+    # grouped all-to-all made of send/recv, self included, larger than the rings
+    n = 20000
+    sb = lib.malloc(nranks * n * 4)
+    rb = lib.malloc(nranks * n * 4)
+    mine = np.arange(nranks * n, dtype=np.float32) + 1e6 * rank
+    lib.upload(sb, mine)
+    assert lib.ncclGroupStart() == 0
+    for peer in range(nranks):
+        assert lib.ncclSend(sb + peer * n * 4, n, 7, peer, comm, stream) == 0
+        assert lib.ncclRecv(rb + peer * n * 4, n, 7, peer, comm, stream) == 0
+    rc = lib.ncclGroupEnd() or lib.sync(stream)
+    got = lib.download(rb, np.float32, nranks * n)
+    want = np.concatenate(
+        [
+            (np.arange(nranks * n, dtype=np.float32) + 1e6 * p)[rank * n : (rank + 1) * n]
+            for p in range(nranks)
+        ]
+    )
+    if rc or not np.array_equal(got, want):
+        ok = False
+        _emit(event="fail", kind="sendrecv", rc=rc, error=lib.last_error())
+    lib.free(sb)
+    lib.free(rb)
+    lib.destroy_stream(stream)
+    return ok
+
+
+def _scenario_big(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) -> bool:
+    """A large float32 all-reduce (count from args), checked in full."""
+    count = int(args[0])
+    stream = lib.stream(rank % 8)
+    sb = lib.malloc(count * 4)
+    rb = lib.malloc(count * 4)
+    lib.upload(sb, np.full(count, rank + 1, dtype=np.float32))
+    t0 = time.perf_counter()
+    rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream) or lib.sync(stream)
+    seconds = time.perf_counter() - t0
+    got = lib.download(rb, np.float32, count)
+    ok = rc == 0 and bool(np.all(got == nranks * (nranks + 1) / 2))
+    _emit(event="big", rc=rc, ok=ok, seconds=seconds, error=lib.last_error() if rc else "")
+    lib.free(sb)
+    lib.free(rb)
+    lib.destroy_stream(stream)
+    return ok
+
+
+def _scenario_die(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) -> bool:
+    """Loop all-reduces; the parent kills the victim (args[0]) after 'ready'. The
+    survivors must see their pending collective stop with ncclRemoteError."""
+    victim = int(args[0])
+    count = 1 << 20
+    stream = lib.stream(rank % 8)
+    sb, rb = lib.malloc(count * 4), lib.malloc(count * 4)
+    rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream) or lib.sync(stream)
+    _emit(event="ready", rc=rc)
+    if rank == victim:
+        while True:  # keep participating until killed
+            time.sleep(0.05)
+    # The victim issues nothing more: this collective can only end by failure detection.
+    t0 = time.perf_counter()
+    rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream)
+    sync = lib.sync(stream)
+    err = lib.async_error(comm)
+    _emit(
+        event="done",
+        rc=rc,
+        sync=sync,
+        async_error=err,
+        seconds=time.perf_counter() - t0,
+        error=lib.last_error(),
+    )
+    lib.ncclCommAbort(comm)
+    return err == REMOTE
+
+
+def _scenario_orphan(lib: Lib, uid_hex: str, nranks: int, rank: int) -> None:
+    """Join a world whose other ranks never come; the parent kills this process."""
+    uid = ncclUniqueId()
+    ctypes.memmove(byref(uid), bytes.fromhex(uid_hex), ctypes.sizeof(uid))
+    comm = c_void_p()
+    _emit(event="joining")
+    lib.ncclCommInitRank(byref(comm), nranks, uid, rank)
+
+
+def main(argv: list[str]) -> int:
+    scenario, uid_hex, nranks, rank = argv[0], argv[1], int(argv[2]), int(argv[3])
+    lib = Lib(os.environ["PYNCCL_NCCL_LIBRARY"], os.environ["PYNCCL_CUDART_LIBRARY"])
+    if scenario == "orphan":
+        _scenario_orphan(lib, uid_hex, nranks, rank)
+        return 0
+    comm = _init(lib, uid_hex, nranks, rank)
+    run = {"colls": _scenario_colls, "big": _scenario_big, "die": _scenario_die}[scenario]
+    ok = run(lib, comm, nranks, rank, argv[4:])
+    if scenario != "die":
+        rc = lib.ncclCommDestroy(comm)
+        ok = ok and rc == 0
+    _emit(event="exit", ok=ok)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
