@@ -1048,16 +1048,14 @@ def test_fault_injection(lib: Lib, monkeypatch: pytest.MonkeyPatch) -> None:
 # ---- processes -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("direct", ["1", "0"])
-def test_process_ranks(lib: Lib, build: Any, direct: str) -> None:
+@pytest.mark.parametrize("chunk", ["default", "4096"])
+def test_process_ranks(lib: Lib, build: Any, chunk: str) -> None:
+    """Ranks in separate processes (staged through shared memory), every collective."""
     uid = lib.unique_id()
-    procs = spawn(
-        build,
-        "colls",
-        uid,
-        3,
-        env={"PYNCCL_LOOPBACK_DIRECT": direct, "PYNCCL_LOOPBACK_RING_BYTES": "4096"},
-    )
+    env = {"PYNCCL_LOOPBACK_RING_BYTES": "4096"}
+    if chunk != "default":
+        env["PYNCCL_LOOPBACK_CHUNK_BYTES"] = chunk
+    procs = spawn(build, "colls", uid, 3, env=env)
     for p in procs:
         ev = events(p)
         fails = [e for e in ev if e["event"] == "fail"]

@@ -309,7 +309,6 @@ static void comm_free(struct lb_comm *c) {
     }
     free(c->uops);
     free(c->srcs);
-    free(c->scratch);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c);

@@ -108,7 +108,7 @@ struct lbw_desc {
     uint64_t count;
     int32_t kind, dtype, op, root;
     uint64_t sbuf, rbuf; /* addresses in the rank's process (direct mode) */
-    uint32_t direct;     /* 1: this rank can read every peer's memory */
+    uint32_t direct;     /* 1: this rank would read its peers' buffers in place */
 };
 
 struct lbw_rank {
@@ -119,7 +119,6 @@ struct lbw_rank {
     uint64_t split_post; /* number of the split whose color/key are posted below */
     int32_t split_color, split_key;
     uint64_t split_read; /* last split this rank has read everyone's post of */
-    uint64_t probe_addr; /* address of a known value in the rank's process */
     uint64_t cstep __attribute__((aligned(LB_CACHELINE))); /* collective phase counter */
     struct lbw_desc desc[2] __attribute__((aligned(LB_CACHELINE)));
 };
@@ -189,10 +188,8 @@ struct lb_comm {
     char *slots, *ringdata;
     size_t slot_bytes, ring_bytes;
     const void **srcs; /* nranks scratch pointers for the executor */
-    uint64_t probe;    /* the value peers read to test cross-process reads */
     int probed;
-    int direct;        /* collectives read peers' buffers directly (no staging) */
-    char *scratch;     /* direct mode: staging blocks for cross-process reductions */
+    int direct;        /* collectives read peers' buffers directly (all ranks in-process) */
 
     /* config */
     int blocking, strict, split_share;

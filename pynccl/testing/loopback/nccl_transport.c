@@ -24,10 +24,9 @@
  * op, root, buffer addresses, whether it can read every peer's memory); all compare,
  * so mismatched collectives fail with ncclInvalidUsage instead of hanging. Then:
  *
- * Direct mode, when every rank can read every other's memory (threads of one process,
- * or processes allowed process_vm_readv): each rank pulls what it needs straight from
- * the peers' buffers; a final barrier keeps the sources valid until all have pulled.
- * One copy of the data instead of two, and no chunking.
+ * Direct mode, when all ranks are threads of one process: each rank pulls what it
+ * needs straight from the peers' buffers; a final barrier keeps the sources valid
+ * until all have pulled. One copy of the data instead of two, and no chunking.
  *
  * Staged mode otherwise (R ranks, chunk g uses slot buffer g%2; phases 3g+1..3g+3):
  *   AllReduce/Reduce: each rank copies the slices of its chunk that others reduce into
@@ -57,8 +56,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
-#include <alloca.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -67,8 +64,7 @@
 #define LB_MSG_HDR 32         /* p2p message header bytes */
 #define LB_MSG_MAGIC 0x47534d4e43424cULL
 #define LB_REMOTE_ERR (LB_HAS_REMOTE_ERROR ? ncclRemoteError : ncclSystemError)
-#define LB_PROBE 0x50524f42454c4e43ULL
-#define LB_DIRECT_BLK (256u << 10) /* staging block per source, cross-process reductions */
+
 
 /* ---- futex and waiting ------------------------------------------------------------ */
 
@@ -245,10 +241,10 @@ static void layout(struct lbw_hdr *h, int nranks) {
     size_t R = (size_t)nranks;
     long long slot = lb_env_ll("PYNCCL_LOOPBACK_CHUNK_BYTES", 0);
     long long ring = lb_env_ll("PYNCCL_LOOPBACK_RING_BYTES", 0);
-    if (slot <= 0) {
-        slot = (long long)((16u << 20) / R);
-        if (slot > (2 << 20)) slot = 2 << 20;
-        if (slot < (64 << 10)) slot = 64 << 10;
+    if (slot <= 0) { /* big enough to amortise the barriers, small enough for the caches */
+        slot = (long long)((4u << 20) / R);
+        if (slot > (1 << 20)) slot = 1 << 20;
+        if (slot < (256 << 10)) slot = 256 << 10;
     }
     if (ring <= 0) {
         ring = (long long)((8u << 20) / (R * R));
@@ -406,8 +402,6 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
                       opname, c->rank, (int)expected);
     }
     me->device = c->dev;
-    c->probe = LB_PROBE ^ (uint64_t)c->pid;
-    me->probe_addr = (uint64_t)(uintptr_t)&c->probe;
     __atomic_store_n(&me->state, LBR_JOINED, __ATOMIC_RELEASE);
     uint32_t n = __atomic_add_fetch(&w->joined, 1, __ATOMIC_SEQ_CST);
     if ((int)n == c->nranks) shm_unlink(c->shm_name); /* everyone has it mapped */
@@ -440,21 +434,6 @@ static int first_missing(struct lb_comm *c) {
     for (int s = 0; s < c->nranks; s++)
         if (__atomic_load_n(&c->ranks[s].state, __ATOMIC_ACQUIRE) == LBR_EMPTY) return s;
     return -1;
-}
-
-/* Can this rank read every peer's memory (same process, or process_vm_readv)? */
-static int probe_peers(struct lb_comm *c) {
-    if (lb_env_ll("PYNCCL_LOOPBACK_DIRECT", 1) == 0) return 0;
-    for (int s = 0; s < c->nranks; s++) {
-        pid_t pid = c->ranks[s].pid;
-        if (s == c->rank || pid == c->pid) continue;
-        uint64_t v = 0;
-        struct iovec local = {&v, sizeof v};
-        struct iovec remote = {(void *)(uintptr_t)c->ranks[s].probe_addr, sizeof v};
-        if (process_vm_readv(pid, &local, 1, &remote, 1, 0) != (ssize_t)sizeof v) return 0;
-        if (v != (LB_PROBE ^ (uint64_t)pid)) return 0;
-    }
-    return 1;
 }
 
 ncclResult_t lbw_check_joined(struct lb_comm *c, const char *opname) {
@@ -698,74 +677,16 @@ static ncclResult_t compare_descs(struct lb_comm *c, uint64_t seq) {
     } while (0)
 
 /* ---- direct mode: read the peers' buffers where they are ----------------------------
- * When every rank can read every other rank's memory (threads of one process, or
- * processes allowed to use process_vm_readv), a collective is: post a descriptor with
+ * When all ranks are threads of this process, a collective is: post a descriptor with
  * the buffer addresses, barrier, pull what this rank needs straight from the peers'
  * buffers, barrier (the peers' buffers must stay untouched until everyone pulled).
  * AllReduce reduces its own slice first and pulls the other slices from their owners'
- * receive buffers after a middle barrier. No staging copies, three waits at most. */
+ * receive buffers after a middle barrier. No staging copies, three waits at most.
+ * (Between processes, process_vm_readv would allow the same, but it copies at about
+ * half memcpy's speed here, so two memcpys through the slots win.) */
 
-static ncclResult_t peer_read(struct lb_comm *c, int peer, void *dst, uint64_t src, size_t n) {
-    if (n == 0) return ncclSuccess;
-    pid_t pid = c->ranks[peer].pid;
-    if (pid == c->pid) {
-        memcpy(dst, (const void *)(uintptr_t)src, n);
-        return ncclSuccess;
-    }
-    while (n) {
-        struct iovec local = {dst, n};
-        struct iovec remote = {(void *)(uintptr_t)src, n};
-        ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
-        if (got <= 0) {
-            int e = errno;
-            if (got < 0 && e == EINTR) continue;
-            if (e == ESRCH || !pid_alive(pid)) {
-                lbw_break(c, LB_REMOTE_ERR, 1, "rank %d (pid %d) exited during a collective", peer,
-                          (int)pid);
-                return LB_REMOTE_ERR;
-            }
-            lbw_break(c, ncclInvalidUsage, 1,
-                      "rank %d could not read %zu bytes at %#llx in rank %d (pid %d): %s (was the "
-                      "buffer freed before the collective ran?)",
-                      c->rank, n, (unsigned long long)src, peer, (int)pid, strerror(e));
-            return ncclInvalidUsage;
-        }
-        dst = (char *)dst + got;
-        src += (uint64_t)got;
-        n -= (size_t)got;
-    }
-    return ncclSuccess;
-}
-
-/* dst[0..n) = reduction over ranks of (their buffer at addr[s]), in rank order. */
-static ncclResult_t direct_reduce(struct lb_comm *c, const struct lb_op *op, uint64_t scalar,
-                                  const uint64_t *addr, void *dst, size_t n) {
-    const int R = c->nranks;
-    const size_t E = lb_type_size(op->dtype);
-    int staged = 0;
-    for (int s = 0; s < R; s++) staged |= c->ranks[s].pid != c->pid;
-    if (!staged) {
-        for (int s = 0; s < R; s++) c->srcs[s] = (const void *)(uintptr_t)addr[s];
-        lb_reduce(op->dtype, &op->rop, scalar, NULL, dst, c->srcs, R, n);
-        return ncclSuccess;
-    }
-    if (!c->scratch && !(c->scratch = malloc((size_t)R * LB_DIRECT_BLK)))
-        return lb_err(ncclSystemError, "loopback: out of memory for staging buffers");
-    const size_t blk = LB_DIRECT_BLK / E;
-    for (size_t o = 0; o < n; o += blk) {
-        size_t m = n - o < blk ? n - o : blk;
-        for (int s = 0; s < R; s++) {
-            if (c->ranks[s].pid == c->pid) {
-                c->srcs[s] = (const char *)(uintptr_t)addr[s] + o * E;
-            } else {
-                char *tmp = c->scratch + (size_t)s * LB_DIRECT_BLK;
-                CHECK(peer_read(c, s, tmp, addr[s] + o * E, m * E));
-                c->srcs[s] = tmp;
-            }
-        }
-        lb_reduce(op->dtype, &op->rop, scalar, NULL, (char *)dst + o * E, c->srcs, R, m);
-    }
-    return ncclSuccess;
+static inline const void *at(uint64_t addr, size_t off) {
+    return (const char *)(uintptr_t)addr + off;
 }
 
 /* The rest of a direct-mode collective, after the descriptor barrier of step 3g+1. */
@@ -778,7 +699,6 @@ static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint6
     char *rb = (char *)op->rbuf;
 #define SB(s) (c->ranks[s].desc[seq & 1].sbuf)
 #define RB(s) (c->ranks[s].desc[seq & 1].rbuf)
-    uint64_t *addr = (uint64_t *)alloca((size_t)R * sizeof(uint64_t));
     char *tmp = NULL;
     ncclResult_t r = ncclSuccess;
     switch (kind) {
@@ -787,42 +707,33 @@ static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint6
         q = (q + 15) / 16 * 16;
         size_t lo = (size_t)me * q < count ? (size_t)me * q : count;
         size_t hi = lo + q < count ? lo + q : count;
-        for (int s = 0; s < R; s++) addr[s] = SB(s) + lo * E;
-        if (hi > lo) r = direct_reduce(c, op, scalar, addr, rb + lo * E, hi - lo);
-        if (r != ncclSuccess) break;
+        for (int s = 0; s < R; s++) c->srcs[s] = at(SB(s), lo * E);
+        if (hi > lo) lb_reduce(op->dtype, &op->rop, scalar, NULL, rb + lo * E, c->srcs, R, hi - lo);
         set_step(c, 3 * g + 2);
         if ((r = wait_steps(c, -1, 3 * g + 2, what)) != ncclSuccess) break;
-        for (int j = 0; j < R && r == ncclSuccess; j++) {
+        for (int j = 0; j < R; j++) {
             size_t jl = (size_t)j * q < count ? (size_t)j * q : count;
             size_t jh = jl + q < count ? jl + q : count;
-            if (j != me && jh > jl) r = peer_read(c, j, rb + jl * E, RB(j) + jl * E, (jh - jl) * E);
+            if (j != me && jh > jl) memcpy(rb + jl * E, at(RB(j), jl * E), (jh - jl) * E);
         }
         break;
     }
     case LB_K_REDUCE:
         if (me == root) {
-            for (int s = 0; s < R; s++) addr[s] = SB(s);
-            r = direct_reduce(c, op, scalar, addr, rb, count);
+            for (int s = 0; s < R; s++) c->srcs[s] = at(SB(s), 0);
+            lb_reduce(op->dtype, &op->rop, scalar, NULL, rb, c->srcs, R, count);
         }
         break;
     case LB_K_REDUCESCATTER:
-        for (int s = 0; s < R; s++) addr[s] = SB(s) + (size_t)me * nb;
-        r = direct_reduce(c, op, scalar, addr, rb, count);
+        for (int s = 0; s < R; s++) c->srcs[s] = at(SB(s), (size_t)me * nb);
+        lb_reduce(op->dtype, &op->rop, scalar, NULL, rb, c->srcs, R, count);
         break;
     case LB_K_BROADCAST:
-        if (me != root)
-            r = peer_read(c, root, rb, SB(root), nb);
-        else if (sb != rb)
-            memcpy(rb, sb, nb);
+        if (rb != at(SB(root), 0)) memcpy(rb, at(SB(root), 0), nb);
         break;
     case LB_K_ALLGATHER:
-        for (int j = 0; j < R && r == ncclSuccess; j++) {
-            char *dst = rb + (size_t)j * nb;
-            if (j != me)
-                r = peer_read(c, j, dst, SB(j), nb);
-            else if (dst != sb)
-                memcpy(dst, sb, nb);
-        }
+        for (int j = 0; j < R; j++)
+            if (rb + (size_t)j * nb != at(SB(j), 0)) memcpy(rb + (size_t)j * nb, at(SB(j), 0), nb);
         break;
     case LB_K_ALLTOALL: {
         /* in place, a peer may still read the segment this rank overwrites: stage */
@@ -834,30 +745,18 @@ static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint6
             }
             out = tmp;
         }
-        for (int j = 0; j < R && r == ncclSuccess; j++) {
-            if (j != me)
-                r = peer_read(c, j, out + (size_t)j * nb, SB(j) + (size_t)me * nb, nb);
-            else if (out + (size_t)j * nb != sb + (size_t)j * nb)
-                memcpy(out + (size_t)j * nb, sb + (size_t)j * nb, nb);
+        for (int j = 0; j < R; j++) {
+            const void *src = at(SB(j), (size_t)me * nb);
+            if (out + (size_t)j * nb != src) memcpy(out + (size_t)j * nb, src, nb);
         }
         break;
     }
     case LB_K_GATHER:
-        if (me == root) {
-            for (int j = 0; j < R && r == ncclSuccess; j++) {
-                char *dst = rb + (size_t)j * nb;
-                if (j != me)
-                    r = peer_read(c, j, dst, SB(j), nb);
-                else if (dst != sb)
-                    memcpy(dst, sb, nb);
-            }
-        }
+        for (int j = 0; j < R && me == root; j++)
+            if (rb + (size_t)j * nb != at(SB(j), 0)) memcpy(rb + (size_t)j * nb, at(SB(j), 0), nb);
         break;
     case LB_K_SCATTER:
-        if (me != root)
-            r = peer_read(c, root, rb, SB(root) + (size_t)me * nb, nb);
-        else if (rb != sb + (size_t)me * nb)
-            memcpy(rb, sb + (size_t)me * nb, nb);
+        if (rb != at(SB(root), (size_t)me * nb)) memcpy(rb, at(SB(root), (size_t)me * nb), nb);
         break;
     default:
         r = lb_err(ncclInternalError, "loopback: unknown collective kind %d", kind);
@@ -884,9 +783,10 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
     uint64_t scalar = op->rop.scalar;
     if (op->rop.kind == LB_R_PREMULSUM && op->rop.scalar_is_ptr)
         memcpy(&scalar, op->rop.scalar_ptr, E); /* device scalar: read when the op runs */
-    if (!c->probed) {
+    if (!c->probed) { /* direct mode needs every rank in this process */
         c->probed = 1;
-        c->direct = probe_peers(c);
+        c->direct = lb_env_ll("PYNCCL_LOOPBACK_DIRECT", 1) != 0;
+        for (int s = 0; s < c->nranks; s++) c->direct &= c->ranks[s].pid == c->pid;
     }
     const uint64_t seq = ++c->cseq, g = c->gchunk++;
     struct lbw_desc *d = &c->ranks[c->rank].desc[seq & 1];
