@@ -764,8 +764,12 @@ class _FakeUniqueId:
 
 
 class _FakeCommunicator:
-    def __init__(self, nranks, unique_id, rank, *, device=None, config=None, stream=None):
+    def __init__(
+        self, nranks, unique_id, rank, *, device=None, config=None, stream=None,
+        watchdog_timeout=None,
+    ):  # fmt: skip
         self.args = (nranks, unique_id, rank, device, config)
+        self.watchdog_timeout = watchdog_timeout
 
 
 @pytest.fixture
@@ -796,9 +800,12 @@ def test_from_env_tcp(no_leaks, fake_comm, nids):
     n = 4
     port = _free_port()
     results = _run_ranks(
-        lambda r: from_env(environ=_torchrun_env(r, n, port), nids=nids, timeout=OK_TIMEOUT),
+        lambda r: from_env(
+            environ=_torchrun_env(r, n, port), nids=nids, timeout=OK_TIMEOUT, watchdog_timeout=7.5
+        ),
         range(n),
     )
+    assert all(results[r].watchdog_timeout == 7.5 for r in range(n))
     args = [results[r].args for r in range(n)]
     for r, (nranks, _uid, rank, device, config) in enumerate(args):
         assert (nranks, rank, device, config) == (n, r, r, None)
