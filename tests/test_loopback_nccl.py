@@ -293,6 +293,16 @@ def test_version_builds(version: str) -> None:
         assert lib.ncclAllReduce(p, p, 8, 12, SUM, w.comms[0], w.streams[0]) == INVALID_ARG
     finally:
         w.close()
+    # ncclConfig_t fields newer than the release are ignored (nvlsCTAs arrived in 2.27)
+    cfg = make_config()
+    cfg.nvlsCTAs = -5
+    comm = c_void_p()
+    rc = lib.ncclCommInitRankConfig(byref(comm), 1, lib.unique_id(), 0, byref(cfg))
+    if triple >= (2, 27, 0):
+        assert rc == INVALID_ARG and "nvlsCTAs" in lib.last_error()
+    else:
+        assert rc == SUCCESS
+        assert lib.ncclCommDestroy(comm) == 0
 
 
 def test_config_fields_follow_the_release(lib: Lib, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -627,6 +637,25 @@ def test_groups_nest_and_report_errors(lib: Lib, world: Any) -> None:
     # sending to self needs the matching receive in the same group
     assert lib.ncclSend(p[0], 4, 7, 0, w.comms[0], w.streams[0]) == INVALID_USAGE
     assert "self" in lib.last_error()
+
+
+def test_one_communicator_on_two_streams_in_a_group(lib: Lib, world: Any) -> None:
+    """NCCL joins the streams of one communicator's ops in a group (events here)."""
+    w = world(2)
+    extra = [lib.stream(r) for r in range(2)]
+    a = [w.alloc(r, 64) for r in range(2)]
+    g = [w.alloc(r, 128) for r in range(2)]
+    for r in range(2):
+        lib.upload(a[r], np.full(4, r + 1.0, np.float32))
+    assert lib.ncclGroupStart() == 0
+    for r in range(2):
+        assert lib.ncclAllReduce(a[r], a[r], 4, 7, SUM, w.comms[r], w.streams[r]) == 0
+        assert lib.ncclAllGather(a[r], g[r], 4, 7, w.comms[r], extra[r]) == 0
+    assert lib.ncclGroupEnd() == 0, lib.last_error()
+    for r in range(2):
+        assert lib.sync(extra[r]) == 0 and lib.sync(w.streams[r]) == 0
+        np.testing.assert_array_equal(lib.download(g[r], np.float32, 8), np.full(8, 3.0))
+        lib.destroy_stream(extra[r])
 
 
 def test_group_simulate_end(lib: Lib, world: Any) -> None:
