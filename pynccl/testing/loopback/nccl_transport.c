@@ -193,8 +193,7 @@ ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns) {
  * Returns ncclSuccess to keep waiting; *recheck = 1 when the blocker has gone, in which
  * case the caller re-evaluates its condition once (the peer may have finished first)
  * and then fails with the returned error. */
-static ncclResult_t lbw_trouble(struct lb_comm *c, int blocker, const char *what, int *recheck) {
-    (void)what;
+static ncclResult_t lbw_trouble(struct lb_comm *c, int blocker, int *recheck) {
     *recheck = 0;
     if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) return LB_ABORTED;
     ncclResult_t r = lbw_broken(c);
@@ -439,7 +438,7 @@ static int first_missing(struct lb_comm *c) {
 ncclResult_t lbw_check_joined(struct lb_comm *c, const char *opname) {
     if (lbw_all_joined(c)) return joined_checks(c, opname);
     int recheck;
-    ncclResult_t r = lbw_trouble(c, -1, "init", &recheck);
+    ncclResult_t r = lbw_trouble(c, -1, &recheck);
     if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "%s : aborted during init", opname);
     if (r != ncclSuccess) return r;
     if (c->init_deadline_ns && lb_now_ns() > c->init_deadline_ns) {
@@ -538,7 +537,7 @@ ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key)
         }
         if (blocker < 0) break;
         int recheck;
-        ncclResult_t r = lbw_trouble(c, blocker, "ncclCommSplit", &recheck);
+        ncclResult_t r = lbw_trouble(c, blocker, &recheck);
         if (recheck) return lbw_gone(c, blocker, "ncclCommSplit");
         if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "ncclCommSplit : comm aborted");
         if (r != ncclSuccess) return r;
@@ -567,7 +566,7 @@ ncclResult_t lbw_split_gather(struct lb_comm *c, uint64_t seq, int *colors, int 
         }
         if (blocker < 0) break;
         int recheck;
-        ncclResult_t r = lbw_trouble(c, blocker, "ncclCommSplit", &recheck);
+        ncclResult_t r = lbw_trouble(c, blocker, &recheck);
         if (recheck) return lbw_gone(c, blocker, "ncclCommSplit");
         if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "ncclCommSplit : comm aborted");
         if (r != ncclSuccess) return r;
@@ -609,7 +608,7 @@ static ncclResult_t wait_steps(struct lb_comm *c, int who, uint64_t target, cons
             if (__atomic_load_n(&c->ranks[s].cstep, __ATOMIC_ACQUIRE) < target) break;
         if (s == hi) return ncclSuccess;
         int recheck;
-        ncclResult_t r = lbw_trouble(c, s, what, &recheck);
+        ncclResult_t r = lbw_trouble(c, s, &recheck);
         if (recheck) {
             if (__atomic_load_n(&c->ranks[s].cstep, __ATOMIC_ACQUIRE) >= target) continue;
             return lbw_gone(c, s, what);
@@ -1138,7 +1137,7 @@ ncclResult_t lbx_exec_p2p(struct lb_comm *c, const struct lb_op *ops, int n) {
             goto out;
         }
         int recheck;
-        ncclResult_t r = lbw_trouble(c, blocker, "ncclSend/ncclRecv", &recheck);
+        ncclResult_t r = lbw_trouble(c, blocker, &recheck);
         if (recheck) {
             recheck_pending = 1; /* one more pass: the peer may have finished first */
             continue;
@@ -1162,7 +1161,7 @@ ncclResult_t lbx_hang(struct lb_comm *c) {
     for (;;) {
         uint32_t e = __atomic_load_n(&c->w->epoch, __ATOMIC_SEQ_CST);
         int recheck;
-        ncclResult_t r = lbw_trouble(c, -1, "hang", &recheck);
+        ncclResult_t r = lbw_trouble(c, -1, &recheck);
         if (r != ncclSuccess) return r;
         if (spins < g_spin_pause + g_spin_yield) spins = g_spin_pause + g_spin_yield;
         lbw_backoff(c, e, &spins);
