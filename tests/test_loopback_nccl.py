@@ -369,6 +369,48 @@ def test_collective(lib: Lib, world: Any, path: str, kind: str, dt: int) -> None
         run_kind(lib, w, kind, dt, op, count=37 + i, seed=dt * 10 + i, root=i % 3)
 
 
+@pytest.mark.parametrize("dt", [6, 9, 10, 11])
+def test_small_float_arithmetic_rounds_like_float32_then_casts(
+    lib: Lib, world: Any, dt: int
+) -> None:
+    """Every pair of float8 values (all 65536, NaN/inf/subnormals/overflow included), and
+    200k random pairs of float16 / bfloat16 bit patterns: x op y computed in float32 and
+    rounded to nearest even (for float8, ml_dtypes' saturation rules)."""
+    w, dtype = world(2), DTYPES[dt]
+    bits = np.uint8 if dtype.itemsize == 1 else np.uint16
+    if dtype.itemsize == 1:
+        a, b = (v.ravel().astype(np.uint8) for v in np.meshgrid(np.arange(256), np.arange(256)))
+    else:
+        rng = np.random.default_rng(dt)
+        a, b = (rng.integers(0, 1 << 16, 200_000, dtype=np.uint16) for _ in range(2))
+    x, y = a.view(dtype), b.view(dtype)
+    n = len(x)
+    sb = [w.alloc(r, n * dtype.itemsize) for r in range(2)]
+    rb = [w.alloc(r, n * dtype.itemsize) for r in range(2)]
+    lib.upload(sb[0], x)
+    lib.upload(sb[1], y)
+    f32 = np.float32
+    for op, ref in (
+        (SUM, lambda: (x.astype(f32) + y.astype(f32)).astype(dtype)),
+        (PROD, lambda: (x.astype(f32) * y.astype(f32)).astype(dtype)),
+        (MAX, lambda: np.maximum(x.astype(f32), y.astype(f32)).astype(dtype)),
+        (MIN, lambda: np.minimum(x.astype(f32), y.astype(f32)).astype(dtype)),
+    ):
+        codes = w.run(
+            lambda r, op=op: lib.ncclAllReduce(sb[r], rb[r], n, dt, op, w.comms[r], w.streams[r])
+        )
+        assert not any(codes), lib.last_error()
+        with np.errstate(all="ignore"):
+            got, want = lib.download(rb[0], dtype, n), ref()
+        nan_got, nan_want = np.isnan(got.astype(f32)), np.isnan(want.astype(f32))
+        np.testing.assert_array_equal(nan_got, nan_want, err_msg=f"NaNs, op {op}")
+        ok = ~nan_want
+        if op in (MAX, MIN):  # which zero max(+0, -0) returns is unspecified (fmax, maxps)
+            ok &= want.astype(f32) != 0
+            np.testing.assert_array_equal(got[~ok & ~nan_want].astype(f32), 0)
+        np.testing.assert_array_equal(got[ok].view(bits), want[ok].view(bits), err_msg=f"op {op}")
+
+
 @pytest.mark.parametrize("dt", [2, 7, 6, 9, 10])
 def test_premulsum(lib: Lib, world: Any, path: str, dt: int) -> None:
     """Host-immediate scalars are read at creation, device scalars when the op runs."""
