@@ -1164,11 +1164,19 @@ def test_segment_of_a_process_that_died_during_init_is_reclaimed(lib: Lib, build
     assert orphan.stdout is not None
     assert json.loads(orphan.stdout.readline())["event"] == "joining"
     name = shm_name(uid)
+
+    def initialised() -> bool:  # the creator has filled the header (its magic is there)
+        try:
+            with open(name, "rb") as f:
+                return f.read(8) == b"PCNLBWD1"
+        except OSError:
+            return False
+
     for _ in range(2000):
-        if os.path.exists(name):
+        if initialised():
             break
         time.sleep(0.005)
-    assert os.path.exists(name)
+    assert initialised()
     orphan.kill()
     orphan.wait(timeout=30)
     # a fresh process's first init sweeps /dev/shm

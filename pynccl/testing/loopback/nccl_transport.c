@@ -246,8 +246,8 @@ static void layout(struct lbw_hdr *h, int nranks) {
         if (slot < (256 << 10)) slot = 256 << 10;
     }
     if (ring <= 0) {
-        ring = (long long)((8u << 20) / (R * R));
-        if (ring > (1 << 20)) ring = 1 << 20;
+        ring = (long long)((4u << 20) / (R * R));
+        if (ring > (256 << 10)) ring = 256 << 10;
         if (ring < (16 << 10)) ring = 16 << 10;
     }
     /* A slot holds one element per rank at least (ReduceScatter, AlltoAll, Scatter). */
@@ -314,12 +314,16 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
         memset(&h, 0, sizeof h);
         layout(&h, c->nranks);
         size = h.size;
-        if (ftruncate(fd, (off_t)size) != 0) {
-            int e = errno;
+        /* Reserve the pages now: a full /dev/shm then fails init cleanly instead of
+         * raising SIGBUS in the middle of a collective. */
+        int e = ftruncate(fd, (off_t)size) == 0 ? posix_fallocate(fd, 0, (off_t)size) : errno;
+        if (e != 0) {
             close(fd);
             shm_unlink(c->shm_name);
-            return lb_err(ncclSystemError, "%s : ftruncate(%s, %zu) failed: %s", opname,
-                          c->shm_name, size, strerror(e));
+            return lb_err(ncclSystemError,
+                          "%s : cannot reserve %zu bytes of shared memory for %s: %s (is "
+                          "/dev/shm full?)",
+                          opname, size, c->shm_name, strerror(e));
         }
         w = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (w == MAP_FAILED) {
