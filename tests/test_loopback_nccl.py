@@ -1151,7 +1151,7 @@ def test_killed_peer_stops_the_others(lib: Lib, build: Any) -> None:
         ev = events(procs[r], timeout=60)
         done = next(e for e in ev if e["event"] == "done")
         assert done["async_error"] == REMOTE, done
-        assert done["seconds"] < 30  # bounded (about 0.1 s); generous for loaded machines
+        assert done["seconds"] < 5  # the documented bound (detection takes about 0.1 s)
         assert "exited" in done["error"], done
     assert not os.path.exists(shm_name(uid))
 

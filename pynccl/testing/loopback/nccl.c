@@ -754,8 +754,7 @@ static uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-void lb_split_free(struct lb_split *s, ncclResult_t why) {
-    (void)why;
+void lb_split_free(struct lb_split *s) {
     if (s->child) comm_abandon(s->child);
     lb_comm_unref(s->parent);
     free(s);
@@ -871,7 +870,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
     s->out = newcomm;
     r = lbw_split_post(p, s->seq, color, key);
     if (r != ncclSuccess) {
-        lb_split_free(s, r);
+        lb_split_free(s);
         return lb_group_error(r);
     }
     if (in_group) {
@@ -884,7 +883,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
         return ncclInProgress;
     }
     r = lb_split_progress(s, 1);
-    lb_split_free(s, r);
+    lb_split_free(s);
     return r;
 }
 LB_ALIAS(ncclCommSplit)
@@ -916,7 +915,7 @@ static void progress_all_splits(void) {
         *pp = s->next;
         if (r != ncclSuccess) lb_comm_fail(s->parent, r, NULL);
         __atomic_sub_fetch(&s->parent->nb_pending, 1, __ATOMIC_RELEASE);
-        lb_split_free(s, r);
+        lb_split_free(s);
     }
     pthread_mutex_unlock(&g_splits_mu);
 }
@@ -931,7 +930,7 @@ static void drop_splits_of(struct lb_comm *parent) {
         }
         *pp = s->next;
         __atomic_sub_fetch(&parent->nb_pending, 1, __ATOMIC_RELEASE);
-        lb_split_free(s, LB_ABORTED);
+        lb_split_free(s);
     }
     pthread_mutex_unlock(&g_splits_mu);
 }

@@ -107,13 +107,13 @@ ncclResult_t lb_group_defer_split(struct lb_split *s) {
     it.type = LBG_SPLIT;
     it.split = s;
     ncclResult_t r = push(&it);
-    if (r != ncclSuccess) lb_split_free(s, r);
+    if (r != ncclSuccess) lb_split_free(s);
     return r;
 }
 
 static void release_items(struct lb_gitem *items, int n) {
     for (int i = 0; i < n; i++) {
-        if (items[i].type == LBG_SPLIT && items[i].split) lb_split_free(items[i].split, ncclSuccess);
+        if (items[i].type == LBG_SPLIT && items[i].split) lb_split_free(items[i].split);
         if (items[i].c) lb_comm_unref(items[i].c);
     }
     free(items);

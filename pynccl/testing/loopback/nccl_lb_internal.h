@@ -270,7 +270,8 @@ ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking);
 ncclResult_t lb_split_progress(struct lb_split *s, int blocking);
 /* Group end, first pass: gather the posts and join the child world (no waiting for it). */
 ncclResult_t lb_split_stage_join(struct lb_split *s);
-void lb_split_free(struct lb_split *s, ncclResult_t why);
+/* Drop a split (abandoning a child comm not yet handed out) and its parent ref. */
+void lb_split_free(struct lb_split *s);
 /* A nonblocking split: completed by polls of any communicator's async error (NCCL does
  * it in a background thread; here every poll in the process pushes every split on). */
 void lb_split_defer(struct lb_split *s);
