@@ -893,6 +893,27 @@ def test_premul_sum(thread_worlds: Worlds, dtype: str, residence: str) -> None:
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f"rank {r}")
 
 
+def test_premul_sum_scales_each_rank_by_its_own_scalar(thread_worlds: Worlds) -> None:
+    # NCCL's PreMulSum: every rank multiplies its own input by the scalar it passed.
+    world = thread_worlds(3)
+    scalars = [0.5, 2.0, -3.0]
+    inputs = [np.arange(40, dtype=np.float64) + 7 * r for r in range(3)]
+    want = sum(s * x for s, x in zip(scalars, inputs))  # exact in float64
+
+    def one(r: int, comm: Communicator) -> np.ndarray:
+        op = comm.create_premul_sum(scalars[r], "float64")
+        try:
+            with DeviceBuffer.from_numpy(inputs[r], device=r) as b:
+                comm.all_reduce(b, op=op)
+                comm.synchronize()
+                return b.to_numpy()
+        finally:
+            comm.destroy_op(op)
+
+    for r, got in world.run(one).items():
+        np.testing.assert_array_equal(got, want, err_msg=f"rank {r}")
+
+
 def test_premul_sum_errors(solo: Communicator) -> None:
     with pytest.raises(ValueError, match="residence must be 'host' or 'device', got 'gpu'"):
         solo.create_premul_sum(1.0, "float32", residence="gpu")

@@ -401,6 +401,16 @@ def _rows(stdout: str) -> list[list[str]]:
 
 
 @pytest.mark.usefixtures("loopback_ready")
+def test_mulsum_across_processes_uses_each_ranks_scalar() -> None:
+    # nccl-tests' mulsum gives every rank its own scalar; 3 processes go through the
+    # loopback's shared-memory staging, so this checks that path against numpy.
+    proc = run_perf("all_reduce", "-g", "3", "-b", "1K", "-e", "256K", "-f", "16", "-n", "1",
+                    "-w", "0", "-c", "1", "-o", "mulsum", "-d", "float,half,int32")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+
+
+@pytest.mark.usefixtures("loopback_ready")
 @pytest.mark.parametrize("coll", COLLS)
 def test_sweep_checks_every_collective(coll: str, tmp_path: Path) -> None:
     extra = ["-r", "1"] if coll in ("broadcast", "reduce", "gather", "scatter") else []

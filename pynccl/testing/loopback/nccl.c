@@ -276,7 +276,11 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     struct lb_comm *c = calloc(1, sizeof *c);
     if (!c) return NULL;
     c->srcs = calloc((size_t)nranks, sizeof *c->srcs);
-    if (!c->srcs) {
+    c->scalars = calloc((size_t)nranks, sizeof *c->scalars);
+    if (!c->srcs || !c->scalars) {
+        free(c->srcs);
+    free(c->scalars);
+        free(c->scalars);
         free(c);
         return NULL;
     }

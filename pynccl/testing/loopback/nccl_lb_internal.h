@@ -63,9 +63,11 @@ int lb_type_is_float(int dtype);
 uint64_t lb_scalar_from_double(int dtype, double v);
 /* dst1/dst2 (either may be NULL) = srcs[0] op srcs[1] op ... op srcs[nsrc-1], element
  * by element, in that order, rounding to the type after every step. A destination
- * may alias a source element for element (in-place). */
-void lb_reduce(int dtype, const struct lb_redop *op, uint64_t scalar, void *dst1, void *dst2,
-               const void *const *srcs, int nsrc, size_t n);
+ * may alias a source element for element (in-place). For PreMulSum, scalars[r] is the
+ * scalar of the rank that contributed srcs[r] (each rank scales its own input, as in
+ * NCCL); other ops ignore scalars (may be NULL). */
+void lb_reduce(int dtype, const struct lb_redop *op, const uint64_t *scalars, void *dst1,
+               void *dst2, const void *const *srcs, int nsrc, size_t n);
 
 struct lb_op {
     int kind; /* enum lb_kind */
@@ -109,6 +111,7 @@ struct lbw_desc {
     int32_t kind, dtype, op, root;
     uint64_t sbuf, rbuf; /* addresses in the rank's process (direct mode) */
     uint32_t direct;     /* 1: this rank would read its peers' buffers in place */
+    uint64_t scalar;     /* PreMulSum: this rank's scalar, as raw bits of the op's type */
 };
 
 struct lbw_rank {
@@ -188,6 +191,7 @@ struct lb_comm {
     char *slots, *ringdata;
     size_t slot_bytes, ring_bytes;
     const void **srcs; /* nranks scratch pointers for the executor */
+    uint64_t *scalars; /* nranks PreMulSum scalars, in rank order, for the executor */
     int probed;
     int direct;        /* collectives read peers' buffers directly (all ranks in-process) */
 

@@ -178,15 +178,15 @@ static inline void store2(void *d1, void *d2, size_t off, const void *acc, size_
 /* Integers: U is the unsigned type used for wrapping arithmetic, T the element type
  * (for comparisons and the signed average). */
 #define LB_DEF_INT(NAME, T, U)                                                                \
-    static void red_##NAME(const struct lb_redop *op, uint64_t scalar, void *d1, void *d2,    \
+    static void red_##NAME(const struct lb_redop *op, const uint64_t *scalars, void *d1, void *d2,\
                            const void *const *srcs, int nsrc, size_t n) {                     \
         T acc[LB_BLK];                                                                        \
-        T sc;                                                                                 \
-        memcpy(&sc, &scalar, sizeof(T));                                                      \
+        T sc = 0;                                                                             \
         for (size_t b = 0; b < n; b += LB_BLK) {                                              \
             size_t m = n - b < LB_BLK ? n - b : LB_BLK;                                       \
             const T *s0 = (const T *)srcs[0] + b;                                             \
             if (op->kind == LB_R_PREMULSUM) {                                                 \
+                memcpy(&sc, &scalars[0], sizeof(T));                                          \
                 for (size_t i = 0; i < m; i++) acc[i] = (T)((U)s0[i] * (U)sc);                \
             } else {                                                                          \
                 memcpy(acc, s0, m * sizeof(T));                                               \
@@ -208,6 +208,7 @@ static inline void store2(void *d1, void *d2, size_t off, const void *acc, size_
                     for (size_t i = 0; i < m; i++) acc[i] = s[i] < acc[i] ? s[i] : acc[i];    \
                     break;                                                                    \
                 case LB_R_PREMULSUM:                                                          \
+                    memcpy(&sc, &scalars[r], sizeof(T));                                      \
                     for (size_t i = 0; i < m; i++)                                            \
                         acc[i] = (T)((U)acc[i] + (U)s[i] * (U)sc);                            \
                     break;                                                                    \
@@ -232,15 +233,15 @@ LB_DEF_INT(u64, uint64_t, uint64_t)
 
 /* Native floats: NaN-propagating max/min like numpy.maximum / numpy.minimum. */
 #define LB_DEF_FLOAT(NAME, T)                                                                 \
-    static void red_##NAME(const struct lb_redop *op, uint64_t scalar, void *d1, void *d2,    \
+    static void red_##NAME(const struct lb_redop *op, const uint64_t *scalars, void *d1, void *d2,\
                            const void *const *srcs, int nsrc, size_t n) {                     \
         T acc[LB_BLK];                                                                        \
-        T sc;                                                                                 \
-        memcpy(&sc, &scalar, sizeof(T));                                                      \
+        T sc = 0;                                                                             \
         for (size_t b = 0; b < n; b += LB_BLK) {                                              \
             size_t m = n - b < LB_BLK ? n - b : LB_BLK;                                       \
             const T *s0 = (const T *)srcs[0] + b;                                             \
             if (op->kind == LB_R_PREMULSUM) {                                                 \
+                memcpy(&sc, &scalars[0], sizeof(T));                                          \
                 for (size_t i = 0; i < m; i++) acc[i] = s0[i] * sc;                           \
             } else {                                                                          \
                 memcpy(acc, s0, m * sizeof(T));                                               \
@@ -263,6 +264,7 @@ LB_DEF_INT(u64, uint64_t, uint64_t)
                         acc[i] = (s[i] < acc[i] || s[i] != s[i]) ? s[i] : acc[i];             \
                     break;                                                                    \
                 case LB_R_PREMULSUM:                                                          \
+                    memcpy(&sc, &scalars[r], sizeof(T));                                      \
                     for (size_t i = 0; i < m; i++) acc[i] = acc[i] + s[i] * sc;               \
                     break;                                                                    \
                 default:                                                                      \
@@ -278,16 +280,17 @@ LB_DEF_FLOAT(f64, double)
 
 /* Small floats: S is the storage type, DEC/ENC convert through float. */
 #define LB_DEF_SMALL(NAME, S, DEC, ENC)                                                       \
-    static void red_##NAME(const struct lb_redop *op, uint64_t scalar, void *d1, void *d2,    \
+    static void red_##NAME(const struct lb_redop *op, const uint64_t *scalars, void *d1, void *d2,\
                            const void *const *srcs, int nsrc, size_t n) {                     \
         S acc[LB_BLK];                                                                        \
         S scs;                                                                                \
-        memcpy(&scs, &scalar, sizeof(S));                                                     \
-        float sc = DEC(scs);                                                                  \
+        float sc = 0;                                                                         \
         for (size_t b = 0; b < n; b += LB_BLK) {                                              \
             size_t m = n - b < LB_BLK ? n - b : LB_BLK;                                       \
             const S *s0 = (const S *)srcs[0] + b;                                             \
             if (op->kind == LB_R_PREMULSUM) {                                                 \
+                memcpy(&scs, &scalars[0], sizeof(S));                                         \
+                sc = DEC(scs);                                                                \
                 for (size_t i = 0; i < m; i++) acc[i] = ENC(DEC(s0[i]) * sc);                 \
             } else {                                                                          \
                 memcpy(acc, s0, m * sizeof(S));                                               \
@@ -314,6 +317,8 @@ LB_DEF_FLOAT(f64, double)
                     }                                                                         \
                     break;                                                                    \
                 case LB_R_PREMULSUM:                                                          \
+                    memcpy(&scs, &scalars[r], sizeof(S));                                     \
+                    sc = DEC(scs);                                                            \
                     for (size_t i = 0; i < m; i++)                                            \
                         acc[i] = ENC(DEC(acc[i]) + DEC(ENC(DEC(s[i]) * sc)));                 \
                     break;                                                                    \
@@ -330,14 +335,14 @@ LB_DEF_SMALL(bf16, uint16_t, bf162f, f2bf16)
 LB_DEF_SMALL(e4m3, uint8_t, e4m32f, f2e4m3)
 LB_DEF_SMALL(e5m2, uint8_t, e5m22f, f2e5m2)
 
-typedef void (*red_fn)(const struct lb_redop *, uint64_t, void *, void *, const void *const *,
-                       int, size_t);
+typedef void (*red_fn)(const struct lb_redop *, const uint64_t *, void *, void *,
+                       const void *const *, int, size_t);
 
 static const red_fn k_red[12] = {red_i8,  red_u8,  red_i32, red_u32,  red_i64,  red_u64,
                                  red_f16, red_f32, red_f64, red_bf16, red_e4m3, red_e5m2};
 
-void lb_reduce(int dtype, const struct lb_redop *op, uint64_t scalar, void *dst1, void *dst2,
-               const void *const *srcs, int nsrc, size_t n) {
+void lb_reduce(int dtype, const struct lb_redop *op, const uint64_t *scalars, void *dst1,
+               void *dst2, const void *const *srcs, int nsrc, size_t n) {
     if (n == 0 || (!dst1 && !dst2)) return;
-    k_red[dtype](op, scalar, dst1, dst2, srcs, nsrc, n);
+    k_red[dtype](op, scalars, dst1, dst2, srcs, nsrc, n);
 }

@@ -692,9 +692,16 @@ static inline const void *at(uint64_t addr, size_t off) {
     return (const char *)(uintptr_t)addr + off;
 }
 
+/* Every rank's PreMulSum scalar (posted in its descriptor for collective seq), in rank order. */
+static const uint64_t *rank_scalars(struct lb_comm *c, uint64_t seq) {
+    for (int s = 0; s < c->nranks; s++) c->scalars[s] = c->ranks[s].desc[seq & 1].scalar;
+    return c->scalars;
+}
+
 /* The rest of a direct-mode collective, after the descriptor barrier of step 3g+1. */
-static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint64_t scalar,
-                                uint64_t seq, uint64_t g) {
+static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint64_t seq,
+                                uint64_t g) {
+    const uint64_t *scalars = rank_scalars(c, seq);
     const int R = c->nranks, me = c->rank, root = op->root, kind = op->kind;
     const size_t E = lb_type_size(op->dtype), count = op->count, nb = count * E;
     const char *what = lb_kind_name(kind);
@@ -711,7 +718,7 @@ static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint6
         size_t lo = (size_t)me * q < count ? (size_t)me * q : count;
         size_t hi = lo + q < count ? lo + q : count;
         for (int s = 0; s < R; s++) c->srcs[s] = at(SB(s), lo * E);
-        if (hi > lo) lb_reduce(op->dtype, &op->rop, scalar, NULL, rb + lo * E, c->srcs, R, hi - lo);
+        if (hi > lo) lb_reduce(op->dtype, &op->rop, scalars, NULL, rb + lo * E, c->srcs, R, hi - lo);
         set_step(c, 3 * g + 2);
         if ((r = wait_steps(c, -1, 3 * g + 2, what)) != ncclSuccess) break;
         for (int j = 0; j < R; j++) {
@@ -724,12 +731,12 @@ static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint6
     case LB_K_REDUCE:
         if (me == root) {
             for (int s = 0; s < R; s++) c->srcs[s] = at(SB(s), 0);
-            lb_reduce(op->dtype, &op->rop, scalar, NULL, rb, c->srcs, R, count);
+            lb_reduce(op->dtype, &op->rop, scalars, NULL, rb, c->srcs, R, count);
         }
         break;
     case LB_K_REDUCESCATTER:
         for (int s = 0; s < R; s++) c->srcs[s] = at(SB(s), (size_t)me * nb);
-        lb_reduce(op->dtype, &op->rop, scalar, NULL, rb, c->srcs, R, count);
+        lb_reduce(op->dtype, &op->rop, scalars, NULL, rb, c->srcs, R, count);
         break;
     case LB_K_BROADCAST:
         if (rb != at(SB(root), 0)) memcpy(rb, at(SB(root), 0), nb);
@@ -777,7 +784,8 @@ static ncclResult_t exec_direct(struct lb_comm *c, const struct lb_op *op, uint6
     return r;
 }
 
-static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint64_t scalar);
+static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint64_t seq);
+
 
 /* Every collective starts by posting its descriptor and waiting for everyone's: the
  * mismatch check, and the choice between direct mode and staging through the slots. */
@@ -801,18 +809,20 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
     d->sbuf = (uint64_t)(uintptr_t)op->sbuf;
     d->rbuf = (uint64_t)(uintptr_t)op->rbuf;
     d->direct = (uint32_t)c->direct;
+    d->scalar = scalar;
     d->seq = seq;
     set_step(c, 3 * g + 1);
     CHECK(wait_steps(c, -1, 3 * g + 1, lb_kind_name(op->kind)));
     CHECK(compare_descs(c, seq));
     int direct = 1;
     for (int s = 0; s < c->nranks; s++) direct &= c->ranks[s].desc[seq & 1].direct == 1;
-    if (direct) return exec_direct(c, op, scalar, seq, g);
+    if (direct) return exec_direct(c, op, seq, g);
     set_step(c, 3 * g + 3); /* the preamble used this step; the slots start at the next */
-    return exec_staged(c, op, scalar);
+    return exec_staged(c, op, seq);
 }
 
-static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint64_t scalar) {
+static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint64_t seq) {
+    const uint64_t *scalars = rank_scalars(c, seq);
     const int R = c->nranks, me = c->rank, root = op->root, kind = op->kind;
     const size_t E = lb_type_size(op->dtype), count = op->count;
     const int sub = kind == LB_K_REDUCESCATTER || kind == LB_K_ALLTOALL || kind == LB_K_SCATTER;
@@ -919,7 +929,7 @@ static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint6
                                          : (const void *)(slot(c, g, s) + lo * E);
                 int to_rb = kind == LB_K_ALLREDUCE || me == root;
                 int to_slot = R > 1 && (kind == LB_K_ALLREDUCE || me != root);
-                lb_reduce(op->dtype, &op->rop, scalar, to_slot ? slot(c, g, me) + lo * E : NULL,
+                lb_reduce(op->dtype, &op->rop, scalars, to_slot ? slot(c, g, me) + lo * E : NULL,
                           to_rb ? rb + (o + lo) * E : NULL, c->srcs, R, hi - lo);
             }
             set_step(c, 3 * g + 2);
@@ -929,7 +939,7 @@ static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint6
                 for (int s = 0; s < R; s++)
                     c->srcs[s] = s == me ? (const void *)(sb + ((size_t)me * count + o) * E)
                                          : (const void *)(slot(c, g, s) + (size_t)me * per * E);
-                lb_reduce(op->dtype, &op->rop, scalar, NULL, rb + o * E, c->srcs, R, n);
+                lb_reduce(op->dtype, &op->rop, scalars, NULL, rb + o * E, c->srcs, R, n);
             }
         }
 
