@@ -215,6 +215,8 @@ for _op in RedOp:
     _OP_NAMES[_op.name.lower()] = int(_op)
     _OP_NAMES[_op.c_name] = int(_op)
 del _op
+# The ops that need no per-call check (avg is refused on integers and before 2.10).
+_FAST_OPS = {k: v for k, v in _OP_NAMES.items() if v != RedOp.AVG}
 
 
 def _check_rank(value: Any, size: int, name: str) -> int:
@@ -254,6 +256,7 @@ class Communicator:
         "__weakref__",
         "_blocking",
         "_c",
+        "_c_allreduce",
         "_config",
         "_custom_ops",
         "_device",
@@ -348,6 +351,7 @@ class Communicator:
         # Bare ctypes functions, bound once: the hot path calls them directly.
         raw = L.raw
         self._c = {name: raw(name) for name in _HOT if L.has(name)}
+        self._c_allreduce = self._c["ncclAllReduce"]
 
     def _adopt(self, handle: int | None, result: Result) -> None:
         if not handle:
@@ -1007,17 +1011,31 @@ class Communicator:
             if (sendbuf <= 0 or recv <= 0) and n:
                 raise ValueError(f"NULL pointer: sendbuf={sendbuf:#x} recvbuf={recv:#x}")
         else:
-            sendbuf, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", recvbuf is None, stream=s)
-            n = self._count(count, sn, "sendbuf")
-            self._need("sendbuf", sn, n)
+            # Array route, with _buf/_need/_same_type inlined: their checks, fewer frames.
+            if type(sendbuf) is int or sendbuf is None:
+                sendbuf, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
+                dev = None
+            else:
+                sendbuf, sn, dt, dev = as_buffer(
+                    sendbuf, None, dtype, name="sendbuf", writable=recvbuf is None, stream=s
+                )
+            if dev is not None and dev != self._device and self._device is not None:
+                check_device(dev, self._device, "sendbuf")
+            if not self._types[dt]:
+                self._datatype(dt)
+            n = sn if count is None and sn >= 0 else self._count(count, sn, "sendbuf")
+            if n > sn >= 0:
+                self._need("sendbuf", sn, n)
             if recvbuf is None:
                 recv = sendbuf
             else:
                 recv, rn, rdt = self._buf(recvbuf, n, dtype, "recvbuf", True, stream=s, like=dt)
-                self._same_type(dt, rdt)
-                self._need("recvbuf", rn, n)
-        opv = _OP_NAMES.get(op)
-        if opv is None or opv == 4:
+                if rdt is not dt:
+                    self._same_type(dt, rdt)
+                if n > rn >= 0:
+                    self._need("recvbuf", rn, n)
+        opv = _FAST_OPS.get(op)
+        if opv is None:
             opv = self._op(op, dt)
         args = (sendbuf, recv, n, dt, opv, h, s)
         if self._watch is not None:
@@ -1027,7 +1045,7 @@ class Communicator:
         seq = self._seq
         self._seq = seq + 1
         self._ring[seq & RING_MASK] = (seq, "ncclAllReduce", -1, args)
-        rc = self._c["ncclAllReduce"](*args)
+        rc = self._c_allreduce(*args)
         if rc:
             if rc == 7:
                 self._pending_after(rc)
