@@ -1281,13 +1281,7 @@ class Communicator:
         stream: Any = None,
     ) -> None:
         """``ncclSend`` (NCCL >= 2.7): send ``count`` elements to ``peer`` (pair with its recv)."""
-        h = self._live()
-        s = self._s(stream)
-        peer = _check_rank(peer, self._size, "peer")
-        sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
-        n = self._count(count, sn, "sendbuf")
-        self._need("sendbuf", sn, n)
-        self._call("ncclSend", peer, (sp, n, dt, peer, h, s))
+        self._p2p("ncclSend", "sendbuf", sendbuf, peer, count, dtype, stream)
 
     def recv(
         self,
@@ -1299,13 +1293,18 @@ class Communicator:
         stream: Any = None,
     ) -> None:
         """``ncclRecv`` (NCCL >= 2.7): receive ``count`` elements from ``peer``."""
+        self._p2p("ncclRecv", "recvbuf", recvbuf, peer, count, dtype, stream)
+
+    def _p2p(
+        self, name: str, arg: str, buf: _Buf, peer: int, count: Any, dtype: Any, stream: Any
+    ) -> None:
         h = self._live()
         s = self._s(stream)
         peer = _check_rank(peer, self._size, "peer")
-        rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)
-        n = self._count(count, rn, "recvbuf")
-        self._need("recvbuf", rn, n)
-        self._call("ncclRecv", peer, (rp, n, dt, peer, h, s))
+        ptr, have, dt = self._buf(buf, count, dtype, arg, arg == "recvbuf", stream=s)
+        n = self._count(count, have, arg)
+        self._need(arg, have, n)
+        self._call(name, peer, (ptr, n, dt, peer, h, s))
 
 
 def _set_device(device: int) -> None:

@@ -12,6 +12,7 @@ import threading
 import warnings
 
 from . import _loader
+from ._capi._binding import BoundLibrary
 from ._capi.cudart import CudartLibrary
 from ._capi.nccl import NcclLibrary
 from .enums import Release
@@ -52,11 +53,8 @@ def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
         if current is None:
             found = _loader.open_nccl(None if path is None else os.fspath(path))
             current = _nccl = NcclLibrary(found.cdll, found.path, found.rule)
-        elif path is not None and not _same_file(os.fspath(path), current.path):
-            raise RuntimeError(
-                f"libnccl is already loaded from {current.path} (rule {current.rule}); "
-                f"cannot also load {os.fspath(path)}: a process uses one libnccl"
-            )
+        else:
+            _refuse_another("libnccl", current, path)
         return current
 
 
@@ -80,22 +78,28 @@ def load_cudart(path: str | os.PathLike[str] | None = None) -> CudartLibrary:
     with _lock:
         current = _cudart
         if current is None:
-            if path is None and os.environ.get(_loader.CUDART_ENV) is None:
-                mapped = _loader.mapped_libraries(_LOOPBACK_CUDART)
-                if mapped:
-                    found = _loader.open_cudart(mapped[0])
-                    found = _loader.Found(found.path, "already-mapped", found.cdll)
-                else:
-                    found = _loader.open_cudart(None)
-            else:
-                found = _loader.open_cudart(None if path is None else os.fspath(path))
+            found = _open_cudart(path)
             current = _cudart = CudartLibrary(found.cdll, found.path, found.rule)
-        elif path is not None and not _same_file(os.fspath(path), current.path):
-            raise RuntimeError(
-                f"libcudart is already loaded from {current.path} (rule {current.rule}); "
-                f"cannot also load {os.fspath(path)}"
-            )
+        else:
+            _refuse_another("libcudart", current, path)
         return current
+
+
+def _open_cudart(path: str | os.PathLike[str] | None) -> _loader.Found:
+    if path is None and os.environ.get(_loader.CUDART_ENV) is None:
+        mapped = _loader.mapped_libraries(_LOOPBACK_CUDART)
+        if mapped:
+            found = _loader.open_cudart(mapped[0])
+            return _loader.Found(found.path, "already-mapped", found.cdll)
+    return _loader.open_cudart(None if path is None else os.fspath(path))
+
+
+def _refuse_another(kind: str, current: BoundLibrary, path: str | os.PathLike[str] | None) -> None:
+    if path is not None and not _same_file(os.fspath(path), current.path):
+        raise RuntimeError(
+            f"{kind} is already loaded from {current.path} (rule {current.rule}); "
+            f"cannot also load {os.fspath(path)}: a process uses one {kind}"
+        )
 
 
 def cudart() -> CudartLibrary:
