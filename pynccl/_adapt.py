@@ -299,7 +299,7 @@ def _from_cai(
         )
     if count is not None or dtype is not None:
         n, dt = _override(n, dt, count, dtype, name)
-    return ptr, n, dt, device_of(obj)
+    return ptr, n, dt, None if device_of is _no_device else device_of(obj)
 
 
 def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
