@@ -59,6 +59,7 @@ class Watchdog:
         from .library import cudart
 
         self._rt = cudart()
+        self._is_capturing = self._rt.raw("cudaStreamIsCapturing")
         self._comm = weakref.ref(comm)
         self.timeout = float(timeout)
         self.interval = min(max(self.timeout / 20, 0.005), 1.0) if interval is None else interval
@@ -79,7 +80,16 @@ class Watchdog:
     # -- called by the communicator (user thread, under self.lock) ----------------------
 
     def enqueued(self, seq: int, stream: int) -> None:
-        """Record a completion event for operation ``seq`` on ``stream``."""
+        """Record a completion event for operation ``seq`` on ``stream``.
+
+        Not while ``stream`` is being captured into a CUDA graph: the operation then
+        runs only when the graph is replayed, and an event recorded now would
+        become part of the graph.
+        """
+        capturing = c_int(0)
+        self._is_capturing(stream, byref(capturing))
+        if capturing.value:
+            return
         if self._pool:
             event = self._pool.pop()
         else:
