@@ -318,6 +318,8 @@ class Communicator:
         else:
             result = L.ncclCommInitRank(byref(comm), nranks, ids[0].struct, rank)
         self._adopt(comm.value, result)
+        if self._device is None and self._h is not None:
+            _ = self.device  # known from now on, so buffers can be checked against it
         if watchdog_timeout is not None:
             self.start_watchdog(watchdog_timeout)
 

@@ -1109,3 +1109,35 @@ def test_nothing_outlives_the_communicators(lb: Any) -> None:
     world.close()
     assert _mapped_worlds() == maps_before
     assert _wait_for(lambda: {t.ident for t in threading.enumerate()} <= threads_before)
+
+
+def test_device_is_known_without_device_argument_and_checked(lb: Any) -> None:
+    # Made on a thread whose current device is 2: NCCL takes that device, and a buffer
+    # that says it lives on device 1 is refused before any C call.
+    from pynccl.cuda import get_device, set_device
+
+    class OnDevice1:  # a CuPy-style device array: .device.id
+        class device:
+            id = 1
+
+        def __init__(self, ptr: int, n: int) -> None:
+            self.__cuda_array_interface__ = {
+                "shape": (n,), "typestr": "<f4", "data": (ptr, False), "version": 3,
+            }  # fmt: skip
+
+    previous = get_device()
+    set_device(2)
+    try:
+        comm = Communicator(1, UniqueId(), 0)
+    finally:
+        set_device(previous)
+    try:
+        assert comm.device == 2
+        with DeviceBuffer(8, DataType.FLOAT32, device=2) as good:
+            comm.all_reduce(good)
+            comm.synchronize()
+            bad = OnDevice1(good.ptr, 8)
+            with pytest.raises(ValueError, match="on device 1 but the communicator is on device 2"):
+                comm.all_reduce(bad)
+    finally:
+        comm.destroy()
