@@ -1132,12 +1132,12 @@ def test_device_is_known_without_device_argument_and_checked(lb: Any) -> None:
     finally:
         set_device(previous)
     try:
-        assert comm.device == 2
         with DeviceBuffer(8, DataType.FLOAT32, device=2) as good:
-            comm.all_reduce(good)
-            comm.synchronize()
-            bad = OnDevice1(good.ptr, 8)
+            bad = OnDevice1(good.ptr, 8)  # checked before anything asked for comm.device
             with pytest.raises(ValueError, match="on device 1 but the communicator is on device 2"):
                 comm.all_reduce(bad)
+            comm.all_reduce(good)
+            comm.synchronize()
+        assert comm.device == 2
     finally:
         comm.destroy()
