@@ -227,6 +227,12 @@ def _check_rank(value: Any, size: int, name: str) -> int:
     return int(value)
 
 
+def _raw_count(count: Any) -> int:
+    if count is None:
+        raise TypeError("sendbuf is a raw pointer, so count= and dtype= are required")
+    return _check_count(count)
+
+
 def _check_count(count: Any, name: str = "count") -> int:
     if type(count) is not int or count < 0:
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
@@ -752,13 +758,36 @@ class Communicator:
         self._live()
         if self._watch is not None and self._watch.running:
             raise NcclInvalidUsage(Result.INVALID_USAGE, "", "the watchdog is already running")
-        self._watch = Watchdog(self, timeout, interval)
+        self._set_watch(Watchdog(self, timeout, interval))
 
     def stop_watchdog(self) -> None:
         """Stop the watchdog thread, if one runs."""
-        watch, self._watch = self._watch, None
+        watch = self._watch
+        self._set_watch(None)
         if watch is not None:
             watch.stop()
+
+    def _set_watch(self, watch: Watchdog | None) -> None:
+        # all_reduce's hot path never tests for a watchdog: its C function is swapped.
+        self._watch = watch
+        raw = self._c["ncclAllReduce"]
+        self._c_allreduce = raw if watch is None else self._watched_allreduce
+
+    def _watched_allreduce(self, *args: Any) -> int:
+        """ncclAllReduce under the watchdog's lock, with a completion event recorded."""
+        watch = self._watch
+        raw = self._c["ncclAllReduce"]
+        if watch is None:
+            if self._error is not None:  # aborted by the watchdog
+                raise self._error
+            return int(raw(*args))
+        with watch.lock:
+            if self._h is None and self._error is not None:
+                raise self._error
+            rc = int(raw(*args))
+            if rc in (0, 7):
+                watch.enqueued(self._seq - 1, args[-1])
+        return rc
 
     @property
     def error(self) -> BaseException | None:
@@ -769,6 +798,8 @@ class Communicator:
         # Called by the watchdog thread, holding the watchdog's lock; the watchdog
         # frees its own events once it has released that lock.
         self._error = reason
+        # _c_allreduce stays _watched_allreduce: a call racing this abort then meets
+        # the recorded error instead of passing the freed handle to NCCL.
         self._watch = None
         handle = self._handle
         self._h = None
@@ -891,6 +922,11 @@ class Communicator:
 
     # -- argument resolution (hot path) ---------------------------------------------------
 
+    def _raw_type(self, dtype: Any) -> DataType:
+        if dtype is None:
+            raise TypeError("sendbuf is a raw pointer, so count= and dtype= are required")
+        return self._datatype(dtype)
+
     def _datatype(self, dtype: Any) -> DataType:
         dt = as_datatype(dtype)
         if not self._types[dt]:
@@ -1004,14 +1040,17 @@ class Communicator:
             h = self._live()
         s = self._stream if stream is None else as_stream(stream)
         if type(sendbuf) is int and (recvbuf is None or type(recvbuf) is int):
-            # Raw-pointer route: no probing.
-            if count is None or dtype is None:
-                raise TypeError("sendbuf is a raw pointer, so count= and dtype= are required")
-            n = count if type(count) is int and count >= 0 else _check_count(count)
-            dt = dtype if type(dtype) is DataType and self._types[dtype] else self._datatype(dtype)
-            recv = sendbuf if recvbuf is None else recvbuf
-            if (sendbuf <= 0 or recv <= 0) and n:
-                raise ValueError(f"NULL pointer: sendbuf={sendbuf:#x} recvbuf={recv:#x}")
+            # Raw-pointer route: no probing; anything unusual goes to the slow checks.
+            n = count if type(count) is int and count >= 0 else _raw_count(count)
+            dt = dtype if type(dtype) is DataType and self._types[dtype] else self._raw_type(dtype)
+            if recvbuf is None:
+                recv = sendbuf
+                if sendbuf <= 0 and n:
+                    raise ValueError(f"sendbuf is a NULL or negative pointer ({sendbuf:#x})")
+            else:
+                recv = recvbuf
+                if (sendbuf <= 0 or recv <= 0) and n:
+                    raise ValueError(f"NULL pointer: sendbuf={sendbuf:#x} recvbuf={recv:#x}")
         else:
             # Array route, with _buf/_need/_same_type inlined: their checks, fewer frames.
             if type(sendbuf) is int or sendbuf is None:
@@ -1040,10 +1079,8 @@ class Communicator:
         if opv is None:
             opv = self._op(op, dt)
         args = (sendbuf, recv, n, dt, opv, h, s)
-        if self._watch is not None:
-            self._call("ncclAllReduce", -1, args)
-            return
-        # The hot path: _call inlined (record, call, check).
+        # The hot path: _call inlined (record, call, check); _c_allreduce is the bare
+        # ctypes function, or _watched_allreduce while a watchdog runs.
         seq = self._seq
         self._seq = seq + 1
         self._ring[seq & RING_MASK] = (seq, "ncclAllReduce", -1, args)
