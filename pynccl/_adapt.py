@@ -320,6 +320,31 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
             if hasattr(type(obj), "__cuda_array_interface__"):
                 raise  # the producer's own reason
             raise _not_a_buffer(obj, name) from None
+        # The common case without a second frame: a dict describing a 1-D, C-contiguous,
+        # unmasked, writable-as-needed array of a known typestr; the rest goes to _from_cai.
+        if (
+            count is None
+            and dtype is None
+            and device_of is _no_device
+            and type(cai) is dict
+            and cai.get("strides") is None
+            and cai.get("mask") is None
+        ):
+            shape = cai.get("shape")
+            data = cai.get("data")
+            typestr = cai.get("typestr")
+            dt = _TYPESTR_CACHE.get(typestr) if type(typestr) is str else None
+            if type(shape) is tuple and len(shape) == 1 and type(data) is tuple and dt:
+                n = shape[0]
+                ptr, readonly = data
+                if (
+                    type(n) is int
+                    and n >= 0
+                    and type(ptr) is int
+                    and 0 < ptr < _PTR_LIMIT
+                    and not (readonly and writable)
+                ):
+                    return ptr, n, dt, None
         return _from_cai(obj, cai, count, dtype, name, writable, device_of)
 
     return handler
