@@ -354,19 +354,25 @@ def test_real_mpiexec_environment(tmp_path):
     if mpiexec is None:
         pytest.skip("mpiexec (pip install mpich) is not installed")
     script = tmp_path / "show.py"
+    # Each rank writes its own file: mpiexec's forwarding of several ranks' stdout can split
+    # and interleave lines, which made a stdout-based check flaky.
     script.write_text(
+        "import os, sys\n"
         "from pynccl.bootstrap import detect_launch_env\n"
         "e = detect_launch_env()\n"
-        "print(e.launcher, e.rank, e.world_size, e.local_rank, e.local_world_size)\n"
+        "path = os.path.join(sys.argv[1], f'rank{e.rank}')\n"
+        "with open(path, 'w') as f:\n"
+        "    f.write(f'{e.launcher} {e.rank} {e.world_size} {e.local_rank} {e.local_world_size}')\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     env["PYTHONPATH"] = os.getcwd()
-    out = subprocess.run(
-        [mpiexec, "-n", "3", sys.executable, str(script)],
+    subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, str(script), str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
         check=True,
-    ).stdout
-    assert sorted(out.split("\n")[:-1]) == [f"mpich {r} 3 {r} 3" for r in range(3)]
+    )
+    got = [(tmp_path / f"rank{r}").read_text() for r in range(3)]
+    assert got == [f"mpich {r} 3 {r} 3" for r in range(3)]
