@@ -972,7 +972,7 @@ class Communicator:
         )
         check_device(dev, self._device, name)
         if not self._types[dt]:
-            raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
+            self._datatype(dt)  # raises NotSupportedError naming the type and releases
         return ptr, -1 if raw else n, dt
 
     @staticmethod
