@@ -1,7 +1,7 @@
 /*
- * pynccl loopback libcudart: devices, errors, versions, graph stubs, library
- * init/fini and fork handling. Streams and events live in cudart_stream.c,
- * memory in cudart_mem.c.
+ * pynccl loopback libcudart: devices, errors, versions, library init/fini and
+ * fork handling. Streams and events live in cudart_stream.c, memory in
+ * cudart_mem.c, stream capture and graphs in cudart_graph.c.
  *
  * Environment, read once when the library is loaded:
  *   PYNCCL_LOOPBACK_DEVICES  number of devices (default 8, 0..1024)
@@ -86,6 +86,7 @@ LB_HIDDEN double lb_now_ms(void) {
 /* ---- library lifetime ---------------------------------------------------- */
 
 static void fork_prepare(void) {
+    lb_graph_fork_prepare();
     lb_streams_fork_prepare();
     lb_mem_fork_prepare();
 }
@@ -93,11 +94,13 @@ static void fork_prepare(void) {
 static void fork_parent(void) {
     lb_mem_fork_parent();
     lb_streams_fork_parent();
+    lb_graph_fork_parent();
 }
 
 static void fork_child(void) {
     lb_mem_fork_child();
     lb_streams_fork_child();
+    lb_graph_fork_child();
 }
 
 __attribute__((constructor)) static void lb_cudart_init(void) {
@@ -213,51 +216,4 @@ cudaError_t cudaDeviceGetPCIBusId(char *pciBusId, int len, int device) {
     unsigned bus = (unsigned)device + 1u;
     snprintf(pciBusId, (size_t)len, "%04x:%02x:00.0", bus >> 8, bus & 0xffu);
     return cudaSuccess;
-}
-
-/* ---- graphs: need a GPU -------------------------------------------------- */
-
-#define LB_NO_GRAPHS(fn) \
-    lb_fail(cudaErrorNotSupported, fn, "CUDA graphs and stream capture need a real GPU")
-
-cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
-    (void)stream;
-    (void)mode;
-    cudaError_t err = lb_check_usable(__func__);
-    return err ? err : LB_NO_GRAPHS(__func__);
-}
-
-cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph) {
-    (void)stream;
-    if (pGraph != NULL) *pGraph = NULL;
-    cudaError_t err = lb_check_usable(__func__);
-    return err ? err : LB_NO_GRAPHS(__func__);
-}
-
-cudaError_t cudaGraphInstantiate(cudaGraphExec_t *pGraphExec, cudaGraph_t graph,
-                                 unsigned long long flags) {
-    (void)graph;
-    (void)flags;
-    if (pGraphExec != NULL) *pGraphExec = NULL;
-    cudaError_t err = lb_check_usable(__func__);
-    return err ? err : LB_NO_GRAPHS(__func__);
-}
-
-cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
-    (void)graphExec;
-    (void)stream;
-    cudaError_t err = lb_check_usable(__func__);
-    return err ? err : LB_NO_GRAPHS(__func__);
-}
-
-cudaError_t cudaGraphExecDestroy(cudaGraphExec_t graphExec) {
-    (void)graphExec;
-    cudaError_t err = lb_check_usable(__func__);
-    return err ? err : LB_NO_GRAPHS(__func__);
-}
-
-cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
-    (void)graph;
-    cudaError_t err = lb_check_usable(__func__);
-    return err ? err : LB_NO_GRAPHS(__func__);
 }

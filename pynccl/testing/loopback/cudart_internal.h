@@ -7,6 +7,9 @@
  *     stream's mu or an event's mu.
  *   - an event's mu: its generation counters.
  *   - g_allocs (rwlock, cudart_mem.c): the allocation registry, a leaf lock.
+ *   - g_cap_mu (cudart_graph.c): every capture's state, and the capture fields of
+ *     streams and events; a leaf lock (no callback runs under it).
+ *   - g_graph_mu (cudart_graph.c): the live graph / executable graph sets, a leaf lock.
  */
 #ifndef PYNCCL_LB_CUDART_INTERNAL_H
 #define PYNCCL_LB_CUDART_INTERNAL_H
@@ -21,6 +24,17 @@
 
 #define LB_HIDDEN __attribute__((visibility("hidden")))
 #define LB_PRINTF(f, a) __attribute__((format(printf, f, a)))
+
+/* A node of a graph being captured, a graph or an executable graph: a template task
+ * (see lb_internal.h for clone's contract). */
+typedef struct {
+    lb_task_fn run;
+    lb_task_fn release;
+    lb_clone_fn clone;
+    void *arg;
+} lb_node;
+
+struct lb_capture;
 
 typedef struct lb_task {
     struct lb_task *next;
@@ -53,6 +67,11 @@ struct CUstream_st {
     bool worker_started, worker_exited, stopping, worker_claimed;
     pthread_t worker;
     atomic_int refs;
+    /* Stream capture (g_cap_mu): the capture this stream belongs to (as its origin or
+     * forked into it by an event wait), the nodes it added, and how many of them a
+     * wait of another member stream covered (the fork is joined when equal). */
+    struct lb_capture *cap;
+    uint64_t cap_nodes, cap_joined;
 };
 
 struct CUevent_st {
@@ -64,7 +83,18 @@ struct CUevent_st {
     unsigned flags;
     int device;
     atomic_int refs;
+    /* (g_cap_mu) last recorded inside capture cap_id (0: not), on cap_src after its
+     * cap_count-th node; compared only, never dereferenced. */
+    uint64_t cap_id;
+    const struct CUstream_st *cap_src;
+    uint64_t cap_count;
 };
+
+/* A sorted set of pointers (live handles), binary-searched (cudart_stream.c). */
+typedef struct {
+    void **items;
+    size_t n, cap;
+} lb_ptrset;
 
 /* cudart.c */
 LB_HIDDEN extern int g_ndev;
@@ -86,8 +116,16 @@ LB_HIDDEN extern atomic_int g_live_workers;
 LB_HIDDEN cudaError_t lb_stream_get(cudaStream_t handle, const char *fn,
                                     struct CUstream_st **out);
 LB_HIDDEN void lb_stream_put(struct CUstream_st *s);
+/* Enqueue a task on s, or - s capturing - record it as a node (clone NULL: refused).
+ * expect: -1 either, 0 / 1 only if s is not / is capturing (else cudaErrorIllegalState).
+ * Capture errors already carry their detail (lb_push_fail keeps it). */
 LB_HIDDEN cudaError_t lb_stream_push(struct CUstream_st *s, lb_task_fn run, lb_task_fn release,
-                                     void *arg, uint64_t *seq);
+                                     lb_clone_fn clone, void *arg, uint64_t *seq, int expect);
+LB_HIDDEN cudaError_t lb_push_fail(cudaError_t err, const char *fn, const void *stream);
+LB_HIDDEN bool ptrset_has(const lb_ptrset *set, const void *p);
+LB_HIDDEN bool ptrset_add(lb_ptrset *set, void *p);
+LB_HIDDEN bool ptrset_del(lb_ptrset *set, const void *p);
+LB_HIDDEN bool lb_stream_is_blocking(const struct CUstream_st *s);
 LB_HIDDEN void lb_stream_wait_seq(struct CUstream_st *s, uint64_t seq);
 LB_HIDDEN uint64_t lb_min_pending_ticket(void);
 LB_HIDDEN void lb_streams_fork_prepare(void);
@@ -95,6 +133,37 @@ LB_HIDDEN void lb_streams_fork_parent(void);
 LB_HIDDEN void lb_streams_fork_child(void);
 LB_HIDDEN void lb_streams_init(void);
 LB_HIDDEN void lb_streams_fini(void);
+
+/* cudart_graph.c: stream capture. Every hook is a no-op costing one atomic load
+ * while no capture is under way (g_ncaptures == 0). */
+LB_HIDDEN extern atomic_int g_ncaptures;
+enum lb_cap_action { LB_CAP_PASS, LB_CAP_DONE, LB_CAP_NODE };
+/* Called by lb_stream_push: records the task (LB_CAP_DONE, arg taken), refuses it
+ * (*err set, arg not taken), or lets it through (LB_CAP_PASS). */
+LB_HIDDEN enum lb_cap_action lb_capture_task(struct CUstream_st *s, lb_task_fn run,
+                                             lb_task_fn release, lb_clone_fn clone, void *arg,
+                                             int expect, cudaError_t *err);
+/* A "potentially unsafe" call (cudaMalloc, cudaFree, synchronous copies, device
+ * synchronize): refused with cudaErrorStreamCaptureUnsupported where the capture modes
+ * forbid it, invalidating the captures that forbid it. */
+LB_HIDDEN cudaError_t lb_capture_unsafe(const char *fn);
+/* cudaStreamSynchronize / cudaStreamQuery of s. */
+LB_HIDDEN cudaError_t lb_capture_sync(struct CUstream_st *s, const char *fn);
+/* cudaEventRecord(e, s): LB_CAP_DONE if recorded into s's capture, else PASS or *err. */
+LB_HIDDEN enum lb_cap_action lb_capture_record(struct CUevent_st *e, struct CUstream_st *s,
+                                               cudaError_t *err);
+/* cudaStreamWaitEvent(s, e): DONE (dependency handled by the capture), NODE (record
+ * an external wait node), PASS (ordinary wait) or *err. */
+LB_HIDDEN enum lb_cap_action lb_capture_wait(struct CUstream_st *s, struct CUevent_st *e,
+                                             unsigned flags, cudaError_t *err);
+/* cudaEventQuery / Synchronize / ElapsedTime: cudaErrorCapturedEvent if e was last
+ * recorded inside a capture still under way. */
+LB_HIDDEN cudaError_t lb_capture_event_check(struct CUevent_st *e, const char *fn);
+/* s is being destroyed: it leaves its capture (ending it if s is the origin). */
+LB_HIDDEN void lb_capture_stream_gone(struct CUstream_st *s);
+LB_HIDDEN void lb_graph_fork_prepare(void);
+LB_HIDDEN void lb_graph_fork_parent(void);
+LB_HIDDEN void lb_graph_fork_child(void);
 
 /* cudart_mem.c */
 LB_HIDDEN void lb_mem_reap(void);

@@ -102,6 +102,7 @@ LB_HIDDEN void lb_mem_reap(void) {
 static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device) {
     cudaError_t err = lb_check_usable(fn);
     if (err) return err;
+    if ((err = lb_capture_unsafe(fn))) return err;
     if (ptr == NULL) return lb_fail(cudaErrorInvalidValue, fn, "devPtr is NULL");
     if (device < 0 || device >= g_ndev)
         return lb_fail(cudaErrorInvalidDevice, fn, "device %d is out of range [0, %d)", device,
@@ -143,6 +144,7 @@ static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device
 static cudaError_t lb_free(const char *fn, void *ptr) {
     cudaError_t err = lb_check_usable(fn);
     if (err) return err;
+    if ((err = lb_capture_unsafe(fn))) return err;
     if (ptr == NULL) return cudaSuccess;
     uintptr_t p = (uintptr_t)ptr;
     pthread_rwlock_wrlock(&g_allocs_lock);
@@ -226,6 +228,13 @@ static void copy_run(void *arg) {
     memmove(t->dst, t->src, t->count);
 }
 
+static void *mem_clone(void *arg, int launch) {
+    (void)launch;
+    lb_mem_task *copy = malloc(sizeof *copy);
+    if (copy != NULL) *copy = *(const lb_mem_task *)arg;
+    return copy;
+}
+
 static void set_run(void *arg) {
     lb_mem_task *t = arg;
     memset(t->dst, t->value, t->count);
@@ -257,11 +266,11 @@ static cudaError_t mem_op(const char *fn, bool set, void *dst, const void *src, 
     }
     *t = (lb_mem_task){dst, src, count, value};
     uint64_t seq = 0;
-    err = lb_stream_push(s, set ? set_run : copy_run, free, t, &seq);
+    err = lb_stream_push(s, set ? set_run : copy_run, free, mem_clone, t, &seq, -1);
     if (err) {
         free(t);
         lb_stream_put(s);
-        return lb_fail(err, fn, "cannot enqueue on stream %p", (void *)stream);
+        return lb_push_fail(err, fn, (void *)stream);
     }
     if (sync) {
         lb_stream_wait_seq(s, seq);
@@ -299,6 +308,8 @@ static cudaError_t memset_checked(const char *fn, void *devPtr, int value, size_
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
+    cudaError_t err = lb_capture_unsafe(__func__);
+    if (err) return err;
     return memcpy_checked(__func__, dst, src, count, kind, NULL, true);
 }
 
@@ -308,6 +319,8 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaM
 }
 
 cudaError_t cudaMemset(void *devPtr, int value, size_t count) {
+    cudaError_t err = lb_capture_unsafe(__func__);
+    if (err) return err;
     return memset_checked(__func__, devPtr, value, count, NULL, true);
 }
 

@@ -34,11 +34,6 @@ LB_HIDDEN atomic_int g_live_workers;
 
 /* ---- a sorted set of pointers (live handles), binary-searched --------------- */
 
-typedef struct {
-    void **items;
-    size_t n, cap;
-} lb_ptrset;
-
 static size_t ptrset_lower(const lb_ptrset *set, const void *p) {
     size_t lo = 0, hi = set->n;
     while (lo < hi) {
@@ -51,12 +46,12 @@ static size_t ptrset_lower(const lb_ptrset *set, const void *p) {
     return lo;
 }
 
-static bool ptrset_has(const lb_ptrset *set, const void *p) {
+LB_HIDDEN bool ptrset_has(const lb_ptrset *set, const void *p) {
     size_t i = ptrset_lower(set, p);
     return i < set->n && set->items[i] == p;
 }
 
-static bool ptrset_add(lb_ptrset *set, void *p) {
+LB_HIDDEN bool ptrset_add(lb_ptrset *set, void *p) {
     if (set->n == set->cap) {
         size_t cap = set->cap ? set->cap * 2 : 16;
         void **items = realloc(set->items, cap * sizeof *items);
@@ -71,7 +66,7 @@ static bool ptrset_add(lb_ptrset *set, void *p) {
     return true;
 }
 
-static bool ptrset_del(lb_ptrset *set, const void *p) {
+LB_HIDDEN bool ptrset_del(lb_ptrset *set, const void *p) {
     size_t i = ptrset_lower(set, p);
     if (i >= set->n || set->items[i] != p) return false;
     memmove(set->items + i, set->items + i + 1, (set->n - i - 1) * sizeof *set->items);
@@ -115,6 +110,8 @@ static bool is_blocking(const struct CUstream_st *s) {
     return s->kind == LB_STREAM_PER_THREAD ||
            (s->kind == LB_STREAM_USER && !(s->flags & cudaStreamNonBlocking));
 }
+
+LB_HIDDEN bool lb_stream_is_blocking(const struct CUstream_st *s) { return is_blocking(s); }
 
 static bool is_default_handle(cudaStream_t h) {
     return h == NULL || h == cudaStreamLegacy || h == cudaStreamPerThread;
@@ -410,8 +407,21 @@ static long implicit_waits(struct CUstream_st *s, lb_snap **out) {
     return 1;
 }
 
+LB_HIDDEN cudaError_t lb_push_fail(cudaError_t err, const char *fn, const void *stream) {
+    if (err >= cudaErrorStreamCaptureUnsupported && err <= cudaErrorStreamCaptureWrongThread)
+        return err; /* the capture code said why */
+    if (err == cudaErrorIllegalState) return err;
+    return lb_fail(err, fn, "cannot enqueue on stream %p", stream);
+}
+
 LB_HIDDEN cudaError_t lb_stream_push(struct CUstream_st *s, lb_task_fn run, lb_task_fn release,
-                                     void *arg, uint64_t *seq) {
+                                     lb_clone_fn clone, void *arg, uint64_t *seq, int expect) {
+    if (seq != NULL) *seq = 0;
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0 || expect == 1) {
+        cudaError_t err = cudaSuccess;
+        enum lb_cap_action act = lb_capture_task(s, run, release, clone, arg, expect, &err);
+        if (act != LB_CAP_PASS || err != cudaSuccess) return err;
+    }
     lb_task *task = malloc(sizeof *task);
     if (task == NULL) return cudaErrorMemoryAllocation;
     task->run = run;
@@ -563,6 +573,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     if (!live)
         return lb_fail(cudaErrorInvalidResourceHandle, __func__, "stream %p is not a live stream",
                        (void *)stream);
+    lb_capture_stream_gone(stream);
     /* Like CUDA, queued work still completes; unlike CUDA, wait for it (bounded). */
     worker_retire(stream, LB_DESTROY_WAIT_MS, __func__);
     lb_stream_put(stream);
@@ -574,6 +585,10 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
     if (err) return err;
     struct CUstream_st *s;
     if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    if ((err = lb_capture_sync(s, __func__))) {
+        lb_stream_put(s);
+        return err;
+    }
     lb_snap *snaps;
     long n = sync_targets(s, s->device, LB_SYNC_SELF, &snaps);
     lb_stream_put(s);
@@ -588,6 +603,10 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
     if (err) return err;
     struct CUstream_st *s;
     if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    if ((err = lb_capture_sync(s, __func__))) {
+        lb_stream_put(s);
+        return err;
+    }
     lb_snap *snaps;
     long n = sync_targets(s, s->device, LB_SYNC_SELF, &snaps);
     lb_stream_put(s);
@@ -601,24 +620,12 @@ cudaError_t cudaDeviceSynchronize(void) {
     cudaError_t err = lb_check_usable(__func__);
     if (err) return err;
     if (g_ndev == 0) return lb_fail(cudaErrorNoDevice, __func__, "no loopback devices");
+    if ((err = lb_capture_unsafe(__func__))) return err;
     lb_snap *snaps;
     long n = sync_targets(NULL, lb_current_device(), LB_SYNC_DEVICE, &snaps);
     if (n < 0) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
     wait_snaps(snaps, n);
     lb_mem_reap();
-    return cudaSuccess;
-}
-
-cudaError_t cudaStreamIsCapturing(cudaStream_t stream,
-                                  enum cudaStreamCaptureStatus *pCaptureStatus) {
-    cudaError_t err = lb_check_usable(__func__);
-    if (err) return err;
-    if (pCaptureStatus == NULL)
-        return lb_fail(cudaErrorInvalidValue, __func__, "pCaptureStatus is NULL");
-    struct CUstream_st *s;
-    if ((err = lb_stream_get(stream, __func__, &s))) return err;
-    lb_stream_put(s);
-    *pCaptureStatus = cudaStreamCaptureStatusNone; /* capture is never supported */
     return cudaSuccess;
 }
 
@@ -673,6 +680,23 @@ static void event_task_release(void *arg) {
     lb_event_task *r = arg;
     event_put(r->event);
     free(r);
+}
+
+/* An external event wait captured into a graph (cudaEventWaitExternal): each launch
+ * waits for the event's most recent record as of that launch. */
+static void *event_wait_clone(void *arg, int launch) {
+    const lb_event_task *w = arg;
+    lb_event_task *copy = malloc(sizeof *copy);
+    if (copy == NULL) return NULL;
+    atomic_fetch_add(&w->event->refs, 1);
+    copy->event = w->event;
+    copy->gen = 0;
+    if (launch) {
+        pthread_mutex_lock(&w->event->mu);
+        copy->gen = w->event->gen;
+        pthread_mutex_unlock(&w->event->mu);
+    }
+    return copy;
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
@@ -737,6 +761,14 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
         return lb_fail(cudaErrorInvalidResourceHandle, __func__,
                        "event of device %d recorded on a stream of device %d", edev, sdev);
     }
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0) {
+        enum lb_cap_action act = lb_capture_record(e, s, &err);
+        if (act == LB_CAP_DONE || err) {
+            event_put(e);
+            lb_stream_put(s);
+            return err;
+        }
+    }
     lb_event_task *r = malloc(sizeof *r);
     if (r == NULL) {
         event_put(e);
@@ -748,14 +780,14 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
     pthread_mutex_unlock(&e->mu);
     r->event = e; /* the task owns the reference taken by event_get */
     r->gen = gen;
-    err = lb_stream_push(s, record_run, event_task_release, r, NULL);
+    err = lb_stream_push(s, record_run, event_task_release, NULL, r, NULL, -1);
     lb_stream_put(s);
     if (err) {
         pthread_mutex_lock(&e->mu);
         if (e->gen == gen) e->gen--; /* the record never happened */
         pthread_mutex_unlock(&e->mu);
         event_task_release(r);
-        return lb_fail(err, __func__, "cannot enqueue on stream %p", (void *)stream);
+        return lb_push_fail(err, __func__, (void *)stream);
     }
     return cudaSuccess;
 }
@@ -772,9 +804,18 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
         event_put(e);
         return err;
     }
+    enum lb_cap_action act = LB_CAP_PASS;
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0) {
+        act = lb_capture_wait(s, e, flags, &err);
+        if (act == LB_CAP_DONE || err) {
+            event_put(e);
+            lb_stream_put(s);
+            return err;
+        }
+    }
     pthread_mutex_lock(&e->mu);
     uint64_t gen = e->gen;
-    bool done = e->done_gen >= gen; /* also true for a never-recorded event */
+    bool done = act == LB_CAP_PASS && e->done_gen >= gen; /* also true if never recorded */
     pthread_mutex_unlock(&e->mu);
     lb_event_task *w = done ? NULL : malloc(sizeof *w);
     if (done) {
@@ -784,13 +825,13 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
         err = cudaErrorMemoryAllocation;
     } else {
         w->event = e;
-        w->gen = gen;
-        err = lb_stream_push(s, event_wait_run, event_task_release, w, NULL);
+        w->gen = gen; /* an external wait node takes the generation at each launch */
+        err = lb_stream_push(s, event_wait_run, event_task_release,
+                             act == LB_CAP_NODE ? event_wait_clone : NULL, w, NULL, -1);
         if (err) event_task_release(w);
     }
     lb_stream_put(s);
-    return err ? lb_fail(err, __func__, "cannot enqueue on stream %p", (void *)stream)
-               : cudaSuccess;
+    return err ? lb_push_fail(err, __func__, (void *)stream) : cudaSuccess;
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
@@ -798,6 +839,10 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
     if (err) return err;
     struct CUevent_st *e;
     if ((err = event_get(event, __func__, &e))) return err;
+    if ((err = lb_capture_event_check(e, __func__))) {
+        event_put(e);
+        return err;
+    }
     pthread_mutex_lock(&e->mu);
     bool done = e->done_gen >= e->gen;
     pthread_mutex_unlock(&e->mu);
@@ -810,6 +855,10 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     if (err) return err;
     struct CUevent_st *e;
     if ((err = event_get(event, __func__, &e))) return err;
+    if ((err = lb_capture_event_check(e, __func__))) {
+        event_put(e);
+        return err;
+    }
     pthread_mutex_lock(&e->mu);
     uint64_t gen = e->gen;
     while (e->done_gen < gen) pthread_cond_wait(&e->cv, &e->mu);
@@ -828,6 +877,12 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) 
         event_put(ev[0]);
         return err;
     }
+    for (int i = 0; i < 2; i++)
+        if ((err = lb_capture_event_check(ev[i], __func__))) {
+            event_put(ev[0]);
+            event_put(ev[1]);
+            return err;
+        }
     double t[2] = {0, 0};
     bool recorded = true, done = true, timing = true;
     for (int i = 0; i < 2; i++) {
@@ -858,9 +913,24 @@ int pynccl_lb_stream_enqueue(void *stream, lb_task_fn run, lb_task_fn release, v
     if (run == NULL) return lb_fail(cudaErrorInvalidValue, fn, "run is NULL");
     struct CUstream_st *s;
     if ((err = lb_stream_get(stream, fn, &s))) return err;
-    err = lb_stream_push(s, run, release, arg, NULL);
+    err = lb_stream_push(s, run, release, NULL, arg, NULL, -1);
     lb_stream_put(s);
-    return err ? lb_fail(err, fn, "cannot enqueue on stream %p", stream) : cudaSuccess;
+    return err ? lb_push_fail(err, fn, stream) : cudaSuccess;
+}
+
+int pynccl_lb_stream_enqueue2(void *stream, lb_task_fn run, lb_task_fn release,
+                              lb_clone_fn clone, void *arg, int capture) {
+    const char *fn = "pynccl_lb_stream_enqueue2";
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    if (run == NULL) return lb_fail(cudaErrorInvalidValue, fn, "run is NULL");
+    if (capture != 0 && capture != 1)
+        return lb_fail(cudaErrorInvalidValue, fn, "capture=%d (expected 0 or 1)", capture);
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, fn, &s))) return err;
+    err = lb_stream_push(s, run, release, clone, arg, NULL, capture);
+    lb_stream_put(s);
+    return err ? lb_push_fail(err, fn, stream) : cudaSuccess;
 }
 
 int pynccl_lb_stream_device(void *stream) {
@@ -883,6 +953,7 @@ static void per_thread_streams_exit(void *value) {
         pthread_rwlock_wrlock(&g_streams_lock);
         ptrset_del(&g_streams, s);
         pthread_rwlock_unlock(&g_streams_lock);
+        lb_capture_stream_gone(s);
         worker_retire(s, LB_THREAD_EXIT_WAIT_MS, "thread exit");
         lb_stream_put(s);
     }

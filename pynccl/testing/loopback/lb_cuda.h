@@ -16,8 +16,7 @@
 #include "lb_internal.h"
 
 /* X(name, value, string): every cudaError_t the loopback returns. Names and values
- * as in driver_types.h; strings as the real libcudart's cudaGetErrorString, except
- * cudaErrorNotSupported, which says why the loopback returns it. */
+ * as in driver_types.h; strings as the real libcudart's cudaGetErrorString. */
 #define LB_CUDA_ERRORS(X)                                                                   \
     X(cudaSuccess, 0, "no error")                                                           \
     X(cudaErrorInvalidValue, 1, "invalid argument")                                         \
@@ -33,11 +32,24 @@
     X(cudaErrorInvalidResourceHandle, 400, "invalid resource handle")                       \
     X(cudaErrorIllegalState, 401, "the operation cannot be performed in the present state") \
     X(cudaErrorNotReady, 600, "device not ready")                                           \
-    X(cudaErrorNotSupported, 801,                                                           \
-      "operation not supported (pynccl loopback: CUDA graphs and stream capture need a "    \
-      "real GPU)")                                                                          \
+    X(cudaErrorNotSupported, 801, "operation not supported")                               \
     X(cudaErrorStreamCaptureUnsupported, 900,                                               \
       "operation not permitted when stream is capturing")                                   \
+    X(cudaErrorStreamCaptureInvalidated, 901,                                               \
+      "operation failed due to a previous error during capture")                            \
+    X(cudaErrorStreamCaptureMerge, 902,                                                     \
+      "operation would result in a merge of separate capture sequences")                    \
+    X(cudaErrorStreamCaptureUnmatched, 903,                                                 \
+      "capture was not ended in the same stream as it began")                               \
+    X(cudaErrorStreamCaptureUnjoined, 904, "capturing stream has unjoined work")            \
+    X(cudaErrorStreamCaptureIsolation, 905,                                                 \
+      "dependency created on uncaptured work in another stream")                            \
+    X(cudaErrorStreamCaptureImplicit, 906,                                                  \
+      "operation would make the legacy stream depend on a capturing blocking stream")       \
+    X(cudaErrorCapturedEvent, 907,                                                          \
+      "operation not permitted on an event last recorded in a capturing stream")            \
+    X(cudaErrorStreamCaptureWrongThread, 908,                                               \
+      "attempt to terminate a thread-local capture sequence from another thread")           \
     X(cudaErrorUnknown, 999, "unknown error")
 
 #define LB_MEMCPY_KINDS(X)              \

@@ -36,8 +36,47 @@ typedef void (*lb_task_fn)(void *arg);
  * default stream; cudaStreamPerThread = that thread's per-thread stream).
  * Returns 0 (cudaSuccess) or a cudaError_t value (invalid handle, ...).
  * On an error nothing was queued and neither callback is called: the caller
- * still owns `arg`. */
+ * still owns `arg`. Such a task cannot be captured: on a capturing stream this
+ * fails with cudaErrorStreamCaptureUnsupported and invalidates the capture (use
+ * pynccl_lb_stream_enqueue2). */
 LB_EXPORT int pynccl_lb_stream_enqueue(void *stream, lb_task_fn run, lb_task_fn release, void *arg);
+
+/* Stream capture (cudaStreamBeginCapture ... cudaStreamEndCapture, then
+ * cudaGraphInstantiate / cudaGraphLaunch). A task enqueued on a capturing stream is
+ * not run: it becomes a node of the graph being captured, and every graph launch
+ * enqueues a fresh copy of it. Copies are made by the enqueuer's `clone`:
+ *
+ *   clone(arg, launch) returns a new, independent arg (NULL: out of memory).
+ *     launch == 0: the copy is a template, kept by a graph or an executable graph
+ *                  (cudaGraphInstantiate, or a graph launched into a capturing
+ *                  stream); it is only ever released, never run.
+ *     launch == 1: the copy is about to be enqueued by cudaGraphLaunch, right after
+ *                  this call and in launch order: take per-run resources (a
+ *                  communicator's sequence number) now. It is then run and
+ *                  released like any task, or released without running if the
+ *                  enqueue fails.
+ *   Templates are released with `release` (so `release` must tell a template from a
+ *   run copy if that matters) when their graph / capture / executable graph goes.
+ *
+ * `clone` is called on the application's thread (never on a stream worker) and
+ * without any loopback cudart lock held. */
+typedef void *(*lb_clone_fn)(void *arg, int launch);
+
+/* Capture state of a stream (NULL/legacy/per-thread resolved as above):
+ * 0 not capturing, 1 capturing (active or invalidated), -1 not a live stream. */
+LB_EXPORT int pynccl_lb_stream_capturing(void *stream);
+
+/* pynccl_lb_stream_enqueue with a clone callback (may be NULL: the task then cannot
+ * be captured). `capture` says what the caller prepared `arg` for: 0 a task to run
+ * (pynccl_lb_stream_enqueue's contract), 1 a template for the capture under way on
+ * `stream` (see above). If the stream's capture state does not match, nothing is
+ * taken and cudaErrorIllegalState is returned (the caller raced a concurrent
+ * begin/end capture). Errors, as for pynccl_lb_stream_enqueue, leave `arg` with
+ * the caller; in particular, on a capturing stream:
+ *   cudaErrorStreamCaptureUnsupported  clone is NULL (the capture is invalidated);
+ *   cudaErrorStreamCaptureInvalidated  the capture was invalidated earlier. */
+LB_EXPORT int pynccl_lb_stream_enqueue2(void *stream, lb_task_fn run, lb_task_fn release,
+                                        lb_clone_fn clone, void *arg, int capture);
 
 /* Device of a stream handle (resolving NULL/legacy/per-thread as above);
  * -1 if the handle is not a live stream. */

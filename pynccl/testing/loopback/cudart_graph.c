@@ -1,0 +1,682 @@
+/*
+ * pynccl loopback libcudart: stream capture and CUDA graphs.
+ *
+ * A capture sequence (cudaStreamBeginCapture .. cudaStreamEndCapture) records what is
+ * enqueued on its streams as nodes instead of running it. The loopback's graph is the
+ * list of those nodes in capture order, a valid (if more serial) order of CUDA's DAG:
+ * every node was captured after the nodes it depends on. cudaGraphLaunch enqueues a
+ * fresh copy of every node on the launch stream, in that order.
+ *
+ * Other streams join a capture by waiting on an event recorded inside it (a fork) and
+ * must be joined back (another member stream waits on an event recorded after their
+ * last node) before the capture ends, as in CUDA.
+ *
+ * What breaks a capture in CUDA fails here with CUDA's error and invalidates it: sync
+ * or query of a capturing stream, work on the legacy stream while a blocking stream of
+ * its device captures, uncaptured dependencies, task kinds that cannot be copied, and
+ * the "potentially unsafe" calls (cudaMalloc, cudaFree, cudaMemcpy, cudaMemset,
+ * cudaDeviceSynchronize) where the capture mode forbids them. The calling thread's
+ * own interaction mode is always cudaStreamCaptureModeGlobal (the default; the
+ * loopback has no cudaThreadExchangeStreamCaptureMode): a thread may not make unsafe
+ * calls while it has a non-relaxed capture under way, or while any thread has a
+ * global-mode capture under way.
+ */
+#define _GNU_SOURCE
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cudart_internal.h"
+
+struct lb_capture {
+    struct lb_capture *next;
+    uint64_t id;
+    enum cudaStreamCaptureMode mode;
+    pthread_t thread;
+    bool invalidated;
+    char why[200]; /* what invalidated it */
+    struct CUstream_st *origin;
+    struct CUstream_st **members; /* referenced; members[0] is the origin */
+    size_t nmembers, cap_members;
+    lb_node *nodes;
+    size_t nnodes, cap_nodes;
+};
+
+struct CUgraph_st {
+    lb_node *nodes;
+    size_t n;
+};
+
+struct CUgraphExec_st {
+    lb_node *nodes;
+    size_t n;
+    atomic_int refs; /* the handle's, plus one per launch in progress */
+};
+
+LB_HIDDEN atomic_int g_ncaptures;
+static pthread_mutex_t g_cap_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct lb_capture *g_captures;
+static uint64_t g_next_capture_id = 1;
+
+static pthread_mutex_t g_graph_mu = PTHREAD_MUTEX_INITIALIZER;
+static lb_ptrset g_graphs, g_execs;
+
+static const char *mode_name(enum cudaStreamCaptureMode mode) {
+    switch (mode) {
+    case cudaStreamCaptureModeGlobal: return "cudaStreamCaptureModeGlobal";
+    case cudaStreamCaptureModeThreadLocal: return "cudaStreamCaptureModeThreadLocal";
+    case cudaStreamCaptureModeRelaxed: return "cudaStreamCaptureModeRelaxed";
+    }
+    return "?";
+}
+
+/* ---- nodes ------------------------------------------------------------------- */
+
+static void nodes_release(lb_node *nodes, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (nodes[i].release != NULL) nodes[i].release(nodes[i].arg);
+    free(nodes);
+}
+
+/* Template copies of nodes[0..n) (clone(arg, 0)); NULL when out of memory. */
+static lb_node *nodes_clone(const lb_node *nodes, size_t n) {
+    lb_node *copy = malloc((n ? n : 1) * sizeof *copy);
+    if (copy == NULL) return NULL;
+    for (size_t i = 0; i < n; i++) {
+        copy[i] = nodes[i];
+        copy[i].arg = nodes[i].clone(nodes[i].arg, 0);
+        if (copy[i].arg == NULL) {
+            nodes_release(copy, i);
+            return NULL;
+        }
+    }
+    return copy;
+}
+
+/* ---- capture sequences (g_cap_mu held) --------------------------------------- */
+
+static void invalidate(struct lb_capture *c, const char *fmt, ...) LB_PRINTF(2, 3);
+static void invalidate(struct lb_capture *c, const char *fmt, ...) {
+    if (c->invalidated) return; /* keep the first reason */
+    c->invalidated = true;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->why, sizeof c->why, fmt, ap);
+    va_end(ap);
+}
+
+static struct lb_capture *find_capture(uint64_t id) {
+    for (struct lb_capture *c = g_captures; c != NULL; c = c->next)
+        if (c->id == id) return c;
+    return NULL;
+}
+
+static bool add_member(struct lb_capture *c, struct CUstream_st *s) {
+    if (c->nmembers == c->cap_members) {
+        size_t cap = c->cap_members ? 2 * c->cap_members : 4;
+        struct CUstream_st **m = realloc(c->members, cap * sizeof *m);
+        if (m == NULL) return false;
+        c->members = m;
+        c->cap_members = cap;
+    }
+    atomic_fetch_add(&s->refs, 1);
+    c->members[c->nmembers++] = s;
+    s->cap = c;
+    s->cap_nodes = 0;
+    s->cap_joined = s == c->origin ? 0 : UINT64_MAX; /* a fork starts unjoined */
+    return true;
+}
+
+/* Unlink c and detach its streams; the caller frees it with capture_free (unlocked). */
+static void capture_unlink(struct lb_capture *c) {
+    for (struct lb_capture **link = &g_captures; *link != NULL; link = &(*link)->next)
+        if (*link == c) {
+            *link = c->next;
+            break;
+        }
+    for (size_t i = 0; i < c->nmembers; i++) c->members[i]->cap = NULL;
+    atomic_fetch_sub(&g_ncaptures, 1);
+}
+
+static void capture_free(struct lb_capture *c) {
+    for (size_t i = 0; i < c->nmembers; i++) lb_stream_put(c->members[i]);
+    free(c->members);
+    nodes_release(c->nodes, c->nnodes);
+    free(c);
+}
+
+/* A capture under way on a blocking stream of device (the legacy stream's partner). */
+static struct lb_capture *blocking_capture_on(int device) {
+    for (struct lb_capture *c = g_captures; c != NULL; c = c->next)
+        for (size_t i = 0; i < c->nmembers; i++)
+            if (c->members[i]->device == device && lb_stream_is_blocking(c->members[i]))
+                return c;
+    return NULL;
+}
+
+static cudaError_t implicit_fail(struct lb_capture *c, const char *fn, int device) {
+    invalidate(c, "%s: work on the legacy default stream of device %d while blocking stream "
+                  "%p was capturing", fn, device, (void *)c->origin);
+    return lb_fail(cudaErrorStreamCaptureImplicit, fn,
+                   "the legacy default stream of device %d would depend on the capture under "
+                   "way on blocking stream %p (use a cudaStreamNonBlocking stream, or keep "
+                   "the legacy stream idle while capturing); the capture is invalidated",
+                   device, (void *)c->origin);
+}
+
+static cudaError_t invalidated_fail(struct lb_capture *c, const char *fn) {
+    return lb_fail(cudaErrorStreamCaptureInvalidated, fn,
+                   "the capture begun on stream %p was invalidated earlier (%s)",
+                   (void *)c->origin, c->why);
+}
+
+/* ---- hooks for the stream and memory code ------------------------------------- */
+
+LB_HIDDEN enum lb_cap_action lb_capture_task(struct CUstream_st *s, lb_task_fn run,
+                                             lb_task_fn release, lb_clone_fn clone, void *arg,
+                                             int expect, cudaError_t *err) {
+    const char *fn = "stream capture";
+    *err = cudaSuccess;
+    pthread_mutex_lock(&g_cap_mu);
+    struct lb_capture *c = s->cap;
+    enum lb_cap_action act = LB_CAP_PASS;
+    if (c != NULL && expect == 0) {
+        *err = lb_fail(cudaErrorIllegalState, "pynccl_lb_stream_enqueue2",
+                       "stream %p began capturing while the task was prepared to run "
+                       "(a concurrent cudaStreamBeginCapture?)", (void *)s);
+    } else if (c == NULL && expect == 1) {
+        *err = lb_fail(cudaErrorIllegalState, "pynccl_lb_stream_enqueue2",
+                       "stream %p is not capturing (a concurrent cudaStreamEndCapture?)",
+                       (void *)s);
+    } else if (c != NULL && c->invalidated) {
+        *err = invalidated_fail(c, fn);
+    } else if (c != NULL && clone == NULL) {
+        invalidate(c, "a task that cannot be copied into a graph was enqueued on stream %p",
+                   (void *)s);
+        *err = lb_fail(cudaErrorStreamCaptureUnsupported, "pynccl_lb_stream_enqueue",
+                       "stream %p is capturing and this task cannot be captured (no clone "
+                       "callback: use pynccl_lb_stream_enqueue2); the capture is invalidated",
+                       (void *)s);
+    } else if (c != NULL) {
+        if (c->nnodes == c->cap_nodes) {
+            size_t cap = c->cap_nodes ? 2 * c->cap_nodes : 16;
+            lb_node *nodes = realloc(c->nodes, cap * sizeof *nodes);
+            if (nodes == NULL) {
+                pthread_mutex_unlock(&g_cap_mu);
+                *err = lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory");
+                return LB_CAP_PASS;
+            }
+            c->nodes = nodes;
+            c->cap_nodes = cap;
+        }
+        c->nodes[c->nnodes++] = (lb_node){run, release, clone, arg};
+        s->cap_nodes++;
+        act = LB_CAP_DONE;
+    } else if (s->kind == LB_STREAM_LEGACY && (c = blocking_capture_on(s->device)) != NULL) {
+        *err = implicit_fail(c, fn, s->device);
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    return act;
+}
+
+LB_HIDDEN cudaError_t lb_capture_unsafe(const char *fn) {
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) == 0) return cudaSuccess;
+    pthread_t self = pthread_self();
+    struct lb_capture *culprit = NULL;
+    pthread_mutex_lock(&g_cap_mu);
+    for (struct lb_capture *c = g_captures; c != NULL; c = c->next) {
+        bool mine = pthread_equal(c->thread, self);
+        if ((mine && c->mode != cudaStreamCaptureModeRelaxed) ||
+            c->mode == cudaStreamCaptureModeGlobal) {
+            invalidate(c, "%s was called during the capture (%s)", fn, mode_name(c->mode));
+            if (culprit == NULL) culprit = c;
+        }
+    }
+    cudaError_t err = cudaSuccess;
+    if (culprit != NULL)
+        err = lb_fail(cudaErrorStreamCaptureUnsupported, fn,
+                      "not permitted while stream %p is being captured by %s in %s (capture-"
+                      "unsafe call); the capture is invalidated",
+                      (void *)culprit->origin,
+                      pthread_equal(culprit->thread, self) ? "this thread" : "another thread",
+                      mode_name(culprit->mode));
+    pthread_mutex_unlock(&g_cap_mu);
+    return err;
+}
+
+LB_HIDDEN cudaError_t lb_capture_sync(struct CUstream_st *s, const char *fn) {
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) == 0) return cudaSuccess;
+    cudaError_t err = cudaSuccess;
+    pthread_mutex_lock(&g_cap_mu);
+    struct lb_capture *c = s->cap;
+    if (c != NULL) {
+        invalidate(c, "%s of capturing stream %p", fn, (void *)s);
+        err = lb_fail(cudaErrorStreamCaptureUnsupported, fn,
+                      "stream %p is capturing: its work runs only when the graph is launched, "
+                      "so it cannot be waited for or queried; the capture is invalidated",
+                      (void *)s);
+    } else if (s->kind == LB_STREAM_LEGACY && (c = blocking_capture_on(s->device)) != NULL) {
+        err = implicit_fail(c, fn, s->device);
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    return err;
+}
+
+LB_HIDDEN enum lb_cap_action lb_capture_record(struct CUevent_st *e, struct CUstream_st *s,
+                                               cudaError_t *err) {
+    *err = cudaSuccess;
+    enum lb_cap_action act = LB_CAP_PASS;
+    pthread_mutex_lock(&g_cap_mu);
+    struct lb_capture *c = s->cap;
+    if (c != NULL && c->invalidated) {
+        *err = invalidated_fail(c, "cudaEventRecord");
+    } else if (c != NULL) {
+        /* No node: the event now stands for "s's work captured so far". */
+        e->cap_id = c->id;
+        e->cap_src = s;
+        e->cap_count = s->cap_nodes;
+        act = LB_CAP_DONE;
+    } else {
+        e->cap_id = 0; /* an ordinary record (if the push succeeds) */
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    return act;
+}
+
+LB_HIDDEN enum lb_cap_action lb_capture_wait(struct CUstream_st *s, struct CUevent_st *e,
+                                             unsigned flags, cudaError_t *err) {
+    const char *fn = "cudaStreamWaitEvent";
+    *err = cudaSuccess;
+    enum lb_cap_action act = LB_CAP_PASS;
+    pthread_mutex_lock(&g_cap_mu);
+    struct lb_capture *ce = e->cap_id ? find_capture(e->cap_id) : NULL;
+    struct lb_capture *c = s->cap;
+    if (ce != NULL && c == ce) {
+        /* In-capture dependency: capture order already satisfies it. A wait on a
+         * member's latest work joins that member back. */
+        for (size_t i = 0; i < c->nmembers; i++) {
+            struct CUstream_st *m = c->members[i];
+            if (m == e->cap_src && m != s && e->cap_count == m->cap_nodes) m->cap_joined = m->cap_nodes;
+        }
+        act = LB_CAP_DONE;
+    } else if (ce != NULL && c != NULL) {
+        invalidate(c, "%s: stream %p waited on an event of another capture", fn, (void *)s);
+        *err = lb_fail(cudaErrorStreamCaptureMerge, fn,
+                       "stream %p (capturing from %p) waited on an event recorded in the "
+                       "capture begun on %p; the capture is invalidated",
+                       (void *)s, (void *)c->origin, (void *)ce->origin);
+    } else if (ce != NULL && ce->invalidated) {
+        *err = invalidated_fail(ce, fn);
+    } else if (ce != NULL && s->kind == LB_STREAM_LEGACY) {
+        *err = implicit_fail(ce, fn, s->device);
+    } else if (ce != NULL) {
+        if (add_member(ce, s)) /* fork: s joins the capture */
+            act = LB_CAP_DONE;
+        else
+            *err = lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory");
+    } else if (c != NULL && c->invalidated) {
+        *err = invalidated_fail(c, fn);
+    } else if (c != NULL && (flags & cudaEventWaitExternal)) {
+        act = LB_CAP_NODE;
+    } else if (c != NULL) {
+        pthread_mutex_lock(&e->mu);
+        bool recorded = e->gen > 0;
+        pthread_mutex_unlock(&e->mu);
+        if (recorded) {
+            invalidate(c, "%s: stream %p waited on an event recorded outside the capture", fn,
+                       (void *)s);
+            *err = lb_fail(cudaErrorStreamCaptureIsolation, fn,
+                           "capturing stream %p waited on event %p, last recorded outside the "
+                           "capture (record it before cudaStreamBeginCapture is not enough: "
+                           "use cudaEventWaitExternal); the capture is invalidated",
+                           (void *)s, (void *)e);
+        } else {
+            act = LB_CAP_DONE; /* never recorded: nothing to wait for */
+        }
+    } else if (s->kind == LB_STREAM_LEGACY && (c = blocking_capture_on(s->device)) != NULL) {
+        *err = implicit_fail(c, fn, s->device);
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    return act;
+}
+
+LB_HIDDEN cudaError_t lb_capture_event_check(struct CUevent_st *e, const char *fn) {
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) == 0) return cudaSuccess;
+    cudaError_t err = cudaSuccess;
+    pthread_mutex_lock(&g_cap_mu);
+    struct lb_capture *c = e->cap_id ? find_capture(e->cap_id) : NULL;
+    if (c != NULL) {
+        invalidate(c, "%s of event %p, recorded inside the capture", fn, (void *)e);
+        err = lb_fail(cudaErrorCapturedEvent, fn,
+                      "event %p was last recorded inside the capture under way on stream %p: "
+                      "it completes only when the graph runs; the capture is invalidated",
+                      (void *)e, (void *)c->origin);
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    return err;
+}
+
+LB_HIDDEN void lb_capture_stream_gone(struct CUstream_st *s) {
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) == 0) return;
+    struct lb_capture *dead = NULL;
+    bool member = false;
+    pthread_mutex_lock(&g_cap_mu);
+    struct lb_capture *c = s->cap;
+    if (c != NULL && c->origin == s) {
+        capture_unlink(c); /* nothing can end it any more */
+        dead = c;
+    } else if (c != NULL) {
+        invalidate(c, "stream %p was destroyed while forked into the capture", (void *)s);
+        for (size_t i = 0; i < c->nmembers; i++)
+            if (c->members[i] == s) {
+                c->members[i] = c->members[--c->nmembers];
+                member = true;
+                break;
+            }
+        s->cap = NULL;
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    if (member) lb_stream_put(s);
+    if (dead != NULL) capture_free(dead);
+}
+
+/* ---- the capture API ----------------------------------------------------------- */
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if ((int)mode < (int)cudaStreamCaptureModeGlobal || (int)mode > (int)cudaStreamCaptureModeRelaxed)
+        return lb_fail(cudaErrorInvalidValue, __func__, "mode=%d is not a cudaStreamCaptureMode",
+                       (int)mode);
+    if (stream == NULL || stream == cudaStreamLegacy)
+        return lb_fail(cudaErrorStreamCaptureUnsupported, __func__,
+                       "the legacy default stream cannot be captured (use a stream of your own)");
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    struct lb_capture *c = calloc(1, sizeof *c);
+    if (c == NULL) {
+        lb_stream_put(s);
+        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    }
+    c->mode = mode;
+    c->thread = pthread_self();
+    c->origin = s;
+    pthread_mutex_lock(&g_cap_mu);
+    if (s->cap != NULL) {
+        struct lb_capture *other = s->cap;
+        pthread_mutex_unlock(&g_cap_mu);
+        free(c);
+        lb_stream_put(s);
+        return lb_fail(cudaErrorIllegalState, __func__,
+                       "stream %p is already capturing (the capture begun on %p)", (void *)stream,
+                       (void *)other->origin);
+    }
+    if (!add_member(c, s)) {
+        pthread_mutex_unlock(&g_cap_mu);
+        free(c);
+        lb_stream_put(s);
+        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    }
+    c->id = g_next_capture_id++;
+    c->next = g_captures;
+    g_captures = c;
+    atomic_fetch_add(&g_ncaptures, 1);
+    pthread_mutex_unlock(&g_cap_mu);
+    lb_stream_put(s); /* the capture holds its own reference */
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (pGraph == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "pGraph is NULL");
+    *pGraph = NULL;
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    struct CUgraph_st *g = calloc(1, sizeof *g);
+    if (g == NULL) {
+        lb_stream_put(s);
+        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    }
+    struct lb_capture *c, *ended = NULL;
+    pthread_mutex_lock(&g_cap_mu);
+    c = s->cap;
+    if (c == NULL) {
+        err = lb_fail(cudaErrorIllegalState, __func__, "stream %p is not capturing",
+                      (void *)stream);
+    } else if (c->origin != s) {
+        invalidate(c, "%s on stream %p, forked into the capture", __func__, (void *)s);
+        err = lb_fail(cudaErrorStreamCaptureUnmatched, __func__,
+                      "the capture was begun on stream %p, not %p; the capture is invalidated",
+                      (void *)c->origin, (void *)stream);
+    } else if (c->mode != cudaStreamCaptureModeRelaxed &&
+               !pthread_equal(c->thread, pthread_self())) {
+        err = lb_fail(cudaErrorStreamCaptureWrongThread, __func__,
+                      "the capture on stream %p was begun by another thread in %s: end it there "
+                      "(or begin it in cudaStreamCaptureModeRelaxed)",
+                      (void *)stream, mode_name(c->mode));
+    } else {
+        capture_unlink(c);
+        ended = c;
+        if (c->invalidated) {
+            err = lb_fail(cudaErrorStreamCaptureInvalidated, __func__,
+                          "the capture on stream %p was invalidated (%s); no graph", (void *)s,
+                          c->why);
+        } else {
+            for (size_t i = 1; i < c->nmembers && !err; i++)
+                if (c->members[i]->cap_joined != c->members[i]->cap_nodes)
+                    err = lb_fail(cudaErrorStreamCaptureUnjoined, __func__,
+                                  "stream %p was forked into the capture by an event wait but "
+                                  "its work was not joined back (record an event on it and make "
+                                  "stream %p wait on it); no graph",
+                                  (void *)c->members[i], (void *)s);
+        }
+        if (!err) {
+            g->nodes = c->nodes;
+            g->n = c->nnodes;
+            c->nodes = NULL;
+            c->nnodes = 0;
+        }
+    }
+    pthread_mutex_unlock(&g_cap_mu);
+    lb_stream_put(s);
+    if (ended != NULL) capture_free(ended);
+    if (!err) {
+        pthread_mutex_lock(&g_graph_mu);
+        bool ok = ptrset_add(&g_graphs, g);
+        pthread_mutex_unlock(&g_graph_mu);
+        if (ok) {
+            *pGraph = g;
+            return cudaSuccess;
+        }
+        err = lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    }
+    nodes_release(g->nodes, g->n);
+    free(g);
+    return err;
+}
+
+cudaError_t cudaStreamIsCapturing(cudaStream_t stream,
+                                  enum cudaStreamCaptureStatus *pCaptureStatus) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (pCaptureStatus == NULL)
+        return lb_fail(cudaErrorInvalidValue, __func__, "pCaptureStatus is NULL");
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    enum cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0) {
+        pthread_mutex_lock(&g_cap_mu);
+        struct lb_capture *c = s->cap;
+        if (c != NULL)
+            status = c->invalidated ? cudaStreamCaptureStatusInvalidated
+                                    : cudaStreamCaptureStatusActive;
+        else if (s->kind == LB_STREAM_LEGACY && (c = blocking_capture_on(s->device)) != NULL)
+            /* as CUDA: an error, and the capture is not invalidated */
+            err = lb_fail(cudaErrorStreamCaptureImplicit, __func__,
+                          "the legacy default stream of device %d is implicitly synchronized "
+                          "with blocking stream %p, which is capturing",
+                          s->device, (void *)c->origin);
+        pthread_mutex_unlock(&g_cap_mu);
+    }
+    lb_stream_put(s);
+    if (!err) *pCaptureStatus = status;
+    return err;
+}
+
+int pynccl_lb_stream_capturing(void *stream) {
+    if (atomic_load(&g_fork_poisoned)) return -1;
+    struct CUstream_st *s;
+    if (lb_stream_get(stream, "pynccl_lb_stream_capturing", &s)) return -1;
+    int capturing = 0;
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0) {
+        pthread_mutex_lock(&g_cap_mu);
+        capturing = s->cap != NULL;
+        pthread_mutex_unlock(&g_cap_mu);
+    }
+    lb_stream_put(s);
+    return capturing;
+}
+
+/* ---- graphs and executable graphs ----------------------------------------------- */
+
+static cudaError_t graph_get(cudaGraph_t graph, const char *fn) {
+    if (graph == NULL) return lb_fail(cudaErrorInvalidValue, fn, "graph is NULL");
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t *pGraphExec, cudaGraph_t graph,
+                                 unsigned long long flags) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (pGraphExec == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "pGraphExec is NULL");
+    *pGraphExec = NULL;
+    if ((err = graph_get(graph, __func__))) return err;
+    if (flags != 0)
+        return lb_fail(cudaErrorInvalidValue, __func__,
+                       "flags=%#llx (the loopback supports no instantiation flags)", flags);
+    struct CUgraphExec_st *x = calloc(1, sizeof *x);
+    if (x == NULL) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    atomic_init(&x->refs, 1);
+    /* The graph lock is held across the clones so that the graph cannot be destroyed
+     * under them; clone callbacks never call back into the graph API. */
+    pthread_mutex_lock(&g_graph_mu);
+    bool live = ptrset_has(&g_graphs, graph);
+    if (live) {
+        x->nodes = nodes_clone(graph->nodes, graph->n);
+        x->n = graph->n;
+        if (x->nodes != NULL && !ptrset_add(&g_execs, x)) {
+            pthread_mutex_unlock(&g_graph_mu);
+            nodes_release(x->nodes, x->n);
+            free(x);
+            return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+        }
+    }
+    pthread_mutex_unlock(&g_graph_mu);
+    if (!live) {
+        free(x);
+        return lb_fail(cudaErrorInvalidValue, __func__, "graph %p is not a live graph",
+                       (void *)graph);
+    }
+    if (x->nodes == NULL) {
+        free(x);
+        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory copying nodes");
+    }
+    *pGraphExec = x;
+    return cudaSuccess;
+}
+
+static void exec_put(struct CUgraphExec_st *x) {
+    if (atomic_fetch_sub(&x->refs, 1) != 1) return;
+    nodes_release(x->nodes, x->n);
+    free(x);
+}
+
+cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    pthread_mutex_lock(&g_graph_mu);
+    bool live = graphExec != NULL && ptrset_has(&g_execs, graphExec);
+    if (live) atomic_fetch_add(&graphExec->refs, 1);
+    pthread_mutex_unlock(&g_graph_mu);
+    if (!live)
+        return lb_fail(cudaErrorInvalidValue, __func__,
+                       "graphExec %p is not a live executable graph", (void *)graphExec);
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) {
+        exec_put(graphExec);
+        return err;
+    }
+    /* Launched into a capturing stream, the graph's nodes become nodes of that capture
+     * (CUDA makes a child-graph node: the same order). */
+    int capturing = 0;
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0) {
+        pthread_mutex_lock(&g_cap_mu);
+        capturing = s->cap != NULL;
+        pthread_mutex_unlock(&g_cap_mu);
+    }
+    for (size_t i = 0; i < graphExec->n && !err; i++) {
+        const lb_node *node = &graphExec->nodes[i];
+        void *arg = node->clone(node->arg, !capturing);
+        if (arg == NULL) {
+            err = lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+            break;
+        }
+        err = lb_stream_push(s, node->run, node->release, node->clone, arg, NULL, capturing);
+        if (err) {
+            if (node->release != NULL) node->release(arg);
+            err = lb_push_fail(err, __func__, (void *)stream);
+        }
+    }
+    lb_stream_put(s);
+    exec_put(graphExec);
+    return err;
+}
+
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t graphExec) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    pthread_mutex_lock(&g_graph_mu);
+    bool live = graphExec != NULL && ptrset_del(&g_execs, graphExec);
+    pthread_mutex_unlock(&g_graph_mu);
+    if (!live)
+        return lb_fail(cudaErrorInvalidValue, __func__,
+                       "graphExec %p is not a live executable graph (destroyed twice?)",
+                       (void *)graphExec);
+    exec_put(graphExec); /* launches already enqueued own their copies */
+    return cudaSuccess;
+}
+
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if ((err = graph_get(graph, __func__))) return err;
+    pthread_mutex_lock(&g_graph_mu);
+    bool live = ptrset_del(&g_graphs, graph);
+    pthread_mutex_unlock(&g_graph_mu);
+    if (!live)
+        return lb_fail(cudaErrorInvalidValue, __func__,
+                       "graph %p is not a live graph (destroyed twice?)", (void *)graph);
+    /* Executable graphs made from it hold their own copies, as in CUDA. */
+    nodes_release(graph->nodes, graph->n);
+    free(graph);
+    return cudaSuccess;
+}
+
+/* ---- fork ------------------------------------------------------------------------ */
+
+LB_HIDDEN void lb_graph_fork_prepare(void) {
+    pthread_mutex_lock(&g_graph_mu);
+    pthread_mutex_lock(&g_cap_mu);
+}
+
+LB_HIDDEN void lb_graph_fork_parent(void) {
+    pthread_mutex_unlock(&g_cap_mu);
+    pthread_mutex_unlock(&g_graph_mu);
+}
+
+LB_HIDDEN void lb_graph_fork_child(void) {
+    pthread_mutex_init(&g_cap_mu, NULL);
+    pthread_mutex_init(&g_graph_mu, NULL);
+}
