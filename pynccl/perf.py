@@ -1476,7 +1476,6 @@ def _worker(opts: Options) -> int:
     if gpus == 0:
         _use_loopback(env.local_world_size or env.world_size)
         loop = True
-    _refuse_graph_on_loopback(opts, loop)
     opts.resolve(loop)
     _ = opts.sizes  # validate before the rendezvous
     comm = from_env()
@@ -1493,19 +1492,10 @@ def _finish(opts: Options, comm: Any) -> int:
     return code
 
 
-def _refuse_graph_on_loopback(opts: Options, loopback: bool) -> None:
-    if opts.cudagraph and loopback:
-        raise PerfError(
-            f"-G {opts.cudagraph}: CUDA graphs need a GPU; the loopback libraries "
-            "(used because there is no GPU here) cannot capture or replay graphs"
-        )
-
-
 def _coordinate(opts: Options, argv: Sequence[str]) -> int:
     """Started by hand: pick the backend and run -g ranks."""
     gpus, loop_configured = _gpu_count()
     loop = gpus == 0 or loop_configured
-    _refuse_graph_on_loopback(opts, loop)
     nranks = opts.ngpus if opts.ngpus is not None else (2 if loop else gpus)
     if not loop and nranks > gpus:
         raise PerfError(f"-g {nranks}: only {gpus} GPU(s) visible")

@@ -125,6 +125,7 @@ struct lb_task {
     struct lb_comm *c; /* ref held */
     uint64_t seq;      /* the comm's ticket: tasks run in this order */
     int ran;
+    int tmpl;          /* a graph's template (captured): never run, has no ticket */
     int nops, ncoll;   /* ops[0..ncoll) collectives, then p2p */
     struct lb_op ops[];
 };
@@ -175,14 +176,36 @@ static void task_run(void *arg) {
 
 static void task_release(void *arg) {
     struct lb_task *t = arg;
-    if (!t->ran && !__atomic_load_n(&t->c->halt, __ATOMIC_ACQUIRE)) {
-        /* the stream went away with the task queued: the peers would wait for it */
+    if (!t->tmpl && !t->ran && !__atomic_load_n(&t->c->halt, __ATOMIC_ACQUIRE)) {
+        /* it holds a ticket that will never run: the peers (and later tasks) would wait */
         lb_comm_fail(t->c, ncclInvalidUsage,
-                     "rank %d: a stream was destroyed while a %s on it was still queued",
+                     "rank %d: a %s was dropped before it ran (its stream was destroyed, or a "
+                     "CUDA graph launch failed part way)",
                      t->c->rank, lb_kind_name(t->ops[0].kind));
     }
     lb_comm_unref(t->c);
     free(t);
+}
+
+/* A copy of a captured task: a template (launch 0) or, for a graph launch, a task
+ * with the comm's next ticket, so that every rank's replays match in issue order
+ * (NCCL too assigns a captured collective's order when the graph is launched). */
+static void *task_clone(void *arg, int launch) {
+    const struct lb_task *t = arg;
+    size_t size = sizeof *t + (size_t)t->nops * sizeof(struct lb_op);
+    struct lb_task *copy = malloc(size);
+    if (!copy) return NULL;
+    memcpy(copy, t, size);
+    copy->ran = 0;
+    copy->tmpl = !launch;
+    copy->seq = 0;
+    lb_comm_ref(t->c);
+    if (launch) {
+        pthread_mutex_lock(&t->c->mu);
+        copy->seq = t->c->issued++;
+        pthread_mutex_unlock(&t->c->mu);
+    }
+    return copy;
 }
 
 /* Join streams[1..n) into streams[0] before the task (when), or after it. */
@@ -226,6 +249,8 @@ static ncclResult_t enqueue_task(struct lb_comm *c, const struct lb_gitem *items
     if (!t) return lb_err(ncclSystemError, "ncclGroupEnd : out of memory");
     t->c = c;
     t->ran = 0;
+    t->tmpl = 0;
+    t->seq = 0;
     t->nops = n;
     t->ncoll = ncoll;
     int a = 0, b = ncoll;
@@ -244,6 +269,22 @@ static ncclResult_t enqueue_task(struct lb_comm *c, const struct lb_gitem *items
         for (int j = 0; j < ns; j++) seen |= streams[j] == s;
         if (!seen && ns < 16) streams[ns++] = s;
     }
+    /* Under stream capture the task becomes a graph template (see task_clone). The
+     * loopback records a graph as one ordered list, so it captures one stream per
+     * communicator only. */
+    int capturing = 0;
+    for (int j = 0; j < ns; j++) {
+        int cs = pynccl_lb_stream_capturing(streams[j]);
+        if (cs > 0 && ns > 1) {
+            free(t);
+            return lb_err(ncclInvalidUsage,
+                          "ncclGroupEnd : stream %p is being captured into a CUDA graph, and "
+                          "this group gives the communicator (rank %d) %d streams: the "
+                          "loopback captures a communicator's operations on one stream only",
+                          (void *)streams[j], c->rank, ns);
+        }
+        if (j == 0) capturing = cs > 0;
+    }
     int cur = pynccl_lb_current_device(), switched = 0;
     if (cur != c->dev) {
         /* the default streams mean the comm's device's, as NCCL sets it before launching */
@@ -252,12 +293,25 @@ static ncclResult_t enqueue_task(struct lb_comm *c, const struct lb_gitem *items
     }
     ncclResult_t ret = join_streams(streams, ns, 1);
     if (ret == ncclSuccess && launch_event && cudaEventRecord) cudaEventRecord(launch_event, streams[0]);
-    if (ret == ncclSuccess) {
+    if (ret == ncclSuccess && capturing) {
+        t->tmpl = 1;
+        lb_comm_ref(c);
+        int e = pynccl_lb_stream_enqueue2(streams[0], task_run, task_release, task_clone, t, 1);
+        if (e != 0) {
+            lb_comm_unref(c);
+            ret = lb_err(ncclUnhandledCudaError,
+                         "%s : Cuda failure '%s' capturing on stream %p (%s)",
+                         lb_kind_name(items[idx[0]].op.kind), cudaGetErrorString((cudaError_t)e),
+                         (void *)streams[0], pynccl_lb_last_error_detail());
+        } else {
+            t = NULL; /* the capture owns the template */
+        }
+    } else if (ret == ncclSuccess) {
         lb_comm_ref(c);
         pthread_mutex_lock(&c->mu);
         t->seq = c->issued++;
         pthread_mutex_unlock(&c->mu);
-        int e = pynccl_lb_stream_enqueue(streams[0], task_run, task_release, t);
+        int e = pynccl_lb_stream_enqueue2(streams[0], task_run, task_release, task_clone, t, 0);
         if (e != 0) {
             pthread_mutex_lock(&c->mu);
             if (c->issued == t->seq + 1)
