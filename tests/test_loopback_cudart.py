@@ -467,8 +467,11 @@ def _in_thread(fn: object) -> object:
 
 def test_end_capture_from_another_thread(rt: ctypes.CDLL) -> None:
     s = stream(rt, 1)
-    for mode, want in ((GLOBAL, CAPTURE_WRONG_THREAD), (THREAD_LOCAL, CAPTURE_WRONG_THREAD),
-                       (RELAXED, SUCCESS)):
+    for mode, want in (
+        (GLOBAL, CAPTURE_WRONG_THREAD),
+        (THREAD_LOCAL, CAPTURE_WRONG_THREAD),
+        (RELAXED, SUCCESS),
+    ):
         ok(rt, rt.cudaStreamBeginCapture(s, mode))
         rc, graph = _in_thread(lambda: end_capture(rt, s))  # type: ignore[misc]
         assert rc == want, mode
@@ -507,15 +510,17 @@ def test_what_breaks_a_capture(rt: ctypes.CDLL) -> None:
     s = stream(rt)  # blocking: the legacy stream synchronizes with it
     nb = stream(rt, 1)
     ev = event(rt)
-    assert "cannot be waited for" in _breaks(rt, s, lambda: rt.cudaStreamSynchronize(s),
-                                             CAPTURE_UNSUPPORTED)
+    assert "cannot be waited for" in _breaks(
+        rt, s, lambda: rt.cudaStreamSynchronize(s), CAPTURE_UNSUPPORTED
+    )
     _breaks(rt, s, lambda: rt.cudaStreamQuery(s), CAPTURE_UNSUPPORTED)
     _breaks(rt, s, lambda: rt.cudaDeviceSynchronize(), CAPTURE_UNSUPPORTED)
     _breaks(rt, s, lambda: rt.cudaMemcpy(host.ctypes.data, a, n, D2H), CAPTURE_UNSUPPORTED)
     _breaks(rt, s, lambda: rt.cudaMemset(a, 0, n), CAPTURE_UNSUPPORTED, THREAD_LOCAL)
     p = c_void_p()
-    assert "capture-unsafe" in _breaks(rt, s, lambda: rt.cudaMalloc(byref(p), 64),
-                                       CAPTURE_UNSUPPORTED)
+    assert "capture-unsafe" in _breaks(
+        rt, s, lambda: rt.cudaMalloc(byref(p), 64), CAPTURE_UNSUPPORTED
+    )
     _breaks(rt, s, lambda: rt.cudaFree(b), CAPTURE_UNSUPPORTED, THREAD_LOCAL)
     # work on the legacy stream while a blocking stream captures (relaxed: only that)
     assert "legacy default stream" in _breaks(
@@ -524,6 +529,7 @@ def test_what_breaks_a_capture(rt: ctypes.CDLL) -> None:
     _breaks(rt, s, lambda: rt.cudaMemcpy(host.ctypes.data, a, n, D2H), CAPTURE_IMPLICIT, RELAXED)
     _breaks(rt, s, lambda: rt.cudaEventRecord(ev, None), CAPTURE_IMPLICIT, RELAXED)
     _breaks(rt, s, lambda: rt.cudaStreamSynchronize(None), CAPTURE_IMPLICIT, RELAXED)
+
     # an event recorded inside the capture completes only when the graph runs
     def record_then(fn: object) -> int:
         ok(rt, rt.cudaEventRecord(ev, s))
@@ -540,9 +546,12 @@ def test_what_breaks_a_capture(rt: ctypes.CDLL) -> None:
     cb = TASK_FN(lambda _arg: None)
     _callbacks.append(cb)
     assert "pynccl_lb_stream_enqueue2" in _breaks(
-        rt, s, lambda: rt.pynccl_lb_stream_enqueue(s, ctypes.cast(cb, c_void_p), None, None),
+        rt,
+        s,
+        lambda: rt.pynccl_lb_stream_enqueue(s, ctypes.cast(cb, c_void_p), None, None),
         CAPTURE_UNSUPPORTED,
     )
+
     # after an invalidation, more work reports it
     def twice() -> int:
         assert rt.cudaStreamQuery(s) == CAPTURE_UNSUPPORTED
@@ -780,12 +789,22 @@ def test_enqueue2_clone_contract(rt: ctypes.CDLL) -> None:
         ok(rt, rt.cudaGraphLaunch(exe, s))
     ok(rt, rt.cudaStreamSynchronize(s))
     assert log == [
-        ("clone", 101, 1), ("clone", 101, 1),
-        ("run", 102, 0), ("release", 102, 0), ("run", 103, 0), ("release", 103, 0),
-    ] or sorted(log) == sorted([
-        ("clone", 101, 1), ("clone", 101, 1),
-        ("run", 102, 0), ("release", 102, 0), ("run", 103, 0), ("release", 103, 0),
-    ])
+        ("clone", 101, 1),
+        ("clone", 101, 1),
+        ("run", 102, 0),
+        ("release", 102, 0),
+        ("run", 103, 0),
+        ("release", 103, 0),
+    ] or sorted(log) == sorted(
+        [
+            ("clone", 101, 1),
+            ("clone", 101, 1),
+            ("run", 102, 0),
+            ("release", 102, 0),
+            ("run", 103, 0),
+            ("release", 103, 0),
+        ]
+    )
     assert [e for e in log if e[0] == "run"] == [("run", 102, 0), ("run", 103, 0)]
     log.clear()
     ok(rt, rt.cudaGraphExecDestroy(exe))

@@ -1,0 +1,404 @@
+"""CUDA stream capture and graphs through pynccl, on the loopback libraries.
+
+The loopback versions of tests/test_gpu.py::test_graph_capture_and_replay: collectives
+captured on a stream are recorded, not run; every replay of the graph runs them again,
+reading the inputs as they are at replay time; results are checked against numpy.
+Worlds: one rank, 2..4 ranks as threads (each capturing its own stream, and one thread
+capturing every rank's stream inside one group), and two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from ctypes import byref, c_int, c_void_p
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pynccl import cuda, library
+from pynccl.comm import Communicator, UniqueId
+from pynccl.cuda import DeviceBuffer, Stream
+from pynccl.errors import CudaError, NcclError, NcclInvalidUsage
+from pynccl.groups import group
+
+pytestmark = pytest.mark.usefixtures("lb")
+
+GLOBAL, THREAD_LOCAL, RELAXED = range(3)  # cudaStreamCaptureMode
+CAPTURE_UNSUPPORTED = 900
+CAPTURE_INVALIDATED = 901
+N = 1024
+
+
+class Graph:
+    """A captured graph and its executable form (test helper)."""
+
+    def __init__(self, stream: Stream, mode: int = THREAD_LOCAL) -> None:
+        self.rt = library.cudart()
+        self.stream = stream
+        self.graph = c_void_p()
+        self.exe = c_void_p()
+        self.rt.cudaStreamBeginCapture(stream.handle, mode)
+
+    def end(self) -> Graph:
+        try:
+            self.rt.cudaStreamEndCapture(self.stream.handle, byref(self.graph))
+        finally:
+            if self.graph.value:  # the graph is freed at once: the exec is independent
+                g, self.graph = self.graph, c_void_p()
+                try:
+                    self.rt.cudaGraphInstantiate(byref(self.exe), g, 0)
+                finally:
+                    self.rt.cudaGraphDestroy(g)
+        return self
+
+    def replay(self, stream: Stream | None = None) -> None:
+        self.rt.cudaGraphLaunch(self.exe, (stream or self.stream).handle)
+
+    def close(self) -> None:
+        if self.exe.value:
+            self.rt.cudaGraphExecDestroy(self.exe)
+            self.exe = c_void_p()
+
+
+@pytest.fixture
+def stream() -> Iterator[Stream]:
+    cuda.set_device(0)
+    s = Stream(non_blocking=True)
+    yield s
+    s.close()
+
+
+def inputs(rank: int, k: float) -> np.ndarray:
+    return (np.arange(N, dtype=np.float32) % 7 + k) * (rank + 1)
+
+
+def test_single_rank_capture_and_replay(stream: Stream) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    y, z = DeviceBuffer(N, "float32"), DeviceBuffer(N, "float32")
+    op = comm.create_premul_sum(3.0, "float32")
+    g = Graph(stream)
+    try:
+        assert stream.is_capturing() and cuda.is_capturing(stream)
+        comm.all_reduce(x, y, op, stream=stream)
+        comm.all_gather(y, z, stream=stream)
+    finally:
+        g.end()
+    assert not stream.is_capturing()
+    for k in (1.0, 2.0, 5.0):
+        x.copy_from(inputs(0, k))
+        y.fill_zero()
+        z.fill_zero()
+        g.replay()
+        stream.synchronize()
+        assert np.array_equal(y.to_numpy(), inputs(0, k) * 3)
+        assert np.array_equal(z.to_numpy(), inputs(0, k) * 3)
+    # replays back to back, without synchronizing in between
+    y.fill_zero()
+    for _ in range(4):
+        g.replay()
+    comm.synchronize(stream, timeout=30)
+    assert np.array_equal(y.to_numpy(), inputs(0, 5.0) * 3)
+    g.close()
+    comm.destroy_op(op)
+    comm.destroy()
+    for b in (x, y, z):
+        b.close()
+
+
+def _rank_replays(comm: Communicator, barrier: threading.Barrier, mode: int) -> dict[str, Any]:
+    """One thread's rank: capture all_reduce + all_gather on its own stream, replay."""
+    r, n = comm.rank, comm.size
+    cuda.set_device(comm.device)
+    s = Stream(non_blocking=True)
+    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    y = DeviceBuffer(N, "float32")
+    z = DeviceBuffer(N * n, "float32")
+    barrier.wait()  # nobody allocates while a global-mode capture is under way
+    g = Graph(s, mode)
+    try:
+        comm.all_reduce(x, y, "sum", stream=s)
+        comm.all_gather(x, z, stream=s)
+    finally:
+        g.end()
+    barrier.wait()
+    ok = []
+    for k in (1.0, 4.0, 9.0):
+        x.copy_from(inputs(r, k))
+        y.fill_zero()
+        g.replay()
+        g.replay()  # twice: same inputs, same results
+        comm.synchronize(s, timeout=60)
+        want_y = sum(inputs(q, k) for q in range(n))
+        want_z = np.concatenate([inputs(q, k) for q in range(n)])
+        ok.append(
+            bool(np.array_equal(y.to_numpy(), want_y))
+            and bool(np.array_equal(z.to_numpy(), want_z))
+        )
+    g.close()
+    for b in (x, y, z):
+        b.close()
+    s.close()
+    return {"ok": ok}
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+@pytest.mark.parametrize("mode", [THREAD_LOCAL, GLOBAL])
+def test_thread_ranks_capture_and_replay(nranks: int, mode: int) -> None:
+    comms = Communicator.init_all(nranks)
+    barrier = threading.Barrier(nranks, timeout=60)
+    results: dict[int, Any] = {}
+
+    def main(comm: Communicator) -> None:
+        try:
+            results[comm.rank] = _rank_replays(comm, barrier, mode)
+        except BaseException as exc:  # reported below
+            results[comm.rank] = exc
+            barrier.abort()
+
+    threads = [threading.Thread(target=main, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        for r in range(nranks):
+            got = results.get(r)
+            if isinstance(got, BaseException):
+                raise got
+            assert got == {"ok": [True, True, True]}, (r, got)
+    finally:
+        for c in comms:
+            c.destroy()
+
+
+def test_one_thread_captures_every_ranks_stream_in_a_group() -> None:
+    """GroupWorld style: init_all, one thread, one group; each rank's stream is its own
+    capture (the loopback records a communicator's ops on one stream)."""
+    n = 3
+    comms = Communicator.init_all(n)
+    streams, bufs = [], []
+    for c in comms:
+        cuda.set_device(c.device)
+        streams.append(Stream(non_blocking=True))
+        bufs.append(DeviceBuffer(N, "float32"))
+    cuda.set_device(0)
+    graphs = [Graph(s, GLOBAL) for s in streams]
+    try:
+        with group():
+            for c, s, b in zip(comms, streams, bufs):
+                c.all_reduce(b, stream=s)  # in place
+    finally:
+        for g in graphs:
+            g.end()
+    for k in (1.0, 2.0):
+        for r, b in enumerate(bufs):
+            b.copy_from(inputs(r, k))
+        for g in graphs:
+            g.replay()
+        for c, s in zip(comms, streams):
+            c.synchronize(s, timeout=60)
+        want = sum(inputs(r, k) for r in range(n))
+        for b in bufs:
+            assert np.array_equal(b.to_numpy(), want)
+    for g in graphs:
+        g.close()
+    for c in comms:
+        c.destroy()
+
+
+def test_capture_breaking_calls_raise_and_invalidate(stream: Stream) -> None:
+    rt = library.cudart()
+    comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
+    x = DeviceBuffer(N, "float32")
+    for breaking in (
+        lambda: stream.synchronize(),
+        lambda: comm.synchronize(timeout=5),
+        lambda: x.copy_from(np.ones(N, np.float32)),  # a synchronous copy
+        lambda: DeviceBuffer(16, "float32"),  # cudaMalloc in a global-mode capture
+        lambda: cuda.synchronize(),
+    ):
+        g = Graph(stream, GLOBAL)
+        comm.all_reduce(x)
+        with pytest.raises(CudaError) as info:
+            breaking()
+        assert info.value.code == CAPTURE_UNSUPPORTED
+        status = c_int(-1)
+        rt.cudaStreamIsCapturing(stream.handle, byref(status))
+        assert status.value == 2  # cudaStreamCaptureStatusInvalidated
+        with pytest.raises(NcclError) as nccl_info:
+            comm.all_reduce(x)  # more work on an invalidated capture
+        assert "invalidated" in str(nccl_info.value)
+        with pytest.raises(CudaError) as end_info:
+            g.end()
+        assert end_info.value.code == CAPTURE_INVALIDATED
+        assert not stream.is_capturing()
+    comm.all_reduce(x)  # the stream and the communicator are fine afterwards
+    comm.synchronize(timeout=30)
+    comm.destroy()
+    x.close()
+
+
+def test_init_split_register_are_refused_while_capturing(stream: Stream) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
+    x = DeviceBuffer(N, "float32")
+    g = Graph(stream, GLOBAL)
+    try:
+        with pytest.raises(NcclInvalidUsage, match="being captured into a CUDA graph"):
+            Communicator(1, UniqueId(), 0, device=0, stream=stream)
+        with pytest.raises(NcclInvalidUsage, match="ncclCommSplit cannot run while stream"):
+            comm.split(0)
+        with pytest.raises(NcclInvalidUsage, match="ncclCommRegister cannot run while stream"):
+            comm.register(x)
+        comm.all_reduce(x)
+    finally:
+        g.end()  # the refusals did not invalidate the capture
+    x.copy_from(np.full(N, 2, np.float32))
+    g.replay()
+    stream.synchronize()
+    assert (x.to_numpy() == 2).all()
+    g.close()
+    comm.destroy()
+    x.close()
+
+
+def test_watchdog_records_nothing_under_capture(stream: Stream) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0, stream=stream, watchdog_timeout=60)
+    watch = comm._watch
+    assert watch is not None
+    x = DeviceBuffer.from_numpy(np.arange(N, dtype=np.float32))
+    y = DeviceBuffer(N, "float32")
+    g = Graph(stream, GLOBAL)
+    try:
+        comm.all_reduce(x, y)
+        assert len(watch._pending) == 0  # an event recorded now would join the graph
+    finally:
+        g.end()
+    for _ in range(3):
+        g.replay()
+    comm.synchronize(timeout=30)
+    assert np.array_equal(y.to_numpy(), np.arange(N, dtype=np.float32))
+    comm.all_reduce(x, y)  # outside the capture, the watchdog watches again
+    assert len(watch._pending) + len(watch._pool) >= 1
+    comm.synchronize(timeout=30)
+    assert comm.error is None
+    g.close()
+    comm.destroy()
+    for b in (x, y):
+        b.close()
+
+
+def test_multi_stream_group_under_capture_is_refused(stream: Stream) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    other = Stream(non_blocking=True)
+    x, y = DeviceBuffer(N, "float32"), DeviceBuffer(N, "float32")
+    g = Graph(stream)
+    try:
+        with pytest.raises(NcclInvalidUsage, match="one stream only"):
+            with group():
+                comm.all_reduce(x, stream=stream)
+                comm.all_reduce(y, stream=other)
+    finally:
+        g.end()
+    g.close()
+    comm.destroy()
+    other.close()
+    for b in (x, y):
+        b.close()
+
+
+@pytest.mark.parametrize("end", ["destroy", "abort"])
+def test_graph_outlives_its_communicator(stream: Stream, end: str) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    x = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    y = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    g = Graph(stream)
+    try:
+        comm.all_reduce(x, y, stream=stream)
+    finally:
+        g.end()
+    getattr(comm, end)()
+    g.replay()  # the captured collective finds its communicator gone: it does nothing
+    stream.synchronize()
+    assert not y.to_numpy().any()
+    g.close()  # drops the last reference to the communicator
+    for b in (x, y):
+        b.close()
+
+
+def test_stream_destroyed_while_capturing_a_collective() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    x = DeviceBuffer(N, "float32")
+    s = Stream(non_blocking=True)
+    Graph(s)
+    comm.all_reduce(x, stream=s)
+    s.close()  # the capture and its template go; nothing is left queued
+    comm.all_reduce(x)
+    comm.synchronize(timeout=30)
+    comm.destroy()
+    x.close()
+
+
+_PROCESS_RANK = textwrap.dedent(
+    """
+    import json, os
+    import numpy as np
+    from ctypes import byref, c_void_p
+    from pynccl import cuda, library
+    from pynccl.comm import Communicator, UniqueId
+    from pynccl.cuda import DeviceBuffer, Stream
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["SIZE"])
+    comm = Communicator(n, UniqueId.fromhex(os.environ["UID"]), rank, device=rank)
+    cuda.set_device(rank)
+    rt = library.cudart()
+    s = Stream(non_blocking=True)
+    N = 512
+    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    y, z = DeviceBuffer(N, "float32"), DeviceBuffer(N * n, "float32")
+    graph, exe = c_void_p(), c_void_p()
+    rt.cudaStreamBeginCapture(s.handle, 0)
+    comm.all_reduce(x, y, stream=s)
+    comm.all_gather(x, z, stream=s)
+    rt.cudaStreamEndCapture(s.handle, byref(graph))
+    rt.cudaGraphInstantiate(byref(exe), graph, 0)
+    rt.cudaGraphDestroy(graph)
+    ok = []
+    for k in (1.0, 3.0):
+        mine = lambda r: (np.arange(N, dtype=np.float32) + k) * (r + 1)
+        x.copy_from(mine(rank))
+        rt.cudaGraphLaunch(exe, s.handle)
+        comm.synchronize(s, timeout=60)
+        ok.append(bool(np.array_equal(y.to_numpy(), sum(mine(r) for r in range(n))))
+                  and bool(np.array_equal(z.to_numpy(),
+                                          np.concatenate([mine(r) for r in range(n)]))))
+    rt.cudaGraphExecDestroy(exe)
+    comm.destroy()
+    print("RESULT " + json.dumps(ok))
+    """
+)
+
+
+def test_two_processes_capture_and_replay(lb_env: dict[str, str]) -> None:
+    uid = UniqueId().hex()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROCESS_RANK],
+            env={**lb_env, "RANK": str(r), "SIZE": "2", "UID": uid},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
+        assert json.loads(line[len("RESULT ") :]) == [True, True], err[-3000:]
