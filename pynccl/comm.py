@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from . import groups as _group
-from ._adapt import as_buffer, as_stream, check_device
+from ._adapt import _BUFFER_HANDLERS, as_buffer, as_stream, buffer_handler, check_device
 from ._capi.nccl import NcclLibrary
 from ._capi.structs import (
     NCCL_SPLIT_NOCOLOR,
@@ -217,6 +217,7 @@ for _op in RedOp:
 del _op
 # The ops that need no per-call check (avg is refused on integers and before 2.10).
 _FAST_OPS = {k: v for k, v in _OP_NAMES.items() if v != RedOp.AVG}
+_SUM = RedOp.SUM
 
 
 def _check_rank(value: Any, size: int, name: str) -> int:
@@ -349,7 +350,7 @@ class Communicator:
         self._custom_ops: set[int] = set()
         self._config = None
         self._seq = 0
-        self._ring: list[FlightRecord | None] = [None] * RING_SIZE
+        self._ring: list[tuple[Any, ...] | None] = [None] * RING_SIZE
         self._watch: Watchdog | None = None
         self._error: BaseException | None = None
         version = L.version
@@ -677,11 +678,23 @@ class Communicator:
 
     # -- hangs: flight recorder, synchronize, watchdog --------------------------------------
 
+    # The ring holds, per slot, ``(function, root/peer, args)``; all_reduce's hot path
+    # stores its bare argument tuple instead, sparing a tuple per call. A slot's
+    # sequence number is not stored: it is the newest one issued that maps to the slot.
+
+    def _entry(self, seq: int) -> FlightRecord | None:
+        slot = self._ring[seq & RING_MASK]
+        if slot is None or not 0 <= self._seq - 1 - seq < RING_SIZE:
+            return None  # not issued yet, or overwritten (checked after reading the slot)
+        if len(slot) == 3:
+            return (seq, slot[0], slot[1], slot[2])
+        return (seq, "ncclAllReduce", -1, slot)
+
     def flight_record(self) -> list[FlightRecord]:
         """The last operations issued (oldest first): ``(seq, function, root/peer, args)``."""
         seq = self._seq
-        start = max(0, seq - RING_SIZE)
-        return [e for e in (self._ring[i & RING_MASK] for i in range(start, seq)) if e is not None]
+        entries = (self._entry(i) for i in range(max(0, seq - RING_SIZE), seq))
+        return [e for e in entries if e is not None]
 
     def format_flight_record(self) -> str:
         """The flight record as text, for error messages and hang reports."""
@@ -693,14 +706,12 @@ class Communicator:
         return "\n".join(lines)
 
     def _describe(self, seq: int) -> str:
-        entry = self._ring[seq & RING_MASK]
-        return entry[1] if entry is not None and entry[0] == seq else "operation"
+        entry = self._entry(seq)
+        return "operation" if entry is None else entry[1]
 
     def last_operation(self) -> str:
         """The last operation issued, as text (``"none"`` before the first)."""
-        if self._seq == 0:
-            return "none"
-        entry = self._ring[(self._seq - 1) & RING_MASK]
+        entry = self._entry(self._seq - 1) if self._seq else None
         return "none" if entry is None else format_record(entry)
 
     def synchronize(self, stream: Any = None, timeout: float | None = None) -> None:
@@ -967,10 +978,11 @@ class Communicator:
         if dtype is None and raw:
             dtype = like  # a raw pointer takes the type of the call's other buffer
         # Arrays are read whole (count=None) so that a short one is reported with both sizes.
-        ptr, n, dt, dev = as_buffer(
-            obj, count if raw else None, dtype, name=name, writable=writable, stream=stream
-        )
-        check_device(dev, self._device, name)
+        # The handler as_buffer would pick, called directly: one frame less.
+        handler = _BUFFER_HANDLERS.get(type(obj)) or buffer_handler(obj, name)
+        ptr, n, dt, dev = handler(obj, count if raw else None, dtype, name, writable, stream)
+        if dev is not None:
+            check_device(dev, self._device, name)
         if not self._types[dt]:
             self._datatype(dt)  # raises NotSupportedError naming the type and releases
         return ptr, -1 if raw else n, dt
@@ -1002,7 +1014,7 @@ class Communicator:
         """Record ``name(*args)`` in the flight recorder, call it, check the result."""
         seq = self._seq
         self._seq = seq + 1
-        self._ring[seq & RING_MASK] = (seq, name, where, args)
+        self._ring[seq & RING_MASK] = (name, where, args)
         watch = self._watch
         if watch is None:
             rc = self._c[name](*args)
@@ -1039,29 +1051,29 @@ class Communicator:
         if h is None:
             h = self._live()
         s = self._stream if stream is None else as_stream(stream)
-        if type(sendbuf) is int and (recvbuf is None or type(recvbuf) is int):
-            # Raw-pointer route: no probing; anything unusual goes to the slow checks.
+        if type(sendbuf) is int and type(recvbuf) is int:
+            # Raw pointers, out of place: no probing; anything unusual goes to the slow checks.
+            recv = recvbuf
             n = count if type(count) is int and count >= 0 else _raw_count(count)
             dt = dtype if type(dtype) is DataType and self._types[dtype] else self._raw_type(dtype)
-            if recvbuf is None:
-                recv = sendbuf
-                if sendbuf <= 0 and n:
-                    raise ValueError(f"sendbuf is a NULL or negative pointer ({sendbuf:#x})")
-            else:
-                recv = recvbuf
-                if (sendbuf <= 0 or recv <= 0) and n:
-                    raise ValueError(f"NULL pointer: sendbuf={sendbuf:#x} recvbuf={recv:#x}")
+            if (sendbuf <= 0 or recv <= 0) and n:
+                raise ValueError(f"NULL pointer: sendbuf={sendbuf:#x} recvbuf={recv:#x}")
+        elif type(sendbuf) is int and recvbuf is None:
+            recv = sendbuf  # in place
+            n = count if type(count) is int and count >= 0 else _raw_count(count)
+            dt = dtype if type(dtype) is DataType and self._types[dtype] else self._raw_type(dtype)
+            if sendbuf <= 0 and n:
+                raise ValueError(f"sendbuf is a NULL or negative pointer ({sendbuf:#x})")
         else:
-            # Array route, with _buf/_need/_same_type inlined: their checks, fewer frames.
+            # Array route, with as_buffer/_buf/_need/_same_type inlined: their checks,
+            # fewer frames.
             if type(sendbuf) is int or sendbuf is None:
                 sendbuf, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
-                dev = None
             else:
-                sendbuf, sn, dt, dev = as_buffer(
-                    sendbuf, None, dtype, name="sendbuf", writable=recvbuf is None, stream=s
-                )
-            if dev is not None and dev != self._device and self._device is not None:
-                check_device(dev, self._device, "sendbuf")
+                handler = _BUFFER_HANDLERS.get(type(sendbuf)) or buffer_handler(sendbuf, "sendbuf")
+                sendbuf, sn, dt, dev = handler(sendbuf, None, dtype, "sendbuf", recvbuf is None, s)
+                if dev is not None and dev != self._device and self._device is not None:
+                    check_device(dev, self._device, "sendbuf")
             if not self._types[dt]:
                 self._datatype(dt)
             n = sn if count is None and sn >= 0 else self._count(count, sn, "sendbuf")
@@ -1069,21 +1081,32 @@ class Communicator:
                 self._need("sendbuf", sn, n)
             if recvbuf is None:
                 recv = sendbuf
-            else:
+            elif type(recvbuf) is int:
                 recv, rn, rdt = self._buf(recvbuf, n, dtype, "recvbuf", True, stream=s, like=dt)
                 if rdt is not dt:
                     self._same_type(dt, rdt)
-                if n > rn >= 0:
+            else:
+                handler = _BUFFER_HANDLERS.get(type(recvbuf)) or buffer_handler(recvbuf, "recvbuf")
+                recv, rn, rdt, dev = handler(recvbuf, None, dtype, "recvbuf", True, s)
+                if dev is not None and dev != self._device and self._device is not None:
+                    check_device(dev, self._device, "recvbuf")
+                if rdt is not dt:
+                    self._same_type(dt, rdt)
+                if n > rn:
                     self._need("recvbuf", rn, n)
-        opv = _FAST_OPS.get(op)
-        if opv is None:
-            opv = self._op(op, dt)
-        args = (sendbuf, recv, n, dt, opv, h, s)
+        if op is _SUM:
+            args = (sendbuf, recv, n, dt, 0, h, s)
+        else:
+            opv = _FAST_OPS.get(op)
+            if opv is None:
+                opv = self._op(op, dt)
+            args = (sendbuf, recv, n, dt, opv, h, s)
         # The hot path: _call inlined (record, call, check); _c_allreduce is the bare
-        # ctypes function, or _watched_allreduce while a watchdog runs.
+        # ctypes function, or _watched_allreduce while a watchdog runs. The flight
+        # recorder's entry is the argument tuple itself (see _entry).
         seq = self._seq
         self._seq = seq + 1
-        self._ring[seq & RING_MASK] = (seq, "ncclAllReduce", -1, args)
+        self._ring[seq & RING_MASK] = args
         rc = self._c_allreduce(*args)
         if rc:
             if rc == 7:

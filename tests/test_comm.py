@@ -974,6 +974,29 @@ def test_flight_record_keeps_the_last_64(solo: Communicator) -> None:
     assert [e[0] for e in record] == list(range(6, 70))
 
 
+def test_flight_record_wraps_with_mixed_operations(solo: Communicator) -> None:
+    # all_reduce's hot path stores its bare argument tuple, other calls a full entry:
+    # both must read back with the right sequence numbers once the ring has wrapped.
+    with _buf(np.zeros(70)) as b:
+        for i in range(70):
+            if i % 3:
+                solo.all_reduce(b.ptr, count=i, dtype="float32", op="max")
+            else:
+                solo.broadcast(b, root=0, count=i)
+        solo.synchronize()
+    record = solo.flight_record()
+    assert [e[0] for e in record] == list(range(6, 70))
+    for seq, name, where, args in record:
+        if seq % 3:
+            assert (name, where, args[2], args[4]) == ("ncclAllReduce", -1, seq, int(RedOp.MAX))
+        else:
+            assert (name, where, args[2]) == ("ncclBroadcast", 0, seq)
+    assert solo._describe(69) == "ncclBroadcast" and solo._describe(68) == "ncclAllReduce"
+    assert solo._describe(5) == "operation"  # overwritten
+    assert solo._describe(70) == "operation"  # not issued yet
+    assert solo.last_operation().startswith("#69 ncclBroadcast count=69")
+
+
 def test_synchronize_times_out_on_a_hung_operation(
     lb: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
