@@ -503,6 +503,33 @@ VALIDATION = {
         ValueError,
         ["NULL"],
     ),
+    # ctypes silently wraps a c_void_p / size_t of 2**64 and up into another value:
+    # every raw-pointer route must refuse those itself.
+    "raw pointer past 2**64": (
+        lambda r, c: c.all_reduce(_d(4, r=r).ptr, (1 << 64) + _d(4, r=r).ptr, count=4, dtype="f4"),
+        ValueError,
+        ["recvbuf=", "not a valid pointer", "2**64"],
+    ),
+    "negative raw pointer": (
+        lambda r, c: c.all_gather(-_d(4, r=r).ptr, _d(8, r=r).ptr, count=4, dtype="float32"),
+        ValueError,
+        ["sendbuf=-", "not a valid pointer"],
+    ),
+    "raw pointer past 2**64, p2p": (
+        lambda r, c: c.send(1 << 64, 1 - r, count=4, dtype="float32"),
+        ValueError,
+        ["sendbuf=18446744073709551616", "not a valid pointer"],
+    ),
+    "count of 2**64, raw": (
+        lambda r, c: c.all_reduce(_d(4, r=r).ptr, count=1 << 64, dtype="float32"),
+        ValueError,
+        ["count must be a non-negative int below 2**64", "18446744073709551616"],
+    ),
+    "count of 2**64, reduce_scatter": (
+        lambda r, c: c.reduce_scatter(_d(4, r=r).ptr, _d(4, r=r).ptr, count=1 << 64, dtype="f4"),
+        ValueError,
+        ["count", "below 2**64", "18446744073709551616"],
+    ),
     "avg on integers": (
         lambda r, c: c.all_reduce(_d(4, np.int32, r=r), op="avg"),
         TypeError,
@@ -941,8 +968,12 @@ def test_register_and_deregister(solo: Communicator) -> None:
         solo.deregister(h2)
         with pytest.raises(TypeError, match="raw pointer needs nbytes="):
             solo.register(b.ptr)
-        with pytest.raises(ValueError, match="nbytes must be a non-negative int, got -4"):
+        with pytest.raises(ValueError, match=r"nbytes must be a non-negative int below 2\*\*64"):
             solo.register(b.ptr, nbytes=-4)
+        with pytest.raises(ValueError, match=r"buf=\d+ is not a valid pointer"):
+            solo.register((1 << 64) + b.ptr, nbytes=32)  # ctypes would wrap it to b.ptr
+        with pytest.raises(ValueError, match="buf is a NULL pointer but count=32"):
+            solo.register(0, nbytes=32)
 
 
 # --- flight recorder, synchronize, watchdog -------------------------------------------------------
