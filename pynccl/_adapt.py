@@ -328,17 +328,19 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
             and device_of is _no_device
             and type(cai) is dict
             and cai.get("strides") is None
-            and cai.get("mask") is None
+            and "mask" not in cai
         ):
-            shape = cai.get("shape")
-            data = cai.get("data")
-            typestr = cai.get("typestr")
-            dt = _TYPESTR_CACHE.get(typestr) if type(typestr) is str else None
-            if type(shape) is tuple and len(shape) == 1 and type(data) is tuple and dt:
-                n = shape[0]
-                ptr, readonly = data
+            try:  # subscripts, not .get(): a missing key or odd value takes the slow path
+                shape = cai["shape"]
+                ptr, readonly = cai["data"]
+                dt = _TYPESTR_CACHE[cai["typestr"]]
+            except (KeyError, TypeError, ValueError):
+                pass
+            else:
                 if (
-                    type(n) is int
+                    type(shape) is tuple
+                    and len(shape) == 1
+                    and type(n := shape[0]) is int
                     and n >= 0
                     and type(ptr) is int
                     and 0 < ptr < _PTR_LIMIT
@@ -657,6 +659,17 @@ def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
 
 
 _BUFFER_HANDLERS: dict[type, BufferHandler] = {int: _from_pointer}
+
+
+def buffer_handler(obj: Any, name: str) -> BufferHandler:
+    """The handler that reads buffers of ``type(obj)``: ``handler(obj, count, dtype, name,
+    writable, stream) -> (ptr, nelems, datatype, device)``, as :func:`as_buffer` calls it.
+
+    For hot paths that look the type up in ``_BUFFER_HANDLERS`` themselves and
+    call this only on a miss. Raises ``TypeError`` naming ``name`` if no handler fits.
+    """
+    handler = _BUFFER_HANDLERS.get(type(obj))
+    return handler if handler is not None else _buffer_handler(type(obj), obj, name)
 
 
 def as_buffer(

@@ -20,7 +20,7 @@ from types import TracebackType
 from typing import Any, ClassVar
 
 from . import groups as _group
-from ._adapt import as_buffer, as_stream, check_device
+from ._adapt import _BUFFER_HANDLERS, as_buffer, as_stream, buffer_handler, check_device
 from ._capi.nccl import NcclLibrary
 from ._capi.structs import (
     NCCL_SPLIT_NOCOLOR,
@@ -217,6 +217,8 @@ for _op in RedOp:
 del _op
 # The ops that need no per-call check (avg is refused on integers and before 2.10).
 _FAST_OPS = {k: v for k, v in _OP_NAMES.items() if v != RedOp.AVG}
+_SUM = RedOp.SUM
+_U64 = 1 << 64  # pointers and size_t counts lie in [0, 2**64)
 
 
 def _check_rank(value: Any, size: int, name: str) -> int:
@@ -234,11 +236,21 @@ def _raw_count(count: Any) -> int:
 
 
 def _check_count(count: Any, name: str = "count") -> int:
-    if type(count) is not int or count < 0:
-        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+    if type(count) is not int or not 0 <= count < _U64:
+        if isinstance(count, int) and not isinstance(count, bool) and 0 <= count < _U64:
             return int(count)
-        raise ValueError(f"{name} must be a non-negative int, got {count!r}")
+        # ctypes would silently wrap a size_t of 2**64 or more: refuse it here.
+        raise ValueError(f"{name} must be a non-negative int below 2**64, got {count!r}")
     return count
+
+
+def _check_pointer(name: str, ptr: int, count: int) -> None:
+    """Refuse a raw pointer NCCL must not see: NULL (unless nothing moves), negative, or
+    2**64 and up (ctypes would silently wrap it into another address)."""
+    if ptr < 0 or ptr >= _U64:
+        raise ValueError(f"{name}={ptr} is not a valid pointer (expected 0 < ptr < 2**64)")
+    if ptr == 0 and count:
+        raise ValueError(f"{name} is a NULL pointer but count={count}; expected ptr > 0")
 
 
 class Communicator:
@@ -263,6 +275,7 @@ class Communicator:
         "_blocking",
         "_c",
         "_c_allreduce",
+        "_codes",
         "_config",
         "_custom_ops",
         "_device",
@@ -278,7 +291,6 @@ class Communicator:
         "_size",
         "_state",
         "_stream",
-        "_types",
         "_watch",
     )
 
@@ -349,12 +361,13 @@ class Communicator:
         self._custom_ops: set[int] = set()
         self._config = None
         self._seq = 0
-        self._ring: list[FlightRecord | None] = [None] * RING_SIZE
+        self._ring: list[tuple[Any, ...] | None] = [None] * RING_SIZE
         self._watch: Watchdog | None = None
         self._error: BaseException | None = None
         version = L.version
-        # Which types this library accepts, indexed by the ncclDataType_t value.
-        self._types = tuple(version >= dt.first_release for dt in DataType)
+        # ncclDataType_t value of each type this library accepts (None: too old). A plain
+        # int: ctypes converts it faster than the IntEnum.
+        self._codes = {dt: int(dt) if version >= dt.first_release else None for dt in DataType}
         self._native = L.has("ncclAlltoAll") and L.has("ncclGather") and L.has("ncclScatter")
         # Bare ctypes functions, bound once: the hot path calls them directly.
         raw = L.raw
@@ -677,11 +690,23 @@ class Communicator:
 
     # -- hangs: flight recorder, synchronize, watchdog --------------------------------------
 
+    # The ring holds, per slot, ``(function, root/peer, args)``; all_reduce's hot path
+    # stores its bare argument tuple instead, sparing a tuple per call. A slot's
+    # sequence number is not stored: it is the newest one issued that maps to the slot.
+
+    def _entry(self, seq: int) -> FlightRecord | None:
+        slot = self._ring[seq & RING_MASK]
+        if slot is None or not 0 <= self._seq - 1 - seq < RING_SIZE:
+            return None  # not issued yet, or overwritten (checked after reading the slot)
+        if len(slot) == 3:
+            return (seq, slot[0], slot[1], slot[2])
+        return (seq, "ncclAllReduce", -1, slot)
+
     def flight_record(self) -> list[FlightRecord]:
         """The last operations issued (oldest first): ``(seq, function, root/peer, args)``."""
         seq = self._seq
-        start = max(0, seq - RING_SIZE)
-        return [e for e in (self._ring[i & RING_MASK] for i in range(start, seq)) if e is not None]
+        entries = (self._entry(i) for i in range(max(0, seq - RING_SIZE), seq))
+        return [e for e in entries if e is not None]
 
     def format_flight_record(self) -> str:
         """The flight record as text, for error messages and hang reports."""
@@ -693,14 +718,12 @@ class Communicator:
         return "\n".join(lines)
 
     def _describe(self, seq: int) -> str:
-        entry = self._ring[seq & RING_MASK]
-        return entry[1] if entry is not None and entry[0] == seq else "operation"
+        entry = self._entry(seq)
+        return "operation" if entry is None else entry[1]
 
     def last_operation(self) -> str:
         """The last operation issued, as text (``"none"`` before the first)."""
-        if self._seq == 0:
-            return "none"
-        entry = self._ring[(self._seq - 1) & RING_MASK]
+        entry = self._entry(self._seq - 1) if self._seq else None
         return "none" if entry is None else format_record(entry)
 
     def synchronize(self, stream: Any = None, timeout: float | None = None) -> None:
@@ -909,6 +932,7 @@ class Communicator:
             if nbytes is None:
                 raise TypeError("register(ptr) with a raw pointer needs nbytes=")
             ptr, size = buf, _check_count(nbytes, "nbytes")
+            _check_pointer("buf", ptr, size)
         else:
             ptr, n, dt, _ = as_buffer(buf, name="buf")
             size = n * dt.itemsize if nbytes is None else _check_count(nbytes, "nbytes")
@@ -929,11 +953,11 @@ class Communicator:
 
     def _datatype(self, dtype: Any) -> DataType:
         dt = as_datatype(dtype)
-        if not self._types[dt]:
+        if self._codes[dt] is None:
             raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
         return dt
 
-    def _op(self, op: Any, dt: DataType) -> int:
+    def _op(self, op: Any, dt: int) -> int:
         value = _OP_NAMES.get(op)
         if value is None:
             if type(op) is int and op in self._custom_ops:
@@ -944,10 +968,33 @@ class Communicator:
             )
         if value == 4:
             if dt <= DataType.UINT64:
-                raise TypeError(f"op 'avg' is not defined for integer type {dt.c_name}")
+                raise TypeError(f"op 'avg' is not defined for integer type {DataType(dt).c_name}")
             if self._lib.version < (2, 10, 3):
                 raise NotSupportedError("ncclAvg", (2, 10, 3), self._lib.version)
         return value
+
+    def _raw_pair(self, sendbuf: Any, recvbuf: Any, count: Any, dtype: Any) -> int | None:
+        """The ncclDataType_t value for the common raw-pointer call that needs no more
+        checks: two int pointers in (0, 2**64), an int count in [0, 2**64) and a DataType
+        this library has. None for anything else (arrays, in place, odd values): those
+        take the full checks, which word the errors."""
+        if (
+            type(sendbuf) is int
+            and type(recvbuf) is int
+            and type(count) is int
+            and type(dtype) is DataType
+            and 0 < sendbuf < _U64
+            and 0 < recvbuf < _U64
+            and 0 <= count < _U64
+        ):
+            return self._codes[dtype]
+        return None
+
+    def _rank_arg(self, value: Any, name: str) -> int:
+        """``root=`` / ``peer=``, checked (the common in-range int without a second frame)."""
+        if type(value) is int and 0 <= value < self._size:
+            return value
+        return _check_rank(value, self._size, name)
 
     def _buf(
         self,
@@ -967,11 +1014,12 @@ class Communicator:
         if dtype is None and raw:
             dtype = like  # a raw pointer takes the type of the call's other buffer
         # Arrays are read whole (count=None) so that a short one is reported with both sizes.
-        ptr, n, dt, dev = as_buffer(
-            obj, count if raw else None, dtype, name=name, writable=writable, stream=stream
-        )
-        check_device(dev, self._device, name)
-        if not self._types[dt]:
+        # The handler as_buffer would pick, called directly: one frame less.
+        handler = _BUFFER_HANDLERS.get(type(obj)) or buffer_handler(obj, name)
+        ptr, n, dt, dev = handler(obj, count if raw else None, dtype, name, writable, stream)
+        if dev is not None:
+            check_device(dev, self._device, name)
+        if self._codes[dt] is None:
             self._datatype(dt)  # raises NotSupportedError naming the type and releases
         return ptr, -1 if raw else n, dt
 
@@ -1002,7 +1050,7 @@ class Communicator:
         """Record ``name(*args)`` in the flight recorder, call it, check the result."""
         seq = self._seq
         self._seq = seq + 1
-        self._ring[seq & RING_MASK] = (seq, name, where, args)
+        self._ring[seq & RING_MASK] = (name, where, args)
         watch = self._watch
         if watch is None:
             rc = self._c[name](*args)
@@ -1040,50 +1088,58 @@ class Communicator:
             h = self._live()
         s = self._stream if stream is None else as_stream(stream)
         if type(sendbuf) is int and (recvbuf is None or type(recvbuf) is int):
-            # Raw-pointer route: no probing; anything unusual goes to the slow checks.
-            n = count if type(count) is int and count >= 0 else _raw_count(count)
-            dt = dtype if type(dtype) is DataType and self._types[dtype] else self._raw_type(dtype)
-            if recvbuf is None:
-                recv = sendbuf
-                if sendbuf <= 0 and n:
-                    raise ValueError(f"sendbuf is a NULL or negative pointer ({sendbuf:#x})")
-            else:
-                recv = recvbuf
-                if (sendbuf <= 0 or recv <= 0) and n:
-                    raise ValueError(f"NULL pointer: sendbuf={sendbuf:#x} recvbuf={recv:#x}")
+            # Raw pointers: no probing; anything unusual goes to the slow checks.
+            recv = sendbuf if recvbuf is None else recvbuf
+            n = count if type(count) is int and 0 <= count < _U64 else _raw_count(count)
+            dt = self._codes[dtype] if type(dtype) is DataType else None
+            if dt is None:
+                dt = self._raw_type(dtype)
+            if not (0 < sendbuf < _U64 and 0 < recv < _U64):
+                _check_pointer("sendbuf", sendbuf, n)
+                _check_pointer("recvbuf", recv, n)
         else:
-            # Array route, with _buf/_need/_same_type inlined: their checks, fewer frames.
+            # Array route, with as_buffer/_buf/_need/_same_type inlined: their checks,
+            # fewer frames.
             if type(sendbuf) is int or sendbuf is None:
                 sendbuf, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
-                dev = None
             else:
-                sendbuf, sn, dt, dev = as_buffer(
-                    sendbuf, None, dtype, name="sendbuf", writable=recvbuf is None, stream=s
-                )
-            if dev is not None and dev != self._device and self._device is not None:
-                check_device(dev, self._device, "sendbuf")
-            if not self._types[dt]:
+                handler = _BUFFER_HANDLERS.get(type(sendbuf)) or buffer_handler(sendbuf, "sendbuf")
+                sendbuf, sn, dt, dev = handler(sendbuf, None, dtype, "sendbuf", recvbuf is None, s)
+                if dev is not None and dev != self._device and self._device is not None:
+                    check_device(dev, self._device, "sendbuf")
+            if self._codes[dt] is None:
                 self._datatype(dt)
             n = sn if count is None and sn >= 0 else self._count(count, sn, "sendbuf")
             if n > sn >= 0:
                 self._need("sendbuf", sn, n)
             if recvbuf is None:
                 recv = sendbuf
-            else:
+            elif type(recvbuf) is int:
                 recv, rn, rdt = self._buf(recvbuf, n, dtype, "recvbuf", True, stream=s, like=dt)
                 if rdt is not dt:
                     self._same_type(dt, rdt)
-                if n > rn >= 0:
+            else:
+                handler = _BUFFER_HANDLERS.get(type(recvbuf)) or buffer_handler(recvbuf, "recvbuf")
+                recv, rn, rdt, dev = handler(recvbuf, None, dtype, "recvbuf", True, s)
+                if dev is not None and dev != self._device and self._device is not None:
+                    check_device(dev, self._device, "recvbuf")
+                if rdt is not dt:
+                    self._same_type(dt, rdt)
+                if n > rn:
                     self._need("recvbuf", rn, n)
-        opv = _FAST_OPS.get(op)
-        if opv is None:
-            opv = self._op(op, dt)
-        args = (sendbuf, recv, n, dt, opv, h, s)
+        if op is _SUM:
+            args = (sendbuf, recv, n, dt, 0, h, s)
+        else:
+            opv = _FAST_OPS.get(op)
+            if opv is None:
+                opv = self._op(op, dt)
+            args = (sendbuf, recv, n, dt, opv, h, s)
         # The hot path: _call inlined (record, call, check); _c_allreduce is the bare
-        # ctypes function, or _watched_allreduce while a watchdog runs.
+        # ctypes function, or _watched_allreduce while a watchdog runs. The flight
+        # recorder's entry is the argument tuple itself (see _entry).
         seq = self._seq
         self._seq = seq + 1
-        self._ring[seq & RING_MASK] = (seq, "ncclAllReduce", -1, args)
+        self._ring[seq & RING_MASK] = args
         rc = self._c_allreduce(*args)
         if rc:
             if rc == 7:
@@ -1106,8 +1162,12 @@ class Communicator:
         ``recvbuf=None`` broadcasts in place in ``sendbuf``.
         """
         h = self._live()
-        s = self._s(stream)
-        root = _check_rank(root, self._size, "root")
+        s = self._stream if stream is None else as_stream(stream)
+        root = self._rank_arg(root, "root")
+        code = self._raw_pair(sendbuf, recvbuf, count, dtype)
+        if code is not None:
+            self._call("ncclBroadcast", root, (sendbuf, recvbuf, count, code, root, h, s))
+            return
         sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", writable=recvbuf is None, stream=s)
         n = self._count(count, sn, "sendbuf")
         if recvbuf is None or self._rank == root:
@@ -1136,8 +1196,13 @@ class Communicator:
         ``recvbuf=None`` reduces in place (on the root the result lands in ``sendbuf``).
         """
         h = self._live()
-        s = self._s(stream)
-        root = _check_rank(root, self._size, "root")
+        s = self._stream if stream is None else as_stream(stream)
+        root = self._rank_arg(root, "root")
+        code = self._raw_pair(sendbuf, recvbuf, count, dtype)
+        if code is not None:
+            args = (sendbuf, recvbuf, count, code, self._op(op, code), root, h, s)
+            self._call("ncclReduce", root, args)
+            return
         sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", writable=recvbuf is None, stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
@@ -1161,7 +1226,11 @@ class Communicator:
     ) -> None:
         """``ncclAllGather``: ``recvbuf`` = every rank's ``sendbuf`` (``count`` each), by rank."""
         h = self._live()
-        s = self._s(stream)
+        s = self._stream if stream is None else as_stream(stream)
+        code = self._raw_pair(sendbuf, recvbuf, count, dtype)
+        if code is not None:
+            self._call("ncclAllGather", -1, (sendbuf, recvbuf, count, code, h, s))
+            return
         sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
@@ -1182,7 +1251,12 @@ class Communicator:
     ) -> None:
         """``ncclReduceScatter``: rank r gets block r (``count`` elements) of op(sendbuf)."""
         h = self._live()
-        s = self._s(stream)
+        s = self._stream if stream is None else as_stream(stream)
+        code = self._raw_pair(sendbuf, recvbuf, count, dtype)
+        if code is not None:
+            args = (sendbuf, recvbuf, count, code, self._op(op, code), h, s)
+            self._call("ncclReduceScatter", -1, args)
+            return
         rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)
         n = self._count(count, rn, "recvbuf")
         self._need("recvbuf", rn, n)
@@ -1208,7 +1282,7 @@ class Communicator:
         """
         h = self._live()
         s = self._s(stream)
-        root = _check_rank(root, self._size, "root")
+        root = self._rank_arg(root, "root")
         sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         n = self._count(count, sn, "sendbuf")
         self._need("sendbuf", sn, n)
@@ -1248,7 +1322,7 @@ class Communicator:
         """
         h = self._live()
         s = self._s(stream)
-        root = _check_rank(root, self._size, "root")
+        root = self._rank_arg(root, "root")
         rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)
         n = self._count(count, rn, "recvbuf")
         self._need("recvbuf", rn, n)
@@ -1285,7 +1359,11 @@ class Communicator:
         ``count`` defaults to ``len(sendbuf) // size``.
         """
         h = self._live()
-        s = self._s(stream)
+        s = self._stream if stream is None else as_stream(stream)
+        code = self._raw_pair(sendbuf, recvbuf, count, dtype) if self._native else None
+        if code is not None:
+            self._call("ncclAlltoAll", -1, (sendbuf, recvbuf, count, code, h, s))
+            return
         sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", stream=s)
         if count is None:
             if sn < 0:
@@ -1338,8 +1416,12 @@ class Communicator:
         self, name: str, arg: str, buf: _Buf, peer: int, count: Any, dtype: Any, stream: Any
     ) -> None:
         h = self._live()
-        s = self._s(stream)
-        peer = _check_rank(peer, self._size, "peer")
+        s = self._stream if stream is None else as_stream(stream)
+        peer = self._rank_arg(peer, "peer")
+        code = self._raw_pair(buf, buf, count, dtype)
+        if code is not None:
+            self._call(name, peer, (buf, count, code, peer, h, s))
+            return
         ptr, have, dt = self._buf(buf, count, dtype, arg, arg == "recvbuf", stream=s)
         n = self._count(count, have, arg)
         self._need(arg, have, n)

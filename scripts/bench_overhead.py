@@ -3,8 +3,9 @@
 
 Runs against the loopback *null* libnccl (collectives validate their arguments and
 return without moving data), in one process, interleaving the variants round by
-round so machine noise hits all of them alike. Prints medians (ns per call) and the
-ratio of each to the floor:
+round so machine noise hits all of them alike. Prints medians over the rounds (ns
+per call) and the ratio of each to the floor's median; the best round of each, and
+its ratio to the floor's best, show how much of the spread is machine noise:
 
 * floor        bare ctypes ``ncclAllReduce`` with argtypes/restype set, no checks
 * low-level    ``pynccl.lib().ncclAllReduce(...)`` (checked, raises typed errors)
@@ -15,7 +16,7 @@ ratio of each to the floor:
 Targets (issue 6): low-level <= 1.15x, comm raw <= 1.5x, comm CAI <= 3x the floor.
 Also prints the time of ``import pynccl`` in a fresh interpreter (median of 7).
 
-    python scripts/bench_overhead.py [--rounds 30] [--calls 2000]
+    python scripts/bench_overhead.py [--rounds 60] [--calls 3000]
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def import_time_ms(repeat: int = 7) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--calls", type=int, default=3000)
     args = parser.parse_args()
 
     from pynccl.testing import loopback
@@ -109,13 +110,14 @@ def main() -> int:
 
     loop = statistics.median(base)
     medians = {k: max(statistics.median(v) - loop, 1e-9) for k, v in samples.items()}
-    floor = medians["floor (bare ctypes)"]
+    bests = {k: max(min(v) - min(base), 1e-9) for k, v in samples.items()}
+    floor, floor_best = medians["floor (bare ctypes)"], bests["floor (bare ctypes)"]
     targets = {"low-level lib()": 1.15, "comm raw pointers": 1.5, "comm CAI objects": 3.0}
     print(
         "pynccl per-call overhead, ncclAllReduce on the loopback null build "
         f"({args.rounds} rounds x {args.calls} calls, loop cost {loop:.0f} ns subtracted)"
     )
-    print(f"{'variant':<22}{'median ns':>10}{'x floor':>9}  target")
+    print(f"{'variant':<22}{'median ns':>10}{'x floor':>9}{'best ns':>9}{'x floor':>9}  target")
     for name, value in medians.items():
         target = targets.get(name)
         verdict = (
@@ -123,7 +125,11 @@ def main() -> int:
             if target is None
             else f"<= {target:.2f}x " + ("ok" if value / floor <= target else "MISSED")
         )
-        print(f"{name:<22}{value:>10.0f}{value / floor:>9.2f}  {verdict}")
+        best = bests[name]
+        print(
+            f"{name:<22}{value:>10.0f}{value / floor:>9.2f}{best:>9.0f}{best / floor_best:>9.2f}"
+            f"  {verdict}"
+        )
     print(f"import pynccl: {import_time_ms():.1f} ms (median of 7 fresh interpreters)")
     a.close()
     b.close()

@@ -503,6 +503,33 @@ VALIDATION = {
         ValueError,
         ["NULL"],
     ),
+    # ctypes silently wraps a c_void_p / size_t of 2**64 and up into another value:
+    # every raw-pointer route must refuse those itself.
+    "raw pointer past 2**64": (
+        lambda r, c: c.all_reduce(_d(4, r=r).ptr, (1 << 64) + _d(4, r=r).ptr, count=4, dtype="f4"),
+        ValueError,
+        ["recvbuf=", "not a valid pointer", "2**64"],
+    ),
+    "negative raw pointer": (
+        lambda r, c: c.all_gather(-_d(4, r=r).ptr, _d(8, r=r).ptr, count=4, dtype="float32"),
+        ValueError,
+        ["sendbuf=-", "not a valid pointer"],
+    ),
+    "raw pointer past 2**64, p2p": (
+        lambda r, c: c.send(1 << 64, 1 - r, count=4, dtype="float32"),
+        ValueError,
+        ["sendbuf=18446744073709551616", "not a valid pointer"],
+    ),
+    "count of 2**64, raw": (
+        lambda r, c: c.all_reduce(_d(4, r=r).ptr, count=1 << 64, dtype="float32"),
+        ValueError,
+        ["count must be a non-negative int below 2**64", "18446744073709551616"],
+    ),
+    "count of 2**64, reduce_scatter": (
+        lambda r, c: c.reduce_scatter(_d(4, r=r).ptr, _d(4, r=r).ptr, count=1 << 64, dtype="f4"),
+        ValueError,
+        ["count", "below 2**64", "18446744073709551616"],
+    ),
     "avg on integers": (
         lambda r, c: c.all_reduce(_d(4, np.int32, r=r), op="avg"),
         TypeError,
@@ -941,8 +968,12 @@ def test_register_and_deregister(solo: Communicator) -> None:
         solo.deregister(h2)
         with pytest.raises(TypeError, match="raw pointer needs nbytes="):
             solo.register(b.ptr)
-        with pytest.raises(ValueError, match="nbytes must be a non-negative int, got -4"):
+        with pytest.raises(ValueError, match=r"nbytes must be a non-negative int below 2\*\*64"):
             solo.register(b.ptr, nbytes=-4)
+        with pytest.raises(ValueError, match=r"buf=\d+ is not a valid pointer"):
+            solo.register((1 << 64) + b.ptr, nbytes=32)  # ctypes would wrap it to b.ptr
+        with pytest.raises(ValueError, match="buf is a NULL pointer but count=32"):
+            solo.register(0, nbytes=32)
 
 
 # --- flight recorder, synchronize, watchdog -------------------------------------------------------
@@ -972,6 +1003,29 @@ def test_flight_record_keeps_the_last_64(solo: Communicator) -> None:
         solo.synchronize()
     record = solo.flight_record()
     assert [e[0] for e in record] == list(range(6, 70))
+
+
+def test_flight_record_wraps_with_mixed_operations(solo: Communicator) -> None:
+    # all_reduce's hot path stores its bare argument tuple, other calls a full entry:
+    # both must read back with the right sequence numbers once the ring has wrapped.
+    with _buf(np.zeros(70)) as b:
+        for i in range(70):
+            if i % 3:
+                solo.all_reduce(b.ptr, count=i, dtype="float32", op="max")
+            else:
+                solo.broadcast(b, root=0, count=i)
+        solo.synchronize()
+    record = solo.flight_record()
+    assert [e[0] for e in record] == list(range(6, 70))
+    for seq, name, where, args in record:
+        if seq % 3:
+            assert (name, where, args[2], args[4]) == ("ncclAllReduce", -1, seq, int(RedOp.MAX))
+        else:
+            assert (name, where, args[2]) == ("ncclBroadcast", 0, seq)
+    assert solo._describe(69) == "ncclBroadcast" and solo._describe(68) == "ncclAllReduce"
+    assert solo._describe(5) == "operation"  # overwritten
+    assert solo._describe(70) == "operation"  # not issued yet
+    assert solo.last_operation().startswith("#69 ncclBroadcast count=69")
 
 
 def test_synchronize_times_out_on_a_hung_operation(
