@@ -216,8 +216,12 @@ for _op in RedOp:
     _OP_NAMES[_op.c_name] = int(_op)
 del _op
 # The ops that need no per-call check (avg is refused on integers and before 2.10).
-_FAST_OPS = {k: v for k, v in _OP_NAMES.items() if v != RedOp.AVG}
+# ctypes converts a c_int instance much faster than an int for a c_int parameter (an
+# int goes through c_int.from_param's generic path): the hot paths pass shared,
+# never-mutated c_int objects for ncclDataType_t and ncclRedOp_t.
+_FAST_OPS = {k: c_int(v) for k, v in _OP_NAMES.items() if v != RedOp.AVG}
 _SUM = RedOp.SUM
+_C_SUM = _FAST_OPS[_SUM]
 _U64 = 1 << 64  # pointers and size_t counts lie in [0, 2**64)
 
 
@@ -365,9 +369,11 @@ class Communicator:
         self._watch: Watchdog | None = None
         self._error: BaseException | None = None
         version = L.version
-        # ncclDataType_t value of each type this library accepts (None: too old). A plain
-        # int: ctypes converts it faster than the IntEnum.
-        self._codes = {dt: int(dt) if version >= dt.first_release else None for dt in DataType}
+        # The ncclDataType_t argument for each type this library accepts, as a c_int
+        # (see _FAST_OPS); None for a type it is too old for.
+        self._codes: dict[DataType, c_int | None] = {
+            dt: c_int(dt) if version >= dt.first_release else None for dt in DataType
+        }
         self._native = L.has("ncclAlltoAll") and L.has("ncclGather") and L.has("ncclScatter")
         # Bare ctypes functions, bound once: the hot path calls them directly.
         raw = L.raw
@@ -698,9 +704,9 @@ class Communicator:
         slot = self._ring[seq & RING_MASK]
         if slot is None or not 0 <= self._seq - 1 - seq < RING_SIZE:
             return None  # not issued yet, or overwritten (checked after reading the slot)
-        if len(slot) == 3:
-            return (seq, slot[0], slot[1], slot[2])
-        return (seq, "ncclAllReduce", -1, slot)
+        name, where, args = slot if len(slot) == 3 else ("ncclAllReduce", -1, slot)
+        # The hot paths pass c_int objects for types and ops: report their values.
+        return (seq, name, where, tuple(a.value if type(a) is c_int else a for a in args))
 
     def flight_record(self) -> list[FlightRecord]:
         """The last operations issued (oldest first): ``(seq, function, root/peer, args)``."""
@@ -957,8 +963,16 @@ class Communicator:
             raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
         return dt
 
-    def _op(self, op: Any, dt: int) -> int:
-        value = _OP_NAMES.get(op)
+    def _op(self, op: Any, dt: int) -> c_int | int:
+        """The ncclRedOp_t argument for ``op`` on type ``dt``: a shared c_int for the
+        built-in ops (see _FAST_OPS), the plain value of avg or of a custom op."""
+        try:
+            fast = _FAST_OPS.get(op)
+            value = _OP_NAMES.get(op) if fast is None else None
+        except TypeError:  # unhashable: not an op either
+            fast = value = None
+        if fast is not None:
+            return fast
         if value is None:
             if type(op) is int and op in self._custom_ops:
                 return op
@@ -966,15 +980,15 @@ class Communicator:
                 f"op {op!r} is not a reduction op; expected a pynccl.RedOp, one of "
                 "'sum', 'prod', 'max', 'min', 'avg', or an op from create_premul_sum()"
             )
-        if value == 4:
-            if dt <= DataType.UINT64:
-                raise TypeError(f"op 'avg' is not defined for integer type {DataType(dt).c_name}")
-            if self._lib.version < (2, 10, 3):
-                raise NotSupportedError("ncclAvg", (2, 10, 3), self._lib.version)
+        # avg (the only op not in _FAST_OPS)
+        if dt <= DataType.UINT64:
+            raise TypeError(f"op 'avg' is not defined for integer type {DataType(dt).c_name}")
+        if self._lib.version < (2, 10, 3):
+            raise NotSupportedError("ncclAvg", (2, 10, 3), self._lib.version)
         return value
 
-    def _raw_pair(self, sendbuf: Any, recvbuf: Any, count: Any, dtype: Any) -> int | None:
-        """The ncclDataType_t value for the common raw-pointer call that needs no more
+    def _raw_pair(self, sendbuf: Any, recvbuf: Any, count: Any, dtype: Any) -> c_int | None:
+        """The ncclDataType_t argument for the common raw-pointer call that needs no more
         checks: two int pointers in (0, 2**64), an int count in [0, 2**64) and a DataType
         this library has. None for anything else (arrays, in place, odd values): those
         take the full checks, which word the errors."""
@@ -1083,17 +1097,13 @@ class Communicator:
 
         ``recvbuf=None`` reduces in place into ``sendbuf``.
         """
-        h = self._h
-        if h is None:
-            h = self._live()
+        h = self._h or self._live()
         s = self._stream if stream is None else as_stream(stream)
-        if type(sendbuf) is int and (recvbuf is None or type(recvbuf) is int):
+        recv = sendbuf if recvbuf is None else recvbuf
+        if type(sendbuf) is int and type(recv) is int:
             # Raw pointers: no probing; anything unusual goes to the slow checks.
-            recv = sendbuf if recvbuf is None else recvbuf
             n = count if type(count) is int and 0 <= count < _U64 else _raw_count(count)
-            dt = self._codes[dtype] if type(dtype) is DataType else None
-            if dt is None:
-                dt = self._raw_type(dtype)
+            dt = dtype if type(dtype) is DataType else self._raw_type(dtype)
             if not (0 < sendbuf < _U64 and 0 < recv < _U64):
                 _check_pointer("sendbuf", sendbuf, n)
                 _check_pointer("recvbuf", recv, n)
@@ -1107,8 +1117,6 @@ class Communicator:
                 sendbuf, sn, dt, dev = handler(sendbuf, None, dtype, "sendbuf", recvbuf is None, s)
                 if dev is not None and dev != self._device and self._device is not None:
                     check_device(dev, self._device, "sendbuf")
-            if self._codes[dt] is None:
-                self._datatype(dt)
             n = sn if count is None and sn >= 0 else self._count(count, sn, "sendbuf")
             if n > sn >= 0:
                 self._need("sendbuf", sn, n)
@@ -1127,13 +1135,13 @@ class Communicator:
                     self._same_type(dt, rdt)
                 if n > rn:
                     self._need("recvbuf", rn, n)
+        code = self._codes[dt]
+        if code is None:
+            self._datatype(dt)  # raises NotSupportedError naming the type and releases
         if op is _SUM:
-            args = (sendbuf, recv, n, dt, 0, h, s)
+            args: tuple[Any, ...] = (sendbuf, recv, n, code, _C_SUM, h, s)
         else:
-            opv = _FAST_OPS.get(op)
-            if opv is None:
-                opv = self._op(op, dt)
-            args = (sendbuf, recv, n, dt, opv, h, s)
+            args = (sendbuf, recv, n, code, self._op(op, dt), h, s)
         # The hot path: _call inlined (record, call, check); _c_allreduce is the bare
         # ctypes function, or _watched_allreduce while a watchdog runs. The flight
         # recorder's entry is the argument tuple itself (see _entry).
@@ -1200,7 +1208,7 @@ class Communicator:
         root = self._rank_arg(root, "root")
         code = self._raw_pair(sendbuf, recvbuf, count, dtype)
         if code is not None:
-            args = (sendbuf, recvbuf, count, code, self._op(op, code), root, h, s)
+            args = (sendbuf, recvbuf, count, code, self._op(op, dtype), root, h, s)
             self._call("ncclReduce", root, args)
             return
         sp, sn, dt = self._buf(sendbuf, count, dtype, "sendbuf", writable=recvbuf is None, stream=s)
@@ -1254,7 +1262,7 @@ class Communicator:
         s = self._stream if stream is None else as_stream(stream)
         code = self._raw_pair(sendbuf, recvbuf, count, dtype)
         if code is not None:
-            args = (sendbuf, recvbuf, count, code, self._op(op, code), h, s)
+            args = (sendbuf, recvbuf, count, code, self._op(op, dtype), h, s)
             self._call("ncclReduceScatter", -1, args)
             return
         rp, rn, dt = self._buf(recvbuf, count, dtype, "recvbuf", True, stream=s)

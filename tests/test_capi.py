@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pynccl import NcclInvalidArgument, NcclInvalidUsage, NotSupportedError, Result
+from pynccl import DataType, NcclInvalidArgument, NcclInvalidUsage, NotSupportedError, RedOp, Result
 from pynccl._capi.nccl import PROTOTYPES, NcclLibrary, decode_version
 from pynccl._capi.structs import (
     NCCL_CONFIG_UNDEF_INT,
@@ -40,6 +40,10 @@ int ncclAllReduce(const void *s, void *r, size_t count, int dt, int op, void *co
   return count == ((size_t)1 << 33) ? 0 : 4;
 }
 int ncclCommFinalize(void *comm) { (void)comm; return 7; }
+int ncclReduce(const void *s, void *r, size_t count, int dt, int op, int root, void *c, void *st) {
+  (void)s; (void)r; (void)c; (void)st;  /* success iff dt == count and op == root */
+  return (size_t)dt == count && op == root ? 0 : 4;
+}
 """
 
 
@@ -101,6 +105,19 @@ def test_size_t_count_is_not_truncated(tiny: NcclLibrary) -> None:
     assert tiny.ncclAllReduce(0, 0, 1 << 33, 7, 0, 1, 0) is Result.SUCCESS
     with pytest.raises(NcclInvalidArgument):
         tiny.ncclAllReduce(0, 0, 1 << 32, 7, 0, 1, 0)
+
+
+def test_enum_arguments_reach_c_as_their_values(tiny: NcclLibrary) -> None:
+    # DataType / RedOp members are passed as shared c_int objects (a faster conversion):
+    # C must see the same values as for plain ints, for every member.
+    for dt in DataType:
+        for op in RedOp:
+            assert tiny.ncclReduce(0, 0, int(dt), dt, op, int(op), 1, 0) is Result.SUCCESS
+            assert tiny.ncclReduce(0, 0, int(dt), int(dt), int(op), int(op), 1, 0) is Result.SUCCESS
+    with pytest.raises(NcclInvalidArgument):
+        tiny.ncclReduce(0, 0, 3, DataType.FLOAT32, RedOp.MAX, 2, 1, 0)
+    with pytest.raises(ctypes.ArgumentError):  # not an int at all: ctypes refuses, as before
+        tiny.ncclReduce(0, 0, 7, "float32", RedOp.SUM, 0, 1, 0)
 
 
 def test_out_parameters_and_const_char(tiny: NcclLibrary) -> None:

@@ -28,13 +28,28 @@ class Prototype(NamedTuple):
 
 
 def _generate(
-    name: str, proto: Prototype, cfunc: Any, fail: Callable[[int, str], Any], ok: Any, doc: str
+    name: str,
+    proto: Prototype,
+    cfunc: Any,
+    fail: Callable[[int, str], Any],
+    ok: Any,
+    doc: str,
+    enum_args: dict[str, tuple[type, dict[Any, Any]]],
 ) -> Any:
     params = ", ".join(arg for arg, _ in proto.args)
+    namespace: dict[str, Any] = {"_cfunc": cfunc, "_fail": fail, "_ok": ok}
+    # An enum member for a C int parameter (DataType for `datatype`, ...) becomes the
+    # same value as a shared c_int, which ctypes converts much faster; others pass as given.
+    prologue = ""
+    for arg, ctype in proto.args:
+        if ctype is c_int and arg in enum_args:
+            namespace[f"_E_{arg}"], namespace[f"_C_{arg}"] = enum_args[arg]
+            prologue += f"    if type({arg}) is _E_{arg}:\n        {arg} = _C_{arg}[{arg}]\n"
     if proto.restype is c_int:
         # A nonzero code goes to _fail, which raises (or returns a non-error such as
         # ncclInProgress / cudaErrorNotReady).
         body = f"    rc = _cfunc({params})\n    if rc:\n        return _fail(rc, {name!r})\n    return _ok\n"
+        body = prologue + body
     elif proto.restype is c_char_p:
         body = (
             f"    text = _cfunc({params})\n"
@@ -42,7 +57,6 @@ def _generate(
         )
     else:
         body = f"    _cfunc({params})\n"
-    namespace: dict[str, Any] = {"_cfunc": cfunc, "_fail": fail, "_ok": ok}
     exec(f"def {name}({params}):\n{body}", namespace)
     wrapper = namespace[name]
     wrapper.__doc__ = doc
@@ -58,6 +72,8 @@ class BoundLibrary:
     OK: ClassVar[Any] = 0
     #: Library name used in messages.
     KIND: ClassVar[str] = "library"
+    #: ``{C parameter name: (enum class, {member: c_int})}`` for C int parameters.
+    ENUM_ARGS: ClassVar[dict[str, tuple[type, dict[Any, Any]]]] = {}
 
     version: Release | None
 
@@ -122,7 +138,7 @@ class BoundLibrary:
             unsupported.__name__ = unsupported.__qualname__ = name
             return unsupported
         doc = f"{name} (since {self.KIND} {release_str(proto.first)}); checked call."
-        return _generate(name, proto, cfunc, self._fail, self.OK, doc)
+        return _generate(name, proto, cfunc, self._fail, self.OK, doc, self.ENUM_ARGS)
 
     def _fail(self, code: int, function: str) -> Any:
         raise NotImplementedError

@@ -35,7 +35,7 @@ from ctypes import (
 )
 from typing import Any
 
-from ..enums import Release, Result, release_str
+from ..enums import DataType, RedOp, Release, Result, release_str
 from ..errors import NcclError, NotSupportedError
 from ._binding import BoundLibrary, Prototype
 from .structs import (
@@ -651,6 +651,10 @@ class NcclLibrary(BoundLibrary):
     PROTOTYPES = PROTOTYPES
     OK = Result.SUCCESS
     KIND = "NCCL"
+    ENUM_ARGS = {
+        "datatype": (DataType, {m: c_int(m) for m in DataType}),
+        "op": (RedOp, {m: c_int(m) for m in RedOp}),
+    }
 
     version: Release
 
