@@ -596,23 +596,27 @@ class Communicator:
             delay = min(delay * 2, 0.01)
 
     def _refuse_if_capturing(self, what: str) -> None:
-        """Init, split and register cannot be captured in a CUDA graph: say so clearly."""
+        """Init, split and register cannot be captured in a CUDA graph: say so clearly,
+        before they call anything that would invalidate the capture."""
         try:
-            rt = cudart()
-        except (OSError, NcclError):
+            from .cuda import _capture_blocks
+
+            # The legacy default stream (0) answers for the blocking streams of the device.
+            own = self._stream not in (0, 1) and _capture_blocks(self._stream)
+            if not own and not _capture_blocks(0):
+                return
+        except (OSError, NcclError, NotSupportedError):  # no usable libcudart: nothing to check
             return
-        status = c_int(0)
-        try:
-            rt.raw("cudaStreamIsCapturing")(self._stream, byref(status))
-        except NotSupportedError:
-            return
-        if status.value != 0:
-            raise NcclInvalidUsage(
-                Result.INVALID_USAGE,
-                "",
-                f"{what} cannot run while stream {self._stream:#x} is being captured "
-                "into a CUDA graph; do it before the capture begins",
-            )
+        where = (
+            f"stream {self._stream:#x} is being captured"
+            if own
+            else "a stream of this device is being captured"
+        )
+        raise NcclInvalidUsage(
+            Result.INVALID_USAGE,
+            "",
+            f"{what} cannot run while {where} into a CUDA graph; do it before the capture begins",
+        )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -742,6 +746,17 @@ class Communicator:
         """
         s = self._s(stream)
         self._live()
+        from .cuda import _capture_blocks
+
+        if _capture_blocks(s):
+            # cudaStreamQuery would fail and invalidate the capture: nothing captured has
+            # run yet, so there is nothing to wait for either.
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "synchronize",
+                f"stream {s:#x} is being captured into a CUDA graph: its work runs when "
+                "the graph is launched; end the capture, launch the graph, then synchronize",
+            )
         rt = cudart()
         query = rt.raw("cudaStreamQuery")
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -64,11 +64,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from ctypes import addressof, byref, c_void_p, create_string_buffer
+from ctypes import addressof, create_string_buffer
 from dataclasses import dataclass, field
-from typing import IO, Any, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from .enums import DataType, RedOp
+
+if TYPE_CHECKING:
+    from .cuda import Graph
 
 __all__ = [
     "COLLECTIVES",
@@ -847,7 +850,6 @@ class _Bench:
 
     _H2D = 1
     _D2H = 2
-    _CAPTURE_THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal, as nccl-tests
 
     def __init__(self, opts: Options, comm: Any, console: _Console) -> None:
         from . import library
@@ -1009,26 +1011,16 @@ class _Bench:
 
     # -- CUDA graphs ----------------------------------------------------------------------
 
-    def _capture(self, run: Callable[[], None], times: int) -> tuple[c_void_p, c_void_p]:
-        """Capture ``times`` calls of ``run`` on the stream: (graph, executable graph)."""
-        graph, exe = c_void_p(), c_void_p()
-        self.rt.cudaStreamBeginCapture(self.s, self._CAPTURE_THREAD_LOCAL)
-        try:
+    def _capture(self, run: Callable[[], None], times: int) -> Graph:
+        """Capture ``times`` calls of ``run`` on the stream into a graph (thread-local
+        capture mode, as nccl-tests)."""
+        from .cuda import CaptureMode, Graph
+
+        graph = Graph()
+        with graph.capture(self.stream, CaptureMode.THREAD_LOCAL):
             for _ in range(times):
                 run()
-        finally:
-            # End the capture even after an error, or the stream stays unusable.
-            self.rt.cudaStreamEndCapture(self.s, byref(graph))
-        try:
-            self.rt.cudaGraphInstantiate(byref(exe), graph, 0)
-        except BaseException:
-            self.rt.cudaGraphDestroy(graph)
-            raise
-        return graph, exe
-
-    def _release(self, graph: c_void_p, exe: c_void_p) -> None:
-        self.rt.cudaGraphExecDestroy(exe)
-        self.rt.cudaGraphDestroy(graph)
+        return graph
 
     # -- timing and checking ---------------------------------------------------------------
 
@@ -1041,16 +1033,13 @@ class _Bench:
         self.barrier()
         launches = self.opts.cudagraph
         if launches:
-            graph, exe = self._capture(run, iters)
-            try:
+            with self._capture(run, iters) as graph:
                 self.barrier()
                 start = time.perf_counter()
                 for _ in range(launches):
-                    self.rt.cudaGraphLaunch(exe, self.s)
+                    graph.replay()
                 self.stream.synchronize()
                 elapsed = time.perf_counter() - start
-            finally:
-                self._release(graph, exe)
             return elapsed / (iters * launches)
         start = time.perf_counter()
         for _ in range(iters):
@@ -1099,12 +1088,9 @@ class _Bench:
             self._copy(sp + lo * size, chunk.ctypes.data, chunk.nbytes, self._H2D)
             self.stream.synchronize()  # before the host array goes
         if self.opts.cudagraph:
-            graph, exe = self._capture(run, 1)
-            try:
-                self.rt.cudaGraphLaunch(exe, self.s)
+            with self._capture(run, 1) as graph:
+                graph.replay()
                 self.stream.synchronize()
-            finally:
-                self._release(graph, exe)
         else:
             run()
         self.stream.synchronize()

@@ -87,8 +87,10 @@ class Watchdog:
         become part of the graph.
         """
         capturing = c_int(0)
-        self._is_capturing(stream, byref(capturing))
-        if capturing.value:
+        rc = self._is_capturing(stream, byref(capturing))
+        if rc or capturing.value:
+            # An error too (cudaErrorStreamCaptureImplicit: the legacy stream while
+            # another stream captures): recording there would invalidate the capture.
             return
         if self._pool:
             event = self._pool.pop()

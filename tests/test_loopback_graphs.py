@@ -9,13 +9,14 @@ capturing every rank's stream inside one group), and two processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import textwrap
 import threading
 from collections.abc import Iterator
-from ctypes import byref, c_int, c_void_p
+from ctypes import byref, c_int
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import pytest
 
 from pynccl import cuda, library
 from pynccl.comm import Communicator, UniqueId
-from pynccl.cuda import DeviceBuffer, Stream
+from pynccl.cuda import DeviceBuffer, Graph, Stream
 from pynccl.errors import CudaError, NcclError, NcclInvalidUsage
 from pynccl.groups import group
 
@@ -33,37 +34,6 @@ GLOBAL, THREAD_LOCAL, RELAXED = range(3)  # cudaStreamCaptureMode
 CAPTURE_UNSUPPORTED = 900
 CAPTURE_INVALIDATED = 901
 N = 1024
-
-
-class Graph:
-    """A captured graph and its executable form (test helper)."""
-
-    def __init__(self, stream: Stream, mode: int = THREAD_LOCAL) -> None:
-        self.rt = library.cudart()
-        self.stream = stream
-        self.graph = c_void_p()
-        self.exe = c_void_p()
-        self.rt.cudaStreamBeginCapture(stream.handle, mode)
-
-    def end(self) -> Graph:
-        try:
-            self.rt.cudaStreamEndCapture(self.stream.handle, byref(self.graph))
-        finally:
-            if self.graph.value:  # the graph is freed at once: the exec is independent
-                g, self.graph = self.graph, c_void_p()
-                try:
-                    self.rt.cudaGraphInstantiate(byref(self.exe), g, 0)
-                finally:
-                    self.rt.cudaGraphDestroy(g)
-        return self
-
-    def replay(self, stream: Stream | None = None) -> None:
-        self.rt.cudaGraphLaunch(self.exe, (stream or self.stream).handle)
-
-    def close(self) -> None:
-        if self.exe.value:
-            self.rt.cudaGraphExecDestroy(self.exe)
-            self.exe = c_void_p()
 
 
 @pytest.fixture
@@ -83,14 +53,12 @@ def test_single_rank_capture_and_replay(stream: Stream) -> None:
     x = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
     y, z = DeviceBuffer(N, "float32"), DeviceBuffer(N, "float32")
     op = comm.create_premul_sum(3.0, "float32")
-    g = Graph(stream)
-    try:
+    g = Graph()
+    with g.capture(stream, "thread_local"):
         assert stream.is_capturing() and cuda.is_capturing(stream)
         comm.all_reduce(x, y, op, stream=stream)
         comm.all_gather(y, z, stream=stream)
-    finally:
-        g.end()
-    assert not stream.is_capturing()
+    assert not stream.is_capturing() and g.captured
     for k in (1.0, 2.0, 5.0):
         x.copy_from(inputs(0, k))
         y.fill_zero()
@@ -121,12 +89,10 @@ def _rank_replays(comm: Communicator, barrier: threading.Barrier, mode: int) -> 
     y = DeviceBuffer(N, "float32")
     z = DeviceBuffer(N * n, "float32")
     barrier.wait()  # nobody allocates while a global-mode capture is under way
-    g = Graph(s, mode)
-    try:
+    g = Graph()
+    with g.capture(s, cuda.CaptureMode(mode)):
         comm.all_reduce(x, y, "sum", stream=s)
         comm.all_gather(x, z, stream=s)
-    finally:
-        g.end()
     barrier.wait()
     ok = []
     for k in (1.0, 4.0, 9.0):
@@ -189,14 +155,13 @@ def test_one_thread_captures_every_ranks_stream_in_a_group() -> None:
         streams.append(Stream(non_blocking=True))
         bufs.append(DeviceBuffer(N, "float32"))
     cuda.set_device(0)
-    graphs = [Graph(s, GLOBAL) for s in streams]
-    try:
+    graphs = [Graph() for _ in streams]
+    with contextlib.ExitStack() as captures:
+        for g, s in zip(graphs, streams):
+            captures.enter_context(g.capture(s))
         with group():
             for c, s, b in zip(comms, streams, bufs):
                 c.all_reduce(b, stream=s)  # in place
-    finally:
-        for g in graphs:
-            g.end()
     for k in (1.0, 2.0):
         for r, b in enumerate(bufs):
             b.copy_from(inputs(r, k))
@@ -219,26 +184,24 @@ def test_capture_breaking_calls_raise_and_invalidate(stream: Stream) -> None:
     x = DeviceBuffer(N, "float32")
     for breaking in (
         lambda: stream.synchronize(),
-        lambda: comm.synchronize(timeout=5),
         lambda: x.copy_from(np.ones(N, np.float32)),  # a synchronous copy
         lambda: DeviceBuffer(16, "float32"),  # cudaMalloc in a global-mode capture
         lambda: cuda.synchronize(),
     ):
-        g = Graph(stream, GLOBAL)
-        comm.all_reduce(x)
-        with pytest.raises(CudaError) as info:
-            breaking()
-        assert info.value.code == CAPTURE_UNSUPPORTED
-        status = c_int(-1)
-        rt.cudaStreamIsCapturing(stream.handle, byref(status))
-        assert status.value == 2  # cudaStreamCaptureStatusInvalidated
-        with pytest.raises(NcclError) as nccl_info:
-            comm.all_reduce(x)  # more work on an invalidated capture
-        assert "invalidated" in str(nccl_info.value)
-        with pytest.raises(CudaError) as end_info:
-            g.end()
-        assert end_info.value.code == CAPTURE_INVALIDATED
-        assert not stream.is_capturing()
+        g = Graph()
+        with pytest.raises(CudaError) as end_info, g.capture(stream, "global"):
+            comm.all_reduce(x)
+            with pytest.raises(CudaError) as info:
+                breaking()
+            assert info.value.code == CAPTURE_UNSUPPORTED
+            status = c_int(-1)
+            rt.cudaStreamIsCapturing(stream.handle, byref(status))
+            assert status.value == 2  # cudaStreamCaptureStatusInvalidated
+            with pytest.raises(NcclError) as nccl_info:
+                comm.all_reduce(x)  # more work on an invalidated capture
+            assert "invalidated" in str(nccl_info.value)
+        assert end_info.value.code == CAPTURE_INVALIDATED  # raised when the capture ends
+        assert not stream.is_capturing() and not g.captured
     comm.all_reduce(x)  # the stream and the communicator are fine afterwards
     comm.synchronize(timeout=30)
     comm.destroy()
@@ -248,17 +211,15 @@ def test_capture_breaking_calls_raise_and_invalidate(stream: Stream) -> None:
 def test_init_split_register_are_refused_while_capturing(stream: Stream) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
     x = DeviceBuffer(N, "float32")
-    g = Graph(stream, GLOBAL)
-    try:
+    g = Graph()
+    with g.capture(stream, "global"):  # ends without error: the refusals did not invalidate it
         with pytest.raises(NcclInvalidUsage, match="being captured into a CUDA graph"):
             Communicator(1, UniqueId(), 0, device=0, stream=stream)
-        with pytest.raises(NcclInvalidUsage, match="ncclCommSplit cannot run while stream"):
+        with pytest.raises(NcclInvalidUsage, match="ncclCommSplit cannot run while"):
             comm.split(0)
-        with pytest.raises(NcclInvalidUsage, match="ncclCommRegister cannot run while stream"):
+        with pytest.raises(NcclInvalidUsage, match="ncclCommRegister cannot run while"):
             comm.register(x)
         comm.all_reduce(x)
-    finally:
-        g.end()  # the refusals did not invalidate the capture
     x.copy_from(np.full(N, 2, np.float32))
     g.replay()
     stream.synchronize()
@@ -274,12 +235,10 @@ def test_watchdog_records_nothing_under_capture(stream: Stream) -> None:
     assert watch is not None
     x = DeviceBuffer.from_numpy(np.arange(N, dtype=np.float32))
     y = DeviceBuffer(N, "float32")
-    g = Graph(stream, GLOBAL)
-    try:
+    g = Graph()
+    with g.capture(stream, "global"):
         comm.all_reduce(x, y)
         assert len(watch._pending) == 0  # an event recorded now would join the graph
-    finally:
-        g.end()
     for _ in range(3):
         g.replay()
     comm.synchronize(timeout=30)
@@ -298,14 +257,12 @@ def test_multi_stream_group_under_capture_is_refused(stream: Stream) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
     other = Stream(non_blocking=True)
     x, y = DeviceBuffer(N, "float32"), DeviceBuffer(N, "float32")
-    g = Graph(stream)
-    try:
+    g = Graph()
+    with g.capture(stream, "thread_local"):
         with pytest.raises(NcclInvalidUsage, match="one stream only"):
             with group():
                 comm.all_reduce(x, stream=stream)
                 comm.all_reduce(y, stream=other)
-    finally:
-        g.end()
     g.close()
     comm.destroy()
     other.close()
@@ -318,11 +275,9 @@ def test_graph_outlives_its_communicator(stream: Stream, end: str) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
     x = DeviceBuffer.from_numpy(np.ones(N, np.float32))
     y = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
-    g = Graph(stream)
-    try:
+    g = Graph()
+    with g.capture(stream, "thread_local"):
         comm.all_reduce(x, y, stream=stream)
-    finally:
-        g.end()
     getattr(comm, end)()
     g.replay()  # the captured collective finds its communicator gone: it does nothing
     stream.synchronize()
@@ -336,7 +291,7 @@ def test_stream_destroyed_while_capturing_a_collective() -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
     x = DeviceBuffer(N, "float32")
     s = Stream(non_blocking=True)
-    Graph(s)
+    library.cudart().cudaStreamBeginCapture(s.handle, THREAD_LOCAL)  # never ended
     comm.all_reduce(x, stream=s)
     s.close()  # the capture and its template go; nothing is left queued
     comm.all_reduce(x)
@@ -402,3 +357,82 @@ def test_two_processes_capture_and_replay(lb_env: dict[str, str]) -> None:
         assert p.returncode == 0, err[-3000:]
         line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
         assert json.loads(line[len("RESULT ") :]) == [True, True], err[-3000:]
+
+
+def test_synchronize_refuses_a_capturing_stream_without_invalidating(stream: Stream) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
+    x = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    g = Graph()
+    with g.capture(stream, "global"):  # would raise on exit had the capture been invalidated
+        comm.all_reduce(x)
+        with pytest.raises(NcclInvalidUsage, match="being captured into a CUDA graph") as info:
+            comm.synchronize(timeout=5)
+        assert "launch the graph, then synchronize" in str(info.value)
+        assert stream.is_capturing()
+    g.replay()
+    comm.synchronize(timeout=30)
+    assert np.array_equal(x.to_numpy(), np.ones(N, np.float32))
+    g.close()
+    comm.destroy()
+    x.close()
+
+
+def test_init_refused_while_another_stream_of_the_device_captures() -> None:
+    blocking = Stream()  # a blocking stream: its capture forbids using the legacy stream
+    comm = Communicator(1, UniqueId(), 0, device=0)  # on the legacy default stream
+    g = Graph()
+    with g.capture(blocking, "global"):
+        with pytest.raises(NcclInvalidUsage, match="a stream of this device is being captured"):
+            Communicator(1, UniqueId(), 0, device=0)
+        with pytest.raises(NcclInvalidUsage, match="ncclCommSplit cannot run while a stream"):
+            comm.split(0)
+    assert g.captured  # nothing above invalidated the capture
+    g.close()
+    comm.destroy()
+    blocking.close()
+
+
+def test_graph_object_lifecycle_and_misuse(stream: Stream) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    x = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    g = Graph()
+    assert not g.captured and "empty" in repr(g)
+    with pytest.raises(ValueError, match="nothing to replay"):
+        g.replay()
+    with pytest.raises(ValueError, match="legacy default stream cannot be captured"):
+        with g.capture(None):
+            pass
+    with pytest.raises(ValueError, match="mode='sometimes'"):
+        with g.capture(stream, "sometimes"):
+            pass
+    with pytest.raises(TypeError, match="mode must be a CaptureMode"):
+        with g.capture(stream, 7):  # type: ignore[arg-type]
+            pass
+    # The body's exception propagates; the capture is ended and discarded.
+    with pytest.raises(KeyError, match="from the body"):
+        with g.capture(stream):
+            comm.all_reduce(x, stream=stream)
+            assert "capturing" in repr(g)
+            with pytest.raises(RuntimeError, match="already capturing"):
+                with g.capture(stream):
+                    pass
+            raise KeyError("from the body")
+    assert not stream.is_capturing() and not g.captured
+    # Capturing again replaces the graph: the second one doubles instead of summing.
+    with g.capture(stream):
+        comm.all_reduce(x, stream=stream)
+    with g.capture(stream):
+        comm.all_reduce(x, stream=stream, op=comm.create_premul_sum(2.0, "float32"))
+    other = Stream(non_blocking=True)
+    g.replay(other)  # on another stream than the capture's
+    other.synchronize()
+    assert np.array_equal(x.to_numpy(), np.full(N, 2, np.float32))
+    with g:
+        g.replay()
+        stream.synchronize()
+    assert not g.captured
+    g.close()  # idempotent
+    assert np.array_equal(x.to_numpy(), np.full(N, 4, np.float32))
+    other.close()
+    comm.destroy()
+    x.close()
