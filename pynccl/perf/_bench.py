@@ -1,0 +1,399 @@
+"""One rank of a sweep: buffers, stream, timing (with CUDA graphs for ``-G``), ``-c``
+checks, and the sweep itself."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Callable
+from ctypes import addressof, create_string_buffer
+from typing import TYPE_CHECKING, Any
+
+from ..enums import DataType, RedOp
+from ._options import _REDOP, _TYPES, Options, _cases, _resolve_check
+from ._reference import _CHUNK, _Data, _expected, _mulsum_scale
+from ._report import _Backend, _Console, _header, _Result, _row_text, _write_json, _write_plot
+from ._sweep import Counts, PerfError, _doubling
+
+if TYPE_CHECKING:
+    from ..cuda import Graph
+
+
+# --------------------------------------------------------------------------------------
+# One rank
+
+
+class _Bench:
+    """One rank of a sweep: buffers, stream, timing, checks; rank 0 reports."""
+
+    _H2D = 1
+    _D2H = 2
+
+    def __init__(self, opts: Options, comm: Any, console: _Console) -> None:
+        from .. import library
+        from ..cuda import DeviceBuffer, Stream
+
+        self.opts = opts
+        self.comm = comm
+        self.rank = int(comm.rank)
+        self.nranks = int(comm.size)
+        self.console = console
+        self.rt = library.cudart()
+        self.coll = opts.collective
+        self.stream = Stream(non_blocking=True)
+        self.s = self.stream.handle
+        self.bufs: list[Any] = []
+        assert opts.maxbytes is not None
+        # Every layout keeps both sides within maxbytes (per-rank blocks are count/n).
+        nbytes = max(opts.maxbytes, 64)
+        try:
+            self.send = self._alloc(DeviceBuffer, nbytes)
+            self.recv = self._alloc(DeviceBuffer, nbytes)
+            self.scratch = self._alloc(DeviceBuffer, 64)
+            for buf in (self.send, self.recv):
+                buf.fill_zero(self.s)  # timed runs without -c still see defined data
+            self.stream.synchronize()
+        except BaseException:
+            self.close()
+            raise
+        self.rep = 0
+        self.np: Any = None
+        if opts.check:
+            import numpy
+
+            self.np = numpy
+
+    def _alloc(self, cls: Any, nbytes: int) -> Any:
+        buf = cls(nbytes, DataType.UINT8)
+        self.bufs.append(buf)
+        return buf
+
+    def close(self) -> None:
+        for buf in self.bufs:
+            buf.close()
+        self.bufs.clear()
+        self.stream.close()
+
+    # -- small collectives between the ranks --------------------------------------------
+
+    def _copy(self, dst: int, src: int, nbytes: int, kind: int) -> None:
+        if nbytes:
+            self.rt.cudaMemcpyAsync(dst, src, nbytes, kind, self.s)
+
+    def _scalar(self, value: float, dtype: DataType, op: RedOp | None) -> float:
+        """All-reduce one number across the ranks (``op=None``: rank 0's value)."""
+        fmt = "<d" if dtype is DataType.FLOAT64 else "<q"
+        host = create_string_buffer(struct.pack(fmt, value), 8)
+        ptr = self.scratch.ptr
+        self._copy(ptr, addressof(host), 8, self._H2D)
+        if op is None:
+            self.comm.broadcast(ptr, ptr, root=0, count=1, dtype=dtype, stream=self.s)
+        else:
+            self.comm.all_reduce(ptr, ptr, op, count=1, dtype=dtype, stream=self.s)
+        self._copy(addressof(host), ptr, 8, self._D2H)
+        self.stream.synchronize()
+        return float(struct.unpack(fmt, host.raw)[0])
+
+    def barrier(self) -> None:
+        """Every rank has reached this point (a one-element all-reduce, waited for)."""
+        self._scalar(0, DataType.INT64, RedOp.SUM)
+
+    def devices(self) -> list[dict[str, Any]]:
+        """Every rank's pid, host, device and PCI bus id (an all-gather of fixed records)."""
+        from ..cuda import DeviceBuffer
+
+        device = int(self.comm.device)
+        bus = create_string_buffer(32)
+        try:
+            self.rt.cudaDeviceGetPCIBusId(bus, 32, device)
+        except Exception:  # the loopback or an old runtime: the bus id is decoration
+            bus.value = b""
+        host = socket.gethostname().encode()[:48]
+        record = struct.pack("<qq48s32s", os.getpid(), device, host, bus.value[:32])
+        size = len(record)
+        mine = create_string_buffer(record, size)
+        everyone = create_string_buffer(size * self.nranks)
+        tmp = self._alloc(DeviceBuffer, size * (self.nranks + 1))
+        self._copy(tmp.ptr, addressof(mine), size, self._H2D)
+        self.comm.all_gather(
+            tmp.ptr, tmp.ptr + size, count=size, dtype=DataType.UINT8, stream=self.s
+        )
+        self._copy(addressof(everyone), tmp.ptr + size, size * self.nranks, self._D2H)
+        self.stream.synchronize()
+        out = []
+        for r in range(self.nranks):
+            pid, dev, hostname, busid = struct.unpack_from("<qq48s32s", everyone, r * size)
+            out.append(
+                {
+                    "rank": r,
+                    "pid": pid,
+                    "hostname": hostname.rstrip(b"\0").decode(errors="replace"),
+                    "device": dev,
+                    "bus_id": busid.rstrip(b"\0").decode(errors="replace"),
+                }
+            )
+        return out
+
+    # -- one operation ------------------------------------------------------------------
+
+    def _op_handle(self, op: str, dtype: DataType) -> Any:
+        if op == "mulsum":
+            scale = _mulsum_scale(self.rank)
+            return self.comm.create_premul_sum(
+                float(scale) if dtype.is_float else scale, dtype, "host"
+            )
+        return _REDOP[op]
+
+    def _pointers(self, c: Counts, itemsize: int, in_place: bool) -> tuple[int, int]:
+        if not in_place:
+            return self.send.ptr, self.recv.ptr
+        base = self.recv.ptr
+        return (
+            base + c.send_offset * self.rank * itemsize,
+            base + c.recv_offset * self.rank * itemsize,
+        )
+
+    def _runner(
+        self, c: Counts, dtype: DataType, op: Any, root: int, in_place: bool
+    ) -> Callable[[], None]:
+        """A no-argument function issuing the operation once (all arguments bound)."""
+        sp, rp = self._pointers(c, dtype.itemsize, in_place)
+        comm, n, s = self.comm, c.param, self.s
+        name = self.coll.name
+        if name == "all_reduce":
+            return lambda: comm.all_reduce(sp, rp, op, count=n, dtype=dtype, stream=s)
+        if name == "all_gather":
+            return lambda: comm.all_gather(sp, rp, count=n, dtype=dtype, stream=s)
+        if name == "reduce_scatter":
+            return lambda: comm.reduce_scatter(sp, rp, op, count=n, dtype=dtype, stream=s)
+        if name == "broadcast":
+            return lambda: comm.broadcast(sp, rp, root=root, count=n, dtype=dtype, stream=s)
+        if name == "reduce":
+            return lambda: comm.reduce(sp, rp, op, root=root, count=n, dtype=dtype, stream=s)
+        if name == "gather":
+            return lambda: comm.gather(sp, rp, root=root, count=n, dtype=dtype, stream=s)
+        if name == "scatter":
+            return lambda: comm.scatter(sp, rp, root=root, count=n, dtype=dtype, stream=s)
+        if name == "all_to_all":
+            return lambda: comm.all_to_all(sp, rp, count=n, dtype=dtype, stream=s)
+        from ..groups import group
+
+        nxt, prv = (self.rank + 1) % self.nranks, (self.rank - 1) % self.nranks
+
+        def sendrecv() -> None:
+            with group():
+                comm.send(sp, nxt, count=n, dtype=dtype, stream=s)
+                comm.recv(rp, prv, count=n, dtype=dtype, stream=s)
+
+        return sendrecv
+
+    # -- CUDA graphs ----------------------------------------------------------------------
+
+    def _capture(self, run: Callable[[], None], times: int) -> Graph:
+        """Capture ``times`` calls of ``run`` on the stream into a graph (thread-local
+        capture mode, as nccl-tests)."""
+        from ..cuda import CaptureMode, Graph
+
+        graph = Graph()
+        with graph.capture(self.stream, CaptureMode.THREAD_LOCAL):
+            for _ in range(times):
+                run()
+        return graph
+
+    # -- timing and checking ---------------------------------------------------------------
+
+    def _time(self, run: Callable[[], None]) -> float:
+        """Seconds per operation, this rank's view (nccl-tests' BenchTime)."""
+        iters = self.opts.iters
+        assert iters is not None
+        run()  # one untimed call, then line the ranks up
+        self.stream.synchronize()
+        self.barrier()
+        launches = self.opts.cudagraph
+        if launches:
+            with self._capture(run, iters) as graph:
+                self.barrier()
+                start = time.perf_counter()
+                for _ in range(launches):
+                    graph.replay()
+                self.stream.synchronize()
+                elapsed = time.perf_counter() - start
+            return elapsed / (iters * launches)
+        start = time.perf_counter()
+        for _ in range(iters):
+            run()
+        self.stream.synchronize()
+        return (time.perf_counter() - start) / iters
+
+    def _across_ranks(self, seconds: float) -> float:
+        mode = self.opts.average
+        if mode == 0:
+            return self._scalar(seconds, DataType.FLOAT64, None)
+        op = {1: RedOp.SUM, 2: RedOp.MIN, 3: RedOp.MAX}[mode]
+        value = self._scalar(seconds, DataType.FLOAT64, op)
+        return value / self.nranks if mode == 1 else value
+
+    def _check_once(
+        self,
+        run: Callable[[], None],
+        c: Counts,
+        dtype: DataType,
+        op: str | None,
+        root: int,
+        in_place: bool,
+    ) -> int:
+        """Fill fresh inputs, run the operation once, count this rank's wrong elements.
+
+        Inputs are written and results compared a chunk at a time, so the host
+        memory needed stays small whatever the size.
+        """
+        np = self.np
+        self.rep += 1
+        data = _Data(np, dtype, op, self.nranks, self.rep)
+        size = dtype.itemsize
+        sp, rp = self._pointers(c, size, in_place)
+        # Zero the receive side (in place: the whole region), then write the inputs.
+        region = c.recv * size
+        if in_place:
+            region = max(
+                region + c.recv_offset * self.rank * size,
+                c.send * size + c.send_offset * self.rank * size,
+            )
+        if region:
+            self.rt.cudaMemsetAsync(self.recv.ptr, 0, region, self.s)
+        for lo in range(0, c.send, _CHUNK):
+            chunk = np.ascontiguousarray(data.values(self.rank, lo, min(c.send, lo + _CHUNK)))
+            self._copy(sp + lo * size, chunk.ctypes.data, chunk.nbytes, self._H2D)
+            self.stream.synchronize()  # before the host array goes
+        if self.opts.cudagraph:
+            with self._capture(run, 1) as graph:
+                graph.replay()
+                self.stream.synchronize()
+        else:
+            run()
+        self.stream.synchronize()
+        expect = _expected(self.coll, data, self.rank, root, c)
+        if expect is None:
+            return 0
+        wrong = 0
+        for lo in range(0, c.recv, _CHUNK):
+            hi = min(c.recv, lo + _CHUNK)
+            want, tol = expect(lo, hi)
+            got = np.empty(hi - lo, dtype=data.np_dtype)
+            self._copy(got.ctypes.data, rp + lo * size, got.nbytes, self._D2H)
+            self.stream.synchronize()
+            wrong += data.compare(got, want, tol)
+        return wrong
+
+    def _bench(
+        self, c: Counts, dtype: DataType, op_name: str | None, op: Any, root: int, in_place: bool
+    ) -> dict[str, Any]:
+        run = self._runner(c, dtype, op, root, in_place)
+        seconds = self._across_ranks(self._time(run))
+        algbw, busbw = self.coll.bandwidths(c.param, dtype.itemsize, seconds, self.nranks)
+        wrong: int | None = None
+        if self.opts.check:
+            self.barrier()
+            total = 0
+            for _ in range(self.opts.check):
+                mine = self._check_once(run, c, dtype, op_name, root, in_place)
+                total = int(self._scalar(mine, DataType.INT64, RedOp.SUM))
+                if total:
+                    break
+            wrong = total
+        return {"time": seconds * 1e6, "alg_bw": algbw, "bus_bw": busbw, "nwrong": wrong}
+
+    # -- the sweep ------------------------------------------------------------------------
+
+    def run_case(self, dtype_name: str, op_name: str | None, root: int, out: _Result) -> None:
+        """nccl-tests' TimeTest: warm up, then one row per size."""
+        dtype = _TYPES[dtype_name]
+        opts = self.opts
+        assert opts.minbytes is not None and opts.maxbytes is not None
+        op = self._op_handle(op_name, dtype) if op_name is not None else RedOp.SUM
+        self.barrier()
+        for size in _doubling(opts.minbytes, opts.maxbytes):
+            c = self.coll.counts(size, dtype.itemsize, self.nranks)
+            run = self._runner(c, dtype, op, root, False)
+            for _ in range(opts.warmup_iters or 0):
+                run()
+            self.stream.synchronize()
+        for size in opts.sizes:
+            c = self.coll.counts(size, dtype.itemsize, self.nranks)
+            row: dict[str, Any] = {
+                "size": max(c.send, c.recv) * dtype.itemsize,
+                "count": c.param,
+                "type": dtype_name,
+                "redop": op_name if op_name is not None else "none",
+                "root": root if self.coll.rooted else -1,
+            }
+            row["out_of_place"] = self._bench(c, dtype, op_name, op, root, False)
+            row["in_place"] = (
+                self._bench(c, dtype, op_name, op, root, True) if self.coll.in_place else None
+            )
+            for key in ("out_of_place", "in_place"):
+                cell = row[key]
+                if cell is not None:
+                    out.busbw_sum += cell["bus_bw"]
+                    out.busbw_count += 1
+                    out.wrong += cell["nwrong"] or 0
+                    out.errors += 1 if cell["nwrong"] else 0
+            out.rows.append(row)
+            self.console.line(_row_text(row))
+        if op_name == "mulsum":  # (after an error the communicator is aborted anyway)
+            self.comm.destroy_op(op)
+
+
+def _run_rank(opts: Options, comm: Any, backend: _Backend) -> int:
+    """The sweep on this rank; rank 0 prints. Returns 0, or 1 when results were wrong.
+
+    On an exception the communicator is aborted first (work may still be queued
+    on it), then the buffers are freed.
+    """
+    lead = comm.rank == 0
+    nranks = int(comm.size)
+    lib_version = tuple(int(v) for v in backend.nccl_version.split("."))
+    cases = _cases(opts, nranks, lib_version)
+    notes = _resolve_check(opts, sorted({t for t, _, _ in cases}))
+    if any(o == "mulsum" for _, o, _ in cases):
+        try:
+            import numpy  # noqa: F401  (create_premul_sum packs the scalar with it)
+        except ImportError:
+            raise PerfError("-o mulsum needs numpy (pip install numpy)") from None
+    console = _Console(sys.stdout if lead else None, len(cases) * len(opts.sizes))
+    started = time.monotonic()
+    ok = False
+    bench = None
+    try:
+        bench = _Bench(opts, comm, console)
+        devices = bench.devices()
+        for text in _header(opts, nranks, backend, devices, notes):
+            console.line(text)
+        result = _Result()
+        for dtype_name, op_name, root in cases:
+            bench.run_case(dtype_name, op_name, root, result)
+        avg = result.busbw_sum / result.busbw_count if result.busbw_count else 0.0
+        verdict = "FAILED" if result.errors else "OK"
+        console.line(f"# {'Out of bounds values':<20} : {result.errors} {verdict}")
+        console.line(f"# {'Avg bus bandwidth':<20} : {avg:g}")
+        console.line("#")
+        if backend.loopback:
+            console.line("# (loopback: these figures are host memory, not NCCL)")
+        if lead and opts.json:
+            elapsed = time.monotonic() - started
+            _write_json(opts.json, opts, nranks, backend, devices, result, avg, elapsed)
+            console.line(f"# wrote {opts.json}")
+        if lead and opts.plot:
+            _write_plot(opts.plot, opts, nranks, backend, result)
+            console.line(f"# wrote {opts.plot}")
+        ok = True
+        return 1 if result.errors else 0
+    finally:
+        console.close()
+        if not ok:
+            comm.abort()
+        if bench is not None:
+            bench.close()
