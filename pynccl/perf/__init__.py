@@ -45,7 +45,7 @@ a stream synchronize (or around ``-G`` replays of a CUDA graph holding them),
 averaged over the ranks (``-a``); the same method on the loopback and on a GPU.
 
 Exit status: 0 when every check passed, 1 when results were wrong or a rank
-failed, 2 for a usage error (including ``-G`` without a GPU).
+failed, 2 for a usage error (a bad flag or flag combination).
 """
 
 # The old single module's other public names, and the private helpers the tests reach

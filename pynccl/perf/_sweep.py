@@ -11,7 +11,7 @@ _MAX_SIZES = 10_000
 
 
 class PerfError(Exception):
-    """A problem with the request (bad flag combination, no GPU for ``-G``...): exit status 2."""
+    """A problem with the request (a bad flag or flag combination): exit status 2."""
 
 
 # --------------------------------------------------------------------------------------
