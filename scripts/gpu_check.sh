@@ -11,6 +11,10 @@
 #
 # Exit status: 0 when every step passed; 1 when a step failed; 2 when no GPU is visible (the
 # GPU tests then only show that they skip cleanly, and the perf steps are left out).
+#
+# PYNCCL_GPU_REHEARSAL=1 runs every step on the loopback libraries instead (2 emulated devices,
+# small sizes): a dress rehearsal of this script and of tests/test_gpu.py where no GPU is lent
+# (tests/test_gpu_rehearsal.py does it in every test run). Nothing is checked on a GPU then.
 set -u
 set -o pipefail
 
@@ -18,9 +22,21 @@ cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
-# The real libraries, whatever the calling shell had pointed pynccl at.
-unset PYNCCL_NCCL_LIBRARY PYNCCL_CUDART_LIBRARY RANK WORLD_SIZE LOCAL_RANK
+unset RANK WORLD_SIZE LOCAL_RANK
 PY="${PYTHON:-python3}"
+REHEARSAL="${PYNCCL_GPU_REHEARSAL:-0}"
+if [ "$REHEARSAL" = 1 ]; then
+    # The loopback libraries stand in for the GPU and NCCL.
+    export PYNCCL_LOOPBACK_DEVICES=2
+    loopback_env=$("$PY" -c 'import shlex; from pynccl.testing import loopback
+for k, v in loopback.env().items(): print(f"export {k}={shlex.quote(v)}")') || exit 1
+    eval "$loopback_env"
+    MAX_ALL_REDUCE=1M MAX_GRAPH=256K MAX_EACH=64K
+else
+    # The real libraries, whatever the calling shell had pointed pynccl at.
+    unset PYNCCL_NCCL_LIBRARY PYNCCL_CUDART_LIBRARY PYNCCL_GPU_REHEARSAL
+    MAX_ALL_REDUCE=256M MAX_GRAPH=64M MAX_EACH=16M
+fi
 LOG_DIR="${GPU_CHECK_LOG_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/pynccl-gpu-check.XXXXXX")}"
 mkdir -p "$LOG_DIR"
 START=$SECONDS
@@ -82,6 +98,7 @@ summarize() {
 }
 
 echo "# pynccl GPU check, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), logs in $LOG_DIR"
+[ "$REHEARSAL" = 1 ] && echo "# REHEARSAL: on the loopback libraries, not on a GPU"
 if command -v nvidia-smi >/dev/null 2>&1; then
     timeout 30 nvidia-smi -L || true
 fi
@@ -105,17 +122,18 @@ fi
 
 if [ "$gpus" -gt 0 ]; then
     # nccl-tests-style sweeps on every visible GPU (one rank each), results checked (-c 1).
-    run perf-all_reduce 90 "$PY" -m pynccl perf all_reduce -b 8 -e 256M -f 4 -n 20 -w 2 -c 1 -T 80 \
-        --json "$LOG_DIR/perf-all_reduce.json"
-    run perf-all_reduce-graph 60 "$PY" -m pynccl perf all_reduce -b 1K -e 64M -f 8 -n 10 -G 5 -c 1 -T 50
-    run perf-every-collective 120 "$PY" - <<'PY'
-import subprocess, sys
+    run perf-all_reduce 90 "$PY" -m pynccl perf all_reduce -b 8 -e "$MAX_ALL_REDUCE" -f 4 -n 20 -w 2 \
+        -c 1 -T 80 --json "$LOG_DIR/perf-all_reduce.json"
+    run perf-all_reduce-graph 60 "$PY" -m pynccl perf all_reduce -b 1K -e "$MAX_GRAPH" -f 8 -n 10 \
+        -G 5 -c 1 -T 50
+    MAX_EACH="$MAX_EACH" run perf-every-collective 120 "$PY" - <<'PY'
+import os, subprocess, sys
 colls = ["all_gather", "reduce_scatter", "broadcast", "reduce", "gather", "scatter",
          "all_to_all", "sendrecv"]
 bad = []
 for c in colls:
-    cmd = [sys.executable, "-m", "pynccl", "perf", c, "-b", "1K", "-e", "16M", "-f", "16",
-           "-n", "5", "-w", "1", "-c", "1", "-T", "25"]
+    cmd = [sys.executable, "-m", "pynccl", "perf", c, "-b", "1K", "-e", os.environ["MAX_EACH"],
+           "-f", "16", "-n", "5", "-w", "1", "-c", "1", "-T", "25"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=40)
     rows = [l for l in p.stdout.splitlines() if l and not l.startswith("#")]
     print(f"{c:>15}: exit {p.returncode}, {len(rows)} rows, last: {rows[-1] if rows else '-'}")
@@ -139,6 +157,10 @@ echo "logs: $LOG_DIR"
 if [ "$failed" -ne 0 ]; then
     echo "RESULT: FAILED"
     exit 1
+fi
+if [ "$REHEARSAL" = 1 ]; then
+    echo "RESULT: REHEARSAL OK (every step passed on the loopback; nothing was checked on a GPU)"
+    exit 0
 fi
 if [ "$gpus" -eq 0 ]; then
     echo "RESULT: NO GPU (nothing was checked on a GPU)"
