@@ -330,8 +330,8 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
             and cai.get("strides") is None
             and "mask" not in cai
         ):
-            try:  # subscripts, not .get(): a missing key or odd value takes the slow path
-                shape = cai["shape"]
+            try:  # subscripts and unpacking: a missing key or odd value takes the slow path
+                (n,) = shape = cai["shape"]  # 1-D only
                 ptr, readonly = cai["data"]
                 dt = _TYPESTR_CACHE[cai["typestr"]]
             except (KeyError, TypeError, ValueError):
@@ -339,8 +339,7 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
             else:
                 if (
                     type(shape) is tuple
-                    and len(shape) == 1
-                    and type(n := shape[0]) is int
+                    and type(n) is int
                     and n >= 0
                     and type(ptr) is int
                     and 0 < ptr < _PTR_LIMIT

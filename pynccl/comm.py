@@ -14,7 +14,7 @@ import hashlib
 import time
 import warnings
 from collections.abc import Sequence
-from ctypes import byref, c_int, c_void_p
+from ctypes import byref, c_int, c_size_t, c_void_p
 from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any, ClassVar
@@ -223,6 +223,18 @@ _FAST_OPS = {k: c_int(v) for k, v in _OP_NAMES.items() if v != RedOp.AVG}
 _SUM = RedOp.SUM
 _C_SUM = _FAST_OPS[_SUM]
 _U64 = 1 << 64  # pointers and size_t counts lie in [0, 2**64)
+# The same for size_t counts, which repeat (the same buffers, call after call): a bounded
+# cache of c_size_t objects, shared and never mutated, keyed by the count.
+_SIZE_ARGS: dict[int, c_size_t] = {}
+_SIZE_ARGS_LIMIT = 4096
+
+
+def _size_arg(count: int) -> c_size_t:
+    """``count`` (already checked to lie in [0, 2**64)) as a shared c_size_t."""
+    arg = c_size_t(count)
+    if len(_SIZE_ARGS) < _SIZE_ARGS_LIMIT:
+        _SIZE_ARGS[count] = arg
+    return arg
 
 
 def _check_rank(value: Any, size: int, name: str) -> int:
@@ -710,7 +722,8 @@ class Communicator:
             return None  # not issued yet, or overwritten (checked after reading the slot)
         name, where, args = slot if len(slot) == 3 else ("ncclAllReduce", -1, slot)
         # The hot paths pass c_int objects for types and ops: report their values.
-        return (seq, name, where, tuple(a.value if type(a) is c_int else a for a in args))
+        plain = tuple(a.value if type(a) in (c_int, c_size_t) else a for a in args)
+        return (seq, name, where, plain)
 
     def flight_record(self) -> list[FlightRecord]:
         """The last operations issued (oldest first): ``(seq, function, root/peer, args)``."""
@@ -1116,12 +1129,18 @@ class Communicator:
         s = self._stream if stream is None else as_stream(stream)
         recv = sendbuf if recvbuf is None else recvbuf
         if type(sendbuf) is int and type(recv) is int:
-            # Raw pointers: no probing; anything unusual goes to the slow checks.
-            n = count if type(count) is int and 0 <= count < _U64 else _raw_count(count)
-            dt = dtype if type(dtype) is DataType else self._raw_type(dtype)
+            # Raw pointers: no probing; anything unusual goes to the slow checks. A count
+            # found in _SIZE_ARGS was range-checked when it entered it.
+            if type(count) is not int or (cn := _SIZE_ARGS.get(count)) is None:
+                cn = _size_arg(_raw_count(count))
+            if type(dtype) is DataType and (code := self._codes[dtype]) is not None:
+                dt = dtype
+            else:
+                dt = self._raw_type(dtype)  # raises for a type this library lacks
+                code = self._codes[dt]
             if not (0 < sendbuf < _U64 and 0 < recv < _U64):
-                _check_pointer("sendbuf", sendbuf, n)
-                _check_pointer("recvbuf", recv, n)
+                _check_pointer("sendbuf", sendbuf, cn.value)
+                _check_pointer("recvbuf", recv, cn.value)
         else:
             # Array route, with as_buffer/_buf/_need/_same_type inlined: their checks,
             # fewer frames.
@@ -1150,13 +1169,15 @@ class Communicator:
                     self._same_type(dt, rdt)
                 if n > rn:
                     self._need("recvbuf", rn, n)
-        code = self._codes[dt]
-        if code is None:
-            self._datatype(dt)  # raises NotSupportedError naming the type and releases
+            code = self._codes[dt]
+            if code is None:
+                self._datatype(dt)  # raises NotSupportedError naming the type and releases
+            if (cn := _SIZE_ARGS.get(n)) is None:
+                cn = _size_arg(n)
         if op is _SUM:
-            args: tuple[Any, ...] = (sendbuf, recv, n, code, _C_SUM, h, s)
+            args: tuple[Any, ...] = (sendbuf, recv, cn, code, _C_SUM, h, s)
         else:
-            args = (sendbuf, recv, n, code, self._op(op, dt), h, s)
+            args = (sendbuf, recv, cn, code, self._op(op, dt), h, s)
         # The hot path: _call inlined (record, call, check); _c_allreduce is the bare
         # ctypes function, or _watched_allreduce while a watchdog runs. The flight
         # recorder's entry is the argument tuple itself (see _entry).

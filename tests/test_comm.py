@@ -1005,6 +1005,27 @@ def test_flight_record_keeps_the_last_64(solo: Communicator) -> None:
     assert [e[0] for e in record] == list(range(6, 70))
 
 
+def test_count_arguments_cache_stays_bounded_and_exact(
+    solo: Communicator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # all_reduce hands ctypes cached c_size_t objects for counts: the cache must stay
+    # bounded, and every count (cached, fresh, 0) must reach C exactly.
+    from pynccl import comm as comm_module
+
+    monkeypatch.setattr(comm_module, "_SIZE_ARGS", {})
+    monkeypatch.setattr(comm_module, "_SIZE_ARGS_LIMIT", 8)
+    data = np.arange(40, dtype=np.float32)
+    with _buf(data) as src, _buf(np.zeros(40, np.float32)) as dst:
+        for count in [*range(20), 3, 19, 0]:
+            dst.copy_from(np.full(40, -1, np.float32))
+            solo.all_reduce(src.ptr, dst.ptr, count=count, dtype="float32")
+            solo.synchronize()
+            got = dst.to_numpy()
+            assert np.array_equal(got[:count], data[:count]) and (got[count:] == -1).all()
+    assert len(comm_module._SIZE_ARGS) == 8
+    assert all(type(k) is int and v.value == k for k, v in comm_module._SIZE_ARGS.items())
+
+
 def test_flight_record_wraps_with_mixed_operations(solo: Communicator) -> None:
     # all_reduce's hot path stores its bare argument tuple, other calls a full entry:
     # both must read back with the right sequence numbers once the ring has wrapped.
