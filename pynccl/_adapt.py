@@ -73,7 +73,18 @@ def _check_count(count: Any, name: str) -> int:
         count = count.__index__()  # numpy integers
     if count < 0:
         raise ValueError(f"count={count} for {name} must be >= 0")
+    if count >= _PTR_LIMIT:  # ctypes would silently wrap a size_t this large
+        raise ValueError(f"count={count} for {name} must be below 2**64")
     return count  # type: ignore[no-any-return]
+
+
+def check_pointer(name: str, ptr: int, count: int) -> None:
+    """Refuse a raw pointer NCCL must not see: NULL (unless nothing moves), negative, or
+    2**64 and up (ctypes would silently wrap it into another address)."""
+    if ptr < 0 or ptr >= _PTR_LIMIT:
+        raise ValueError(f"{name}={ptr} is not a valid pointer (expected 0 < ptr < 2**64)")
+    if ptr == 0 and count:
+        raise ValueError(f"{name} is a NULL pointer but count={count}; expected ptr > 0")
 
 
 def _datatype(dtype: Any, name: str) -> DataType:
@@ -157,14 +168,11 @@ def _from_pointer(
             f"{name} is a raw pointer ({int(obj):#x}), which carries no size or type: "
             f"{missing} must be given"
         )
-    n = count if type(count) is int and count >= 0 else _check_count(count, name)
+    n = count if type(count) is int and 0 <= count < 1 << 64 else _check_count(count, name)
     dt = dtype if type(dtype) is DataType else _datatype(dtype, name)
     ptr = int(obj)
     if not 0 < ptr < 1 << 64:
-        if ptr < 0 or ptr >= 1 << 64:
-            raise ValueError(f"{name}={ptr} is not a valid pointer (expected 0 < ptr < 2**64)")
-        if n:
-            raise ValueError(f"{name} is a NULL pointer but count={n}; expected ptr > 0")
+        check_pointer(name, ptr, n)
     return ptr, n, dt, None
 
 
@@ -701,14 +709,10 @@ def as_buffer(
         and type(count) is int
         and type(dtype) is DataType
         and 0 < obj < 1 << 64
-        and count >= 0
+        and 0 <= count < 1 << 64
     ):
         return obj, count, dtype, None  # the raw path, checked in full: nothing more to do
-    try:
-        handler = _BUFFER_HANDLERS[type(obj)]
-    except KeyError:
-        handler = _buffer_handler(type(obj), obj, name)
-    return handler(obj, count, dtype, name, writable, stream)
+    return buffer_handler(obj, name)(obj, count, dtype, name, writable, stream)
 
 
 def check_device(device: int | None, expected: int | None, name: str) -> None:

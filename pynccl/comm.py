@@ -21,7 +21,9 @@ from typing import Any, ClassVar
 
 from . import groups as _group
 from ._adapt import _BUFFER_HANDLERS, as_buffer, as_stream, buffer_handler, check_device
-from ._capi.nccl import NcclLibrary
+from ._adapt import _PTR_LIMIT as _U64  # pointers and size_t counts lie in [0, 2**64)
+from ._adapt import check_pointer as _check_pointer
+from ._capi.nccl import C_DATATYPE, C_REDOP, NcclLibrary
 from ._capi.structs import (
     NCCL_SPLIT_NOCOLOR,
     NCCL_UNIQUE_ID_BYTES,
@@ -216,13 +218,10 @@ for _op in RedOp:
     _OP_NAMES[_op.c_name] = int(_op)
 del _op
 # The ops that need no per-call check (avg is refused on integers and before 2.10).
-# ctypes converts a c_int instance much faster than an int for a c_int parameter (an
-# int goes through c_int.from_param's generic path): the hot paths pass shared,
-# never-mutated c_int objects for ncclDataType_t and ncclRedOp_t.
-_FAST_OPS = {k: c_int(v) for k, v in _OP_NAMES.items() if v != RedOp.AVG}
+# The hot paths pass the shared c_int of each type and op (C_DATATYPE, C_REDOP).
+_FAST_OPS = {k: C_REDOP[RedOp(v)] for k, v in _OP_NAMES.items() if v != RedOp.AVG}
 _SUM = RedOp.SUM
 _C_SUM = _FAST_OPS[_SUM]
-_U64 = 1 << 64  # pointers and size_t counts lie in [0, 2**64)
 # The same for size_t counts, which repeat (the same buffers, call after call): a bounded
 # cache of c_size_t objects, shared and never mutated, keyed by the count.
 _SIZE_ARGS: dict[int, c_size_t] = {}
@@ -258,15 +257,6 @@ def _check_count(count: Any, name: str = "count") -> int:
         # ctypes would silently wrap a size_t of 2**64 or more: refuse it here.
         raise ValueError(f"{name} must be a non-negative int below 2**64, got {count!r}")
     return count
-
-
-def _check_pointer(name: str, ptr: int, count: int) -> None:
-    """Refuse a raw pointer NCCL must not see: NULL (unless nothing moves), negative, or
-    2**64 and up (ctypes would silently wrap it into another address)."""
-    if ptr < 0 or ptr >= _U64:
-        raise ValueError(f"{name}={ptr} is not a valid pointer (expected 0 < ptr < 2**64)")
-    if ptr == 0 and count:
-        raise ValueError(f"{name} is a NULL pointer but count={count}; expected ptr > 0")
 
 
 class Communicator:
@@ -381,10 +371,10 @@ class Communicator:
         self._watch: Watchdog | None = None
         self._error: BaseException | None = None
         version = L.version
-        # The ncclDataType_t argument for each type this library accepts, as a c_int
-        # (see _FAST_OPS); None for a type it is too old for.
+        # The ncclDataType_t argument for each type this library accepts (its shared
+        # c_int from C_DATATYPE); None for a type it is too old for.
         self._codes: dict[DataType, c_int | None] = {
-            dt: c_int(dt) if version >= dt.first_release else None for dt in DataType
+            dt: C_DATATYPE[dt] if version >= dt.first_release else None for dt in DataType
         }
         self._native = L.has("ncclAlltoAll") and L.has("ncclGather") and L.has("ncclScatter")
         # Bare ctypes functions, bound once: the hot path calls them directly.
@@ -1206,7 +1196,7 @@ class Communicator:
         ``recvbuf=None`` broadcasts in place in ``sendbuf``.
         """
         h = self._live()
-        s = self._stream if stream is None else as_stream(stream)
+        s = self._s(stream)
         root = self._rank_arg(root, "root")
         code = self._raw_pair(sendbuf, recvbuf, count, dtype)
         if code is not None:
@@ -1240,7 +1230,7 @@ class Communicator:
         ``recvbuf=None`` reduces in place (on the root the result lands in ``sendbuf``).
         """
         h = self._live()
-        s = self._stream if stream is None else as_stream(stream)
+        s = self._s(stream)
         root = self._rank_arg(root, "root")
         code = self._raw_pair(sendbuf, recvbuf, count, dtype)
         if code is not None:
@@ -1270,7 +1260,7 @@ class Communicator:
     ) -> None:
         """``ncclAllGather``: ``recvbuf`` = every rank's ``sendbuf`` (``count`` each), by rank."""
         h = self._live()
-        s = self._stream if stream is None else as_stream(stream)
+        s = self._s(stream)
         code = self._raw_pair(sendbuf, recvbuf, count, dtype)
         if code is not None:
             self._call("ncclAllGather", -1, (sendbuf, recvbuf, count, code, h, s))
@@ -1295,7 +1285,7 @@ class Communicator:
     ) -> None:
         """``ncclReduceScatter``: rank r gets block r (``count`` elements) of op(sendbuf)."""
         h = self._live()
-        s = self._stream if stream is None else as_stream(stream)
+        s = self._s(stream)
         code = self._raw_pair(sendbuf, recvbuf, count, dtype)
         if code is not None:
             args = (sendbuf, recvbuf, count, code, self._op(op, dtype), h, s)
@@ -1403,7 +1393,7 @@ class Communicator:
         ``count`` defaults to ``len(sendbuf) // size``.
         """
         h = self._live()
-        s = self._stream if stream is None else as_stream(stream)
+        s = self._s(stream)
         code = self._raw_pair(sendbuf, recvbuf, count, dtype) if self._native else None
         if code is not None:
             self._call("ncclAlltoAll", -1, (sendbuf, recvbuf, count, code, h, s))
@@ -1460,7 +1450,7 @@ class Communicator:
         self, name: str, arg: str, buf: _Buf, peer: int, count: Any, dtype: Any, stream: Any
     ) -> None:
         h = self._live()
-        s = self._stream if stream is None else as_stream(stream)
+        s = self._s(stream)
         peer = self._rank_arg(peer, "peer")
         code = self._raw_pair(buf, buf, count, dtype)
         if code is not None:

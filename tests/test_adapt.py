@@ -87,6 +87,12 @@ def test_raw_pointer_refusals() -> None:
         as_buffer(1 << 64, 4, "float32")
     with pytest.raises(ValueError, match=r"count=-1 for sendbuf must be >= 0"):
         as_buffer(0x1000, -1, "float32")
+    # ctypes would wrap a size_t of 2**64 and up into a small count: both paths refuse it.
+    from pynccl.enums import DataType
+
+    for dtype in ("float32", DataType.FLOAT32):
+        with pytest.raises(ValueError, match=r"count=18446744073709551621 for sendbuf .* 2\*\*64"):
+            as_buffer(0x1000, (1 << 64) + 5, dtype)
     with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got float 2.0"):
         as_buffer(0x1000, 2.0, "float32")
     with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got bool"):

@@ -636,6 +636,13 @@ def decode_version(code: int) -> Release:
     return (code // 1000, code % 1000 // 100, code % 100)
 
 
+#: One shared, never-mutated c_int per DataType / RedOp member. ctypes passes such an
+#: object for a C int parameter several times faster than it converts a Python int;
+#: the low-level wrappers (ENUM_ARGS) and Communicator's hot paths both use these.
+C_DATATYPE: dict[DataType, c_int] = {m: c_int(m) for m in DataType}
+C_REDOP: dict[RedOp, c_int] = {m: c_int(m) for m in RedOp}
+
+
 class NcclLibrary(BoundLibrary):
     """A loaded libnccl: its functions by their C names, checked and version-aware.
 
@@ -651,10 +658,7 @@ class NcclLibrary(BoundLibrary):
     PROTOTYPES = PROTOTYPES
     OK = Result.SUCCESS
     KIND = "NCCL"
-    ENUM_ARGS = {
-        "datatype": (DataType, {m: c_int(m) for m in DataType}),
-        "op": (RedOp, {m: c_int(m) for m in RedOp}),
-    }
+    ENUM_ARGS = {"datatype": (DataType, C_DATATYPE), "op": (RedOp, C_REDOP)}
 
     version: Release
 
