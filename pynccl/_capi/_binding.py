@@ -49,7 +49,6 @@ def _generate(
         # A nonzero code goes to _fail, which raises (or returns a non-error such as
         # ncclInProgress / cudaErrorNotReady).
         body = f"    rc = _cfunc({params})\n    if rc:\n        return _fail(rc, {name!r})\n    return _ok\n"
-        body = prologue + body
     elif proto.restype is c_char_p:
         body = (
             f"    text = _cfunc({params})\n"
@@ -57,7 +56,7 @@ def _generate(
         )
     else:
         body = f"    _cfunc({params})\n"
-    exec(f"def {name}({params}):\n{body}", namespace)
+    exec(f"def {name}({params}):\n{prologue}{body}", namespace)
     wrapper = namespace[name]
     wrapper.__doc__ = doc
     return wrapper

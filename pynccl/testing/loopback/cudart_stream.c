@@ -580,37 +580,39 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     return cudaSuccess;
 }
 
-cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
-    cudaError_t err = lb_check_usable(__func__);
+/* What cudaStreamSynchronize and cudaStreamQuery share: check the stream (and that a
+ * capture allows waiting on it), then snapshot the work it must wait for (*n >= 0). */
+static cudaError_t stream_wait_targets(cudaStream_t stream, const char *fn, lb_snap **snaps,
+                                       long *n) {
+    cudaError_t err = lb_check_usable(fn);
     if (err) return err;
     struct CUstream_st *s;
-    if ((err = lb_stream_get(stream, __func__, &s))) return err;
-    if ((err = lb_capture_sync(s, __func__))) {
+    if ((err = lb_stream_get(stream, fn, &s))) return err;
+    if ((err = lb_capture_sync(s, fn))) {
         lb_stream_put(s);
         return err;
     }
-    lb_snap *snaps;
-    long n = sync_targets(s, s->device, LB_SYNC_SELF, &snaps);
+    *n = sync_targets(s, s->device, LB_SYNC_SELF, snaps);
     lb_stream_put(s);
-    if (n < 0) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    if (*n < 0) return lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory");
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+    lb_snap *snaps;
+    long n;
+    cudaError_t err = stream_wait_targets(stream, __func__, &snaps, &n);
+    if (err) return err;
     wait_snaps(snaps, n);
     lb_mem_reap();
     return cudaSuccess;
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
-    cudaError_t err = lb_check_usable(__func__);
-    if (err) return err;
-    struct CUstream_st *s;
-    if ((err = lb_stream_get(stream, __func__, &s))) return err;
-    if ((err = lb_capture_sync(s, __func__))) {
-        lb_stream_put(s);
-        return err;
-    }
     lb_snap *snaps;
-    long n = sync_targets(s, s->device, LB_SYNC_SELF, &snaps);
-    lb_stream_put(s);
-    if (n < 0) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    long n;
+    cudaError_t err = stream_wait_targets(stream, __func__, &snaps, &n);
+    if (err) return err;
     for (long i = 0; i < n; i++) lb_stream_put(snaps[i].stream);
     free(snaps);
     return n > 0 ? cudaErrorNotReady : cudaSuccess;
