@@ -1,0 +1,67 @@
+"""Types of what pynccl accepts, for annotations in user code and in pynccl itself.
+
+Importing this module costs nothing at run time beyond :mod:`typing` (already loaded by any
+program that annotates); it loads no library.
+
+* :class:`SupportsCAI` — an object with ``__cuda_array_interface__`` (CuPy, Numba, PyTorch).
+* :class:`SupportsDLPack` — an object with ``__dlpack__`` / ``__dlpack_device__``.
+* :class:`SupportsCudaStream` — an object with ``__cuda_stream__`` (cuda.core and others).
+* ``BufferLike`` — what a collective takes as ``sendbuf`` / ``recvbuf``: either protocol, a
+  :class:`pynccl.cuda.DeviceBuffer`, or a raw device pointer (``int``).
+* ``StreamLike`` — what ``stream=`` takes: None (the default stream), an ``int`` handle,
+  a :class:`pynccl.cuda.Stream`, or any object speaking a stream protocol.
+* ``DTypeLike`` and ``OpLike`` — what ``dtype=`` and ``op=`` take.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+
+if TYPE_CHECKING:
+    from .enums import DataType, RedOp
+
+__all__ = [
+    "BufferLike",
+    "DTypeLike",
+    "OpLike",
+    "StreamLike",
+    "SupportsCAI",
+    "SupportsCudaStream",
+    "SupportsDLPack",
+]
+
+
+@runtime_checkable
+class SupportsCAI(Protocol):
+    """Exposes ``__cuda_array_interface__`` (version 2 or 3): a dict with ``data``,
+    ``shape``, ``typestr`` and optionally ``strides`` and ``stream``."""
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]: ...
+
+
+@runtime_checkable
+class SupportsDLPack(Protocol):
+    """Exposes DLPack: ``__dlpack__(stream=...)`` returning a capsule, and
+    ``__dlpack_device__()`` returning ``(device_type, device_id)``."""
+
+    def __dlpack__(self, *, stream: Any = ...) -> Any: ...
+
+    def __dlpack_device__(self) -> tuple[int, int]: ...
+
+
+@runtime_checkable
+class SupportsCudaStream(Protocol):
+    """Exposes ``__cuda_stream__()`` returning ``(version, handle)``."""
+
+    def __cuda_stream__(self) -> tuple[int, int]: ...
+
+
+#: A buffer for a collective: an array protocol object or a raw device pointer.
+BufferLike = Union[SupportsCAI, SupportsDLPack, int]
+#: A CUDA stream: None (default stream), an int handle, or a stream object.
+StreamLike = Union[None, int, SupportsCudaStream, object]
+#: A data type: a DataType, a name ("float32", "bf16"), a numpy/CuPy/ml_dtypes dtype.
+DTypeLike = Union["DataType", str, int, object]
+#: A reduction op: a RedOp, a name ("sum", "avg"), or an int op from create_premul_sum().
+OpLike = Union["RedOp", str, int]
