@@ -34,7 +34,7 @@ from pynccl.bootstrap import (
     TcpRendezvousServer,
     from_env,
 )
-from pynccl.bootstrap import tcp as tcpmod
+from pynccl.bootstrap import _wire as wire
 
 HOST = "127.0.0.1"
 OK_TIMEOUT = 60.0  # generous: success must not depend on the machine's load
@@ -111,7 +111,7 @@ def _read_reply(sock) -> bytes:
 
 def _error_text(reply: bytes) -> str:
     magic, version, kind, length = struct.unpack("!4sBBI", reply[:10])
-    assert (magic, version, kind) == (b"PNRV", 1, tcpmod.ERROR)
+    assert (magic, version, kind) == (b"PNRV", 1, wire.ERROR)
     return reply[11 : 10 + length].decode()
 
 
@@ -231,7 +231,7 @@ def test_tcp_world_size_mismatch(no_leaks):
 def test_tcp_second_rank_zero(no_leaks):
     with _server(_payload(), 2) as server:
         with socket.create_connection(server.address, timeout=OK_TIMEOUT) as s:
-            s.sendall(tcpmod._frame(tcpmod.HELLO, struct.pack("!B32sII", 1, bytes(32), 0, 2)))
+            s.sendall(wire.frame(wire.HELLO, struct.pack("!B32sII", 1, bytes(32), 0, 2)))
             assert "two processes claim rank 0" in _error_text(_read_reply(s))
 
 
@@ -247,16 +247,16 @@ def test_tcp_garbage_truncated_oversized_and_old_versions(no_leaks, caplog):
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert "bad magic" in _error_text(_read_reply(s))
         with _raw(port) as s:  # a length prefix of 4 GiB
-            s.sendall(struct.pack("!4sBBI", b"PNRV", 1, tcpmod.HELLO, 0xFFFFFFFF))
+            s.sendall(struct.pack("!4sBBI", b"PNRV", 1, wire.HELLO, 0xFFFFFFFF))
             assert "oversized" in _error_text(_read_reply(s))
         with _raw(port) as s:  # a future protocol version
-            s.sendall(struct.pack("!4sBBI", b"PNRV", 9, tcpmod.HELLO, 41) + bytes(41))
+            s.sendall(struct.pack("!4sBBI", b"PNRV", 9, wire.HELLO, 41) + bytes(41))
             assert "version 9 is not supported" in _error_text(_read_reply(s))
         with _raw(port) as s:  # out of order: AUTH before HELLO
-            s.sendall(struct.pack("!4sBBI", b"PNRV", 1, tcpmod.AUTH, 32) + bytes(32))
+            s.sendall(struct.pack("!4sBBI", b"PNRV", 1, wire.AUTH, 32) + bytes(32))
             assert "message type 3 where 1 expected" in _error_text(_read_reply(s))
         s = _raw(port)  # truncated: half a HELLO, then the client vanishes
-        s.sendall(struct.pack("!4sBBI", b"PNRV", 1, tcpmod.HELLO, 41) + bytes(10))
+        s.sendall(struct.pack("!4sBBI", b"PNRV", 1, wire.HELLO, 41) + bytes(10))
         s.close()
         # legitimate ranks are served all along
         assert _run_ranks(lambda r: _fetch(port, r, 3), (1, 2)) == {1: payload, 2: payload}
@@ -292,7 +292,7 @@ def test_tcp_silent_and_dripping_clients_time_out_without_stalling_others(no_lea
         port = server.address[1]
         silent = _raw(port)
         drip = _raw(port)
-        hello = struct.pack("!4sBBI", b"PNRV", 1, tcpmod.HELLO, 41) + bytes(41)
+        hello = struct.pack("!4sBBI", b"PNRV", 1, wire.HELLO, 41) + bytes(41)
         drip.sendall(hello[:1])
         # a legitimate rank is served while both are still connected
         assert _fetch(port, 1, 3) == payload
@@ -357,7 +357,7 @@ def _recv_frame(conn):
 
 def _challenge_then(conn, tail: bytes):
     _recv_frame(conn)  # HELLO
-    conn.sendall(tcpmod._frame(tcpmod.CHALLENGE, bytes(32)))
+    conn.sendall(wire.frame(wire.CHALLENGE, bytes(32)))
     _recv_frame(conn)  # AUTH
     conn.sendall(tail)
 
@@ -371,26 +371,26 @@ def _challenge_then(conn, tail: bytes):
             "not a pynccl rendezvous server",
         ),
         (
-            lambda c: _challenge_then(c, tcpmod._frame(tcpmod.PAYLOAD, bytes(64 + 128))),
+            lambda c: _challenge_then(c, wire.frame(wire.PAYLOAD, bytes(64 + 128))),
             RendezvousAuthError,
             "could not prove it knows",
         ),
         (
             lambda c: _challenge_then(
-                c, struct.pack("!4sBBI", b"PNRV", 1, tcpmod.PAYLOAD, 0xFFFFFFF0)
+                c, struct.pack("!4sBBI", b"PNRV", 1, wire.PAYLOAD, 0xFFFFFFF0)
             ),
             RendezvousProtocolError,
             "over the",
         ),
         (
             lambda c: _challenge_then(
-                c, struct.pack("!4sBBI", b"PNRV", 1, tcpmod.PAYLOAD, 192) + bytes(50)
+                c, struct.pack("!4sBBI", b"PNRV", 1, wire.PAYLOAD, 192) + bytes(50)
             ),
             RendezvousProtocolError,
             "truncated",
         ),
         (
-            lambda c: c.sendall(struct.pack("!4sBBI", b"PNRV", 2, tcpmod.CHALLENGE, 32)),
+            lambda c: c.sendall(struct.pack("!4sBBI", b"PNRV", 2, wire.CHALLENGE, 32)),
             RendezvousProtocolError,
             "protocol version 2",
         ),
