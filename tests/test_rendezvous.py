@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import shutil
 import socket
 import stat
@@ -314,6 +315,71 @@ def test_tcp_connection_bound_does_not_stall_service(no_leaks):
         server.wait()
         for s in idle:
             s.close()
+
+
+class _Flood:
+    """``n`` connections to ``port`` that never say a word. With ``reconnect``, each one the
+    server drops is replaced at once, from a thread (a client bent on holding every slot)."""
+
+    def __init__(self, port: int, n: int, *, reconnect: bool) -> None:
+        self.port = port
+        self.sel = selectors.DefaultSelector()
+        for _ in range(n):
+            self.sel.register(_raw(port), selectors.EVENT_READ)
+        self.reconnects = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run) if reconnect else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key, _ in self.sel.select(0.02):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                self.sel.unregister(sock)
+                sock.close()
+                try:
+                    new = socket.create_connection((HOST, self.port), timeout=1.0)
+                except OSError:
+                    continue  # the server is gone: it served everyone
+                self.sel.register(new, selectors.EVENT_READ)
+                self.reconnects += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(OK_TIMEOUT)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self.sel.close()
+
+
+@pytest.mark.parametrize("reconnect", [False, True], ids=["idle", "reconnecting"])
+def test_tcp_ranks_served_under_connection_exhaustion(no_leaks, reconnect):
+    # 200 silent connections against 64 slots, with the default per-connection timeout (30 s)
+    # longer than the rendezvous timeout: every rightful rank is still served, promptly.
+    payload, size, timeout = _payload(), 4, 20.0
+    with _server(payload, size, timeout=timeout, max_connections=64) as server:
+        port = server.address[1]
+        flood = _Flood(port, 200, reconnect=reconnect)
+        try:
+            elapsed: dict[int, float] = {}
+
+            def rank(r: int) -> bytes:
+                start = time.monotonic()
+                got = _fetch(port, r, size, timeout=timeout)
+                elapsed[r] = time.monotonic() - start
+                return got
+
+            results = _run_ranks(rank, range(1, size))
+            assert results == {r: payload for r in range(1, size)}, results
+            server.wait(timeout=5.0)
+            assert max(elapsed.values()) < timeout / 2, elapsed
+            if reconnect:
+                assert flood.reconnects > 0  # the flood really refilled the slots
+        finally:
+            flood.close()
 
 
 # -- TCP: broken or stray servers, as seen by a client ------------------------------------------

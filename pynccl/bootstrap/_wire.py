@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import struct
 
+from ._seal import KEY_ENV
 from .errors import (
     RendezvousAuthError,
     RendezvousError,
@@ -95,3 +96,31 @@ def check_positive(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name}={value!r} is not a positive number")
     return float(value)
+
+
+def hello_refusal(
+    flags: int, rank: int, world_size: int, served_world: int, server_keyed: bool
+) -> tuple[int, str] | None:
+    """Why rank 0 refuses a HELLO (error code, text for the client), or None to go on."""
+    if flags & ~FLAG_KEY:
+        return ERR_PROTOCOL, f"unknown handshake flags {flags:#x}"
+    if world_size != served_world:
+        return ERR_MISMATCH, (
+            f"world size mismatch: this rank was started with world size {world_size} "
+            f"but rank 0 serves world size {served_world} (a rank of another job?)"
+        )
+    if rank == 0:
+        return ERR_MISMATCH, "rank 0 is the server: two processes claim rank 0"
+    if rank >= world_size:
+        return ERR_MISMATCH, f"rank {rank} is not below world size {world_size}"
+    has_key = bool(flags & FLAG_KEY)
+    if has_key and not server_keyed:
+        return ERR_AUTH, (
+            f"this rank has a rendezvous key but rank 0 has none: set the same {KEY_ENV} "
+            "on every rank"
+        )
+    if not has_key and server_keyed:
+        return ERR_AUTH, (
+            f"rank 0 requires a rendezvous key but this rank has none: set {KEY_ENV} on every rank"
+        )
+    return None

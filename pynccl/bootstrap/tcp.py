@@ -53,7 +53,9 @@ __all__ = ["DEFAULT_MAX_PAYLOAD", "TcpRendezvous", "TcpRendezvousServer"]
 
 
 class _Retry(Exception):
-    """The server went away before saying anything: try again (it may be restarting)."""
+    """The server closed the connection without answering: try again. It may be
+    restarting, or it dropped this unauthenticated connection to make room for others
+    (a server never refuses a rank silently: a refusal is an error frame)."""
 
 
 class TcpRendezvous:
@@ -67,8 +69,10 @@ class TcpRendezvous:
     failures instead of raising them). On the other ranks it connects with
     exponential backoff until ``timeout``.
 
-    ``connection_timeout`` bounds each client's handshake on the server;
-    ``max_connections`` bounds concurrent connections; ``bind`` overrides the
+    ``connection_timeout`` bounds each client's handshake on the server (never
+    beyond ``timeout``); ``max_connections`` bounds concurrent connections (when
+    all are taken, the oldest unauthenticated one makes room; a rank dropped that
+    way reconnects); ``bind`` overrides the
     address rank 0 listens on (default: ``host`` if it is a loopback address,
     else all interfaces after checking that ``host`` is local).
     """
@@ -220,11 +224,11 @@ class TcpRendezvous:
         tx = transcript(nonce_c, nonce_s, rank, world_size)
         try:
             sock.sendall(frame(AUTH, mac(key, b"pynccl-rdzv client", tx)))
-        except OSError as e:
-            raise RendezvousProtocolError(
-                f"rank {rank}: connection to rank 0 at {where} lost during the handshake: {e}"
-            ) from None
-        body = self._read(sock, PAYLOAD, 2 * DIGEST + self.max_payload, rank, deadline, where)
+        except OSError as e:  # dropped to make room (a server under a flood): reconnect
+            raise _Retry(f"connection lost during the handshake: {e}") from None
+        body = self._read(
+            sock, PAYLOAD, 2 * DIGEST + self.max_payload, rank, deadline, where, first=True
+        )
         if len(body) < 2 * DIGEST or not hmac.compare_digest(
             body[:DIGEST], mac(key, b"pynccl-rdzv server", tx)
         ):

@@ -9,10 +9,8 @@ nothing is cut off without stalling the others) and an overall deadline.
 
 from __future__ import annotations
 
-import errno
 import heapq
 import hmac
-import ipaddress
 import logging
 import os
 import selectors
@@ -21,16 +19,15 @@ import threading
 import time
 
 from ._common import check_share_args, format_ranks
+from ._net import open_listener
 from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, seal
 from ._wire import (
     AUTH,
     CHALLENGE,
     DEFAULT_MAX_PAYLOAD,
     ERR_AUTH,
-    ERR_MISMATCH,
     ERR_PROTOCOL,
     ERR_TIMEOUT,
-    FLAG_KEY,
     HEADER,
     HELLO,
     HELLO_BODY,
@@ -41,9 +38,10 @@ from ._wire import (
     check_positive,
     error_frame,
     frame,
+    hello_refusal,
     transcript,
 )
-from .errors import RendezvousAddressError, RendezvousError, RendezvousTimeoutError
+from .errors import RendezvousError, RendezvousTimeoutError
 
 __all__ = ["TcpRendezvousServer"]
 
@@ -67,6 +65,7 @@ class _Conn:
         "nonce_s",
         "outbuf",
         "peer",
+        "pool",
         "rank",
         "sock",
         "state",
@@ -86,43 +85,7 @@ class _Conn:
         self.discarded = 0
         self.closed = False
         self.writing = False  # registered for EVENT_WRITE
-
-
-def _resolve_bind(host: str, port: int, bind: str | None) -> tuple[socket.AddressFamily, str]:
-    """Where rank 0 listens: loopback stays loopback, other addresses listen on all interfaces
-    once we know ``host`` is one of ours (so a wrong MASTER_ADDR fails here, not as a hang)."""
-    if bind is not None:
-        try:
-            fam = socket.AF_INET6 if ipaddress.ip_address(bind).version == 6 else socket.AF_INET
-        except ValueError:
-            fam = socket.AF_INET
-        return fam, bind
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise RendezvousAddressError(
-            f"rank 0 cannot resolve the rendezvous host {host!r} (MASTER_ADDR): {e}"
-        ) from None
-    addrs = [(info[0], str(info[4][0])) for info in infos]
-    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for _, a in addrs):
-        return addrs[0]
-    local = []
-    for fam, addr in addrs:
-        try:
-            with socket.socket(fam, socket.SOCK_STREAM) as probe:
-                probe.bind((addr, 0))
-            local.append(fam)
-        except OSError:
-            continue
-    if not local:
-        shown = ", ".join(a for _, a in addrs)
-        raise RendezvousAddressError(
-            f"rank 0 cannot listen on {host}:{port}: {host} ({shown}) is not an address of "
-            f"this machine ({socket.gethostname()}); MASTER_ADDR must name rank 0's host"
-        )
-    if socket.AF_INET in local:
-        return socket.AF_INET, "0.0.0.0"
-    return socket.AF_INET6, "::"
+        self.pool: dict[_Conn, None] | None = None  # the eviction pool it sits in, if any
 
 
 class TcpRendezvousServer:
@@ -137,6 +100,12 @@ class TcpRendezvousServer:
     :meth:`start`) passes, or on :meth:`close`. Misbehaving clients are refused
     with an error frame and logged on the ``pynccl.bootstrap`` logger; they do
     not stop the server. ``port=0`` picks a free port (see :attr:`address`).
+
+    Rightful ranks are served whatever other connections do: a handshake must
+    finish within ``connection_timeout`` (capped at ``timeout``), and when all
+    ``max_connections`` slots are taken, each new connection displaces the oldest
+    unauthenticated one (refused ones first, then those that sent nothing, then
+    those challenged); only ranks that proved the key keep their slot.
     """
 
     def __init__(
@@ -169,8 +138,17 @@ class TcpRendezvousServer:
         self._world_size = world_size
         self._key = normalize_key(key)
         self._timeout = float(timeout)
-        self._conn_timeout = check_positive("connection_timeout", connection_timeout)
+        # a handshake may never outlast the rendezvous: slots must free up within it
+        self._conn_timeout = min(
+            check_positive("connection_timeout", connection_timeout), self._timeout
+        )
         self._max_conns = max_connections
+        # Unauthenticated connections, oldest first, in the order they are evicted when every
+        # slot is taken: refused ones still closing, then silent ones, then those challenged.
+        self._doomed: dict[_Conn, None] = {}
+        self._fresh: dict[_Conn, None] = {}
+        self._challenged: dict[_Conn, None] = {}
+        self._evicted = 0
         self._served: set[int] = set()
         self._rejections: list[str] = []
         self._conns: dict[int, _Conn] = {}
@@ -185,25 +163,7 @@ class TcpRendezvousServer:
         self._thread: threading.Thread | None = None
         self._deadline = 0.0
 
-        family, bind_host = _resolve_bind(host, port, bind)
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((bind_host, port))
-            sock.listen(min(max(world_size, 128), 4096))
-        except OSError as e:
-            sock.close()
-            why = (
-                "the port is already in use (another job, or a previous run still "
-                "holding it); choose another MASTER_PORT"
-                if e.errno == errno.EADDRINUSE
-                else str(e)
-            )
-            err = RendezvousAddressError(
-                f"rank 0 cannot listen on {host}:{port} (bound {bind_host}:{port}): {why}"
-            )
-            err.errno = e.errno
-            raise err from None
+        sock = open_listener(host, port, bind, backlog=min(max(world_size, 128), 4096))
         sock.setblocking(False)
         self._listener = sock
         self._listening = False
@@ -263,8 +223,13 @@ class TcpRendezvousServer:
             return
         if self._outcome == "timeout":
             detail = ""
+            if self._evicted:
+                detail += (
+                    f"; {self._evicted} unauthenticated connection(s) were dropped at the "
+                    f"bound of {self._max_conns}"
+                )
             if self._rejections:
-                detail = "; refused meanwhile: " + "; ".join(self._rejections[-5:])
+                detail += "; refused meanwhile: " + "; ".join(self._rejections[-5:])
             raise RendezvousTimeoutError(
                 f"rank 0: ranks {self._missing()} of {self._world_size} did not fetch the id "
                 f"from {self._host}:{self._port} within {self._timeout:g} s (did they start, "
@@ -366,6 +331,7 @@ class TcpRendezvousServer:
             wake = self._deadline
             if self._heap:
                 wake = min(wake, self._heap[0][0])
+            accept = False
             for skey, mask in self._sel.select(max(0.0, wake - now)):
                 data = skey.data
                 if data is None:
@@ -374,13 +340,15 @@ class TcpRendezvousServer:
                     except BlockingIOError:
                         pass
                 elif data is self._listener:
-                    self._accept()
+                    accept = True
                 else:
                     assert isinstance(data, _Conn)
                     if mask & selectors.EVENT_READ and not data.closed:
                         self._on_readable(data)
                     if mask & selectors.EVENT_WRITE and not data.closed:
                         self._flush(data)
+            if accept:  # after the reads: a rank's HELLO already here moves it out of _fresh
+                self._accept()
 
     def _expire(self, now: float) -> None:
         while self._heap and self._heap[0][0] <= now:
@@ -403,7 +371,14 @@ class TcpRendezvousServer:
         heapq.heappush(self._heap, (deadline, self._seq, conn))
 
     def _accept(self) -> None:
-        while len(self._conns) < self._max_conns:
+        # At most half the bound per round, so that a connection accepted now is read (and a
+        # rank's HELLO moves it on) before the ones after it can evict it.
+        for _ in range(max(1, self._max_conns // 2)):
+            full = len(self._conns) >= self._max_conns
+            if full and not (self._doomed or self._fresh or self._challenged):
+                # every slot is an authenticated rank being served: they leave soon
+                self._set_listening(False)
+                return
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -411,6 +386,8 @@ class TcpRendezvousServer:
             except OSError as e:  # EMFILE and friends: keep serving those already connected
                 logger.warning("rendezvous: accept failed on port %d: %s", self._port, e)
                 return
+            if full:
+                self._evict()
             sock.setblocking(False)
             peer = f"{addr[0]}:{addr[1]}"
             conn = _Conn(sock, peer, 0.0)
@@ -418,12 +395,39 @@ class TcpRendezvousServer:
             with self._lock:
                 self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
-        self._set_listening(False)  # at the connection bound: leave the rest in the backlog
+            self._move(conn, self._fresh)
+
+    def _move(self, conn: _Conn, pool: dict[_Conn, None] | None) -> None:
+        """Put ``conn`` at the young end of the eviction ``pool`` (None: not evictable)."""
+        if conn.pool is not None:
+            conn.pool.pop(conn, None)
+        conn.pool = pool
+        if pool is not None:
+            pool[conn] = None
+
+    def _evict(self) -> None:
+        """Drop the oldest unauthenticated connection to make room for a new one: whatever
+        idle or hostile clients do, a rank that answers its challenge is served. A client
+        dropped before it was answered reconnects (see :meth:`TcpRendezvous.fetch`)."""
+        for pool in (self._doomed, self._fresh, self._challenged):
+            if pool:
+                conn = next(iter(pool))
+                self._evicted += 1
+                logger.info(
+                    "rendezvous on port %d: all %d connection slots taken; dropped %s, the "
+                    "oldest unauthenticated one",
+                    self._port,
+                    self._max_conns,
+                    conn.peer,
+                )
+                self._drop(conn)
+                return
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
             return
         conn.closed = True
+        self._move(conn, None)
         try:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
@@ -446,6 +450,7 @@ class TcpRendezvousServer:
         conn.inbuf.clear()
         conn.outbuf += error_frame(code, reason)
         conn.state = _CLOSING
+        self._move(conn, self._doomed)
         if not linger:
             self._push_deadline(conn, time.monotonic() + 0.5)
         self._flush(conn)
@@ -560,43 +565,14 @@ class TcpRendezvousServer:
     def _on_hello(self, conn: _Conn, body: bytes) -> None:
         flags, nonce_c, rank, world_size = HELLO_BODY.unpack(body)
         conn.rank = rank
-        if flags & ~FLAG_KEY:
-            self._reject(conn, ERR_PROTOCOL, f"unknown handshake flags {flags:#x}")
-            return
-        if world_size != self._world_size:
-            self._reject(
-                conn,
-                ERR_MISMATCH,
-                f"world size mismatch: this rank was started with world size {world_size} "
-                f"but rank 0 serves world size {self._world_size} (a rank of another job?)",
-            )
-            return
-        if rank == 0:
-            self._reject(conn, ERR_MISMATCH, "rank 0 is the server: two processes claim rank 0")
-            return
-        if rank >= world_size:
-            self._reject(conn, ERR_MISMATCH, f"rank {rank} is not below world size {world_size}")
-            return
-        has_key = bool(flags & FLAG_KEY)
-        if has_key and self._key is None:
-            self._reject(
-                conn,
-                ERR_AUTH,
-                f"this rank has a rendezvous key but rank 0 has none: set the same {KEY_ENV} "
-                "on every rank",
-            )
-            return
-        if not has_key and self._key is not None:
-            self._reject(
-                conn,
-                ERR_AUTH,
-                f"rank 0 requires a rendezvous key but this rank has none: set {KEY_ENV} "
-                "on every rank",
-            )
+        refusal = hello_refusal(flags, rank, world_size, self._world_size, self._key is not None)
+        if refusal is not None:
+            self._reject(conn, *refusal)
             return
         conn.nonce_c = nonce_c
         conn.nonce_s = os.urandom(NONCE)
         conn.state = _READ_AUTH
+        self._move(conn, self._challenged)
         conn.outbuf += frame(CHALLENGE, conn.nonce_s)
         self._flush(conn)
 
@@ -614,5 +590,6 @@ class TcpRendezvousServer:
         session = mac(key, b"pynccl-rdzv session", tx)
         proof = mac(key, b"pynccl-rdzv server", tx)
         conn.state = _SENDING
+        self._move(conn, None)  # authenticated: never evicted
         conn.outbuf += frame(PAYLOAD, proof + seal(session, self._payload))
         self._flush(conn)
