@@ -5,25 +5,39 @@ Usage::
     python -m pynccl launch -n N [--devices 0,1,...] [--loopback] [--timeout S]
                             [--grace S] [--master-port P] script.py [args...]
     python -m pynccl launch -n N [...] -m package.module [args...]
+    python -m pynccl launch -n N --nnodes M --node-rank K --master-addr A
+                            [--master-port P] [...] script.py [args...]
 
 Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port), a fresh random
 ``PYNCCL_RENDEZVOUS_KEY`` and ``PYNCCL_LAUNCHER=pynccl``, so that
 ``pynccl.bootstrap.from_env()`` just works. ``--devices`` sets
 ``CUDA_VISIBLE_DEVICES`` to the chosen devices (rank k uses the k-th);
-``--loopback`` adds the environment of the GPU-less loopback libraries.
+``--loopback`` adds the environment of the GPU-less loopback libraries, with as
+many loopback devices as ranks (``PYNCCL_LOOPBACK_DEVICES``, at least 8, unless set).
+
+Several nodes, as torchrun does it: run one launcher per node with the same
+``-n``, ``--nnodes M`` and ``--master-addr`` (node 0's address; ``--master-port``
+defaults to 29500), each with its own ``--node-rank K``. Rank ``K*N + i`` runs
+on node K with ``LOCAL_RANK=i``, ``WORLD_SIZE=M*N`` and ``GROUP_RANK=K``; rank 0
+(on node 0) serves the id at the master address. An exported
+``PYNCCL_RENDEZVOUS_KEY`` is passed to the ranks (export the same secret on every
+node); without one a multi-node job's rendezvous is unauthenticated, with a warning.
 
 Every line a rank prints is prefixed with ``[rank k] `` (stdout to stdout,
 stderr to stderr, whole lines only). SIGINT/SIGTERM are forwarded to the ranks;
 a second one kills them. When a rank fails the others get SIGTERM, then SIGKILL
 after ``--grace`` seconds, and the launcher exits with the failed rank's code
 (128 + signal number for a rank killed by a signal). Each rank runs in its own
-process group, so the processes it starts are stopped with it.
+process group, so the processes it starts are stopped with it. On Linux each rank
+also gets SIGKILL from the kernel when the launcher dies, however it dies (a
+scheduler's SIGKILL included: ``prctl(PR_SET_PDEATHSIG)``), so no rank outlives it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import os
 import secrets
@@ -34,14 +48,31 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO
 
 __all__ = ["main"]
 
 _VALUE_OPTIONS = frozenset(
-    {"-n", "--nproc", "--nproc-per-node", "--devices", "--timeout", "--grace", "--master-port"}
+    {
+        "-n",
+        "--nproc",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "--devices",
+        "--timeout",
+        "--grace",
+        "--nnodes",
+        "--node-rank",
+        "--node_rank",
+        "--master-addr",
+        "--master_addr",
+        "--master-port",
+        "--master_port",
+    }
 )
+_DEFAULT_MULTINODE_PORT = 29500  # torchrun's
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _MAX_LINE = 1 << 20  # longer lines are split (each piece still prefixed and whole)
 _POLL = 0.05  # seconds between checks of the children
 
@@ -57,10 +88,11 @@ def _parser() -> argparse.ArgumentParser:
         "-n",
         "--nproc",
         "--nproc-per-node",
+        "--nproc_per_node",
         dest="nproc",
         type=int,
         required=True,
-        help="number of ranks to start",
+        help="number of ranks to start (on this node)",
     )
     p.add_argument(
         "--devices",
@@ -85,7 +117,32 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)",
     )
     p.add_argument(
-        "--master-port", type=int, default=None, help="rendezvous port (default: a free port)"
+        "--nnodes", type=int, default=1, help="number of nodes, one launcher each (default 1)"
+    )
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=int,
+        default=0,
+        help="this node's index in 0..nnodes-1 (default 0)",
+    )
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default=None,
+        help="address of node 0, where rank 0 serves the rendezvous (required with "
+        "--nnodes > 1; default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=int,
+        default=None,
+        help="rendezvous port (default: a free port on one node, "
+        f"{_DEFAULT_MULTINODE_PORT} with --nnodes > 1)",
     )
     p.add_argument("-m", dest="module", default=None, help="run a module, as python -m does")
     return p
@@ -124,6 +181,28 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _die_with_launcher() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when this process dies,
+    however it dies; ``None`` where ``prctl`` is not available (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    launcher = os.getpid()
+
+    def preexec() -> None:  # runs in the child between fork and exec: nothing that locks
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            os._exit(126)  # exec would give a rank that may outlive us
+        if os.getppid() != launcher:  # we died before the request took effect
+            os._exit(126)
+
+    return preexec
 
 
 def _describe(code: int) -> str:
@@ -214,6 +293,7 @@ class _Job:
         self.timed_out = False
         self.kill_at: float | None = None
         self.wake_r, self.wake_w = socket.socketpair()
+        self.preexec = _die_with_launcher()
 
     def say(self, text: str) -> None:
         self.err.write(f"pynccl launch: {text}\n".encode())
@@ -257,6 +337,7 @@ class _Job:
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # own process group: signals reach grandchildren
                 close_fds=True,
+                preexec_fn=self.preexec,  # dies with the launcher
             )
             self.procs.append(proc)
             prefix = f"[rank {rank}] ".encode()
@@ -398,10 +479,12 @@ class _Job:
 
 
 def _child_envs(
-    nproc: int, devices: list[str] | None, loopback: bool, port: int
-) -> list[dict[str, str]]:
+    opts: argparse.Namespace, devices: list[str] | None, addr: str, port: int
+) -> tuple[list[dict[str, str]], str | None]:
+    """Every local rank's environment, and a warning for the launcher to print (or None)."""
+    nproc, nnodes, node = opts.nproc, opts.nnodes, opts.node_rank
     base = dict(os.environ)
-    if loopback:
+    if opts.loopback:
         # imported late: it builds the loopback libraries on first use
         try:
             module = importlib.import_module("pynccl.testing.loopback")
@@ -410,25 +493,60 @@ def _child_envs(
             raise ValueError(
                 f"--loopback: could not prepare the loopback libraries: {type(e).__name__}: {e}"
             ) from e
-    key = secrets.token_hex(32)
+        # devices follow -n: local rank i uses loopback device i
+        base.setdefault("PYNCCL_LOOPBACK_DEVICES", str(max(8, nproc)))
+    warning = None
+    key = base.get("PYNCCL_RENDEZVOUS_KEY") or None
+    if key is None and nnodes == 1:
+        key = secrets.token_hex(32)
+    elif key is None:
+        warning = (
+            "PYNCCL_RENDEZVOUS_KEY is not set, so the rendezvous between nodes is not "
+            "authenticated: export the same secret on every node"
+        )
     envs = []
-    for rank in range(nproc):
+    for local in range(nproc):
         env = dict(base)
+        env.pop("PYNCCL_RENDEZVOUS_KEY", None)
         env.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(nproc),
-            LOCAL_RANK=str(rank),
+            RANK=str(node * nproc + local),
+            WORLD_SIZE=str(nnodes * nproc),
+            LOCAL_RANK=str(local),
             LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1",
+            GROUP_RANK=str(node),
+            MASTER_ADDR=addr,
             MASTER_PORT=str(port),
-            PYNCCL_RENDEZVOUS_KEY=key,
             PYNCCL_LAUNCHER="pynccl",
             PYTHONUNBUFFERED="1",
         )
+        if key is not None:
+            env["PYNCCL_RENDEZVOUS_KEY"] = key
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         envs.append(env)
-    return envs
+    return envs, warning
+
+
+def _check_options(opts: argparse.Namespace) -> None:
+    if opts.nproc < 1:
+        raise ValueError(f"-n {opts.nproc}: need at least one rank")
+    if opts.nnodes < 1:
+        raise ValueError(f"--nnodes {opts.nnodes}: need at least one node")
+    if not 0 <= opts.node_rank < opts.nnodes:
+        raise ValueError(f"--node-rank {opts.node_rank}: must be in 0..{opts.nnodes - 1}")
+    if opts.nnodes > 1 and opts.master_addr is None:
+        raise ValueError(
+            f"--nnodes {opts.nnodes} needs --master-addr: the address of node 0, where rank 0 "
+            "serves the rendezvous"
+        )
+    if opts.master_addr is not None and not opts.master_addr.strip():
+        raise ValueError("--master-addr is empty")
+    if opts.grace < 0:
+        raise ValueError(f"--grace {opts.grace}: must be >= 0")
+    if opts.timeout is not None and opts.timeout <= 0:
+        raise ValueError(f"--timeout {opts.timeout}: must be > 0")
+    if opts.master_port is not None and not 1 <= opts.master_port <= 65535:
+        raise ValueError(f"--master-port {opts.master_port}: must be in 1..65535")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,14 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help or a usage error: argparse already printed why
         return e.code if isinstance(e.code, int) else 2
     try:
-        if opts.nproc < 1:
-            raise ValueError(f"-n {opts.nproc}: need at least one rank")
-        if opts.grace < 0:
-            raise ValueError(f"--grace {opts.grace}: must be >= 0")
-        if opts.timeout is not None and opts.timeout <= 0:
-            raise ValueError(f"--timeout {opts.timeout}: must be > 0")
-        if opts.master_port is not None and not 1 <= opts.master_port <= 65535:
-            raise ValueError(f"--master-port {opts.master_port}: must be in 1..65535")
+        _check_options(opts)
         devices = None if opts.devices is None else _parse_devices(opts.devices, opts.nproc)
         if opts.module is not None:
             cmd = [sys.executable, "-u", "-m", opts.module, *rest]
@@ -456,8 +567,9 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, "-u", rest[0], *rest[1:]]
         else:
             raise ValueError("nothing to run: give a script or -m module")
-        port = opts.master_port or _free_port()
-        envs = _child_envs(opts.nproc, devices, opts.loopback, port)
+        addr = (opts.master_addr or "127.0.0.1").strip()
+        port = opts.master_port or (_DEFAULT_MULTINODE_PORT if opts.nnodes > 1 else _free_port())
+        envs, warning = _child_envs(opts, devices, addr, port)
     except (ValueError, ImportError) as e:
         parser.print_usage(sys.stderr)
         print(f"python -m pynccl launch: error: {e}", file=sys.stderr)
@@ -476,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
             old_wakeup = signal.set_wakeup_fd(job.wake_w.fileno(), warn_on_full_buffer=False)
             for sig in handled:
                 previous[sig] = signal.signal(sig, lambda s, _f: pending.append(s))
+        if warning is not None:
+            job.say(f"warning: {warning}")
         try:
             job.start()
         except OSError as e:

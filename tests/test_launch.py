@@ -342,13 +342,63 @@ def test_split_keeps_script_options():
     assert launch._split(["-n", "1", "--", "-weird.py"]) == (["-n", "1"], ["-weird.py"])
 
 
-def test_children_detect_the_pynccl_convention():
-    env = launch._child_envs(2, ["0", "1"], False, 12345)
+def test_children_detect_the_pynccl_convention(monkeypatch):
+    monkeypatch.delenv("PYNCCL_RENDEZVOUS_KEY", raising=False)
+    opts = launch._parser().parse_args(["-n", "2"])
+    env, warning = launch._child_envs(opts, ["0", "1"], "127.0.0.1", 12345)
     detected = [detect_launch_env(e) for e in env]
     assert [(d.launcher, d.rank, d.world_size, d.master_port) for d in detected] == [
         ("pynccl", 0, 2, 12345),
         ("pynccl", 1, 2, 12345),
     ]
+    assert warning is None and len({e["PYNCCL_RENDEZVOUS_KEY"] for e in env}) == 1
+
+
+@pytest.mark.parametrize("key", [None, "node-shared-secret"])
+def test_multinode_ranks_and_key(monkeypatch, key):
+    # torchrun's numbering: node K of M with N ranks each runs ranks K*N .. K*N+N-1
+    if key is None:
+        monkeypatch.delenv("PYNCCL_RENDEZVOUS_KEY", raising=False)
+    else:
+        monkeypatch.setenv("PYNCCL_RENDEZVOUS_KEY", key)
+    opts = launch._parser().parse_args(["--nnodes", "3", "--node_rank", "2", "-n", "2"])
+    env, warning = launch._child_envs(opts, None, "10.1.2.3", 29500)
+    got = [
+        (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"])
+        for e in env
+    ]
+    assert got == [("4", "6", "0", "2", "2"), ("5", "6", "1", "2", "2")]
+    detected = [detect_launch_env(e) for e in env]
+    assert [
+        (d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port) for d in detected
+    ] == [
+        (4, 6, 0, "10.1.2.3", 29500),
+        (5, 6, 1, "10.1.2.3", 29500),
+    ]
+    if key is None:  # no secret the nodes could share: unauthenticated, and said so
+        assert all("PYNCCL_RENDEZVOUS_KEY" not in e for e in env)
+        assert warning is not None and "PYNCCL_RENDEZVOUS_KEY" in warning
+    else:
+        assert [e["PYNCCL_RENDEZVOUS_KEY"] for e in env] == [key, key] and warning is None
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--nnodes", "2", "-n", "1"], "--nnodes 2 needs --master-addr"),
+        (["--nnodes", "0", "-n", "1"], "--nnodes 0: need at least one node"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "-n", "1"],
+            "--node-rank 2: must be in 0..1",
+        ),
+        (["--node-rank", "-1", "-n", "1"], "--node-rank -1: must be in 0..0"),
+        (["--master-addr", " ", "-n", "1"], "--master-addr is empty"),
+    ],
+)
+def test_multinode_usage_errors(tmp_path, args, words):
+    out = _launch([*args, _script(tmp_path, "pass\n")])
+    assert out.returncode == 2
+    assert words in out.stderr, out.stderr
 
 
 # -- end to end: launch -> from_env -> a collective on the loopback libraries --------------------

@@ -56,7 +56,7 @@ def _shm(text: str) -> set[str]:
     }
 
 
-# -- python -m pynccl launch ---------------------------------------------------------------------
+# -- python -m pynccl launch (10 ranks: more than the loopback's default of 8 devices) --------
 
 
 @pytest.mark.parametrize(
@@ -64,7 +64,7 @@ def _shm(text: str) -> set[str]:
     [
         (4, {}),
         # small pipelining chunks and p2p rings: every collective crosses many chunks
-        (8, {"PYNCCL_LOOPBACK_CHUNK_BYTES": "65536", "PYNCCL_LOOPBACK_RING_BYTES": "32768"}),
+        (10, {"PYNCCL_LOOPBACK_CHUNK_BYTES": "65536", "PYNCCL_LOOPBACK_RING_BYTES": "32768"}),
     ],
 )
 def test_launch_loopback_collectives(tmp_path: Path, nproc: int, extra: dict[str, str]) -> None:
