@@ -280,6 +280,7 @@ class _Job:
     ) -> None:
         self.cmd = cmd
         self.envs = envs
+        self.ranks = [int(env["RANK"]) for env in envs]  # global ranks; lists index local ones
         self.grace = grace
         self.timeout = timeout
         self.out = _Sink(sys.stdout)
@@ -340,7 +341,7 @@ class _Job:
                 preexec_fn=self.preexec,  # dies with the launcher
             )
             self.procs.append(proc)
-            prefix = f"[rank {rank}] ".encode()
+            prefix = f"[rank {self.ranks[rank]}] ".encode()
             for pipe, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
                 assert pipe is not None
                 stream = _Stream(pipe, prefix, sink)
@@ -410,7 +411,10 @@ class _Job:
                     and not self.timed_out
                 ):
                     self.failure = (rank, code)
-                    self.say(f"rank {rank} failed ({_describe(code)}); stopping the other ranks")
+                    self.say(
+                        f"rank {self.ranks[rank]} failed ({_describe(code)}); stopping the "
+                        "other ranks"
+                    )
                     self.stop_all(signal.SIGTERM)
             now = time.monotonic()
             if (
@@ -448,9 +452,9 @@ class _Job:
         if self.failure is not None:
             rank, code = self.failure
             others = sorted(r for r in self.codes if r != rank)
-            stopped = ", ".join(f"{r}: {_describe(self.codes[r])}" for r in others)
+            stopped = ", ".join(f"{self.ranks[r]}: {_describe(self.codes[r])}" for r in others)
             self.say(
-                f"rank {rank} failed with {_describe(code)}"
+                f"rank {self.ranks[rank]} failed with {_describe(code)}"
                 + (f" (others: {stopped})" if stopped else "")
             )
             return code if code > 0 else 128 + (-code)
