@@ -5,7 +5,12 @@ opening its own connection with the HMAC key, as separate processes would.
 Prints the wall time of the exchange (all client threads already started and
 released together from a barrier) and of the whole run including thread start.
 
+With ``--flood N`` each repeat also runs the exchange while N silent connections
+(replaced as soon as the server drops one) compete for ``--max-connections``
+slots, interleaved with a run without them, and prints both and their ratio.
+
     python scripts/bench_rendezvous.py [--ranks 1024] [--repeat 3] [--ids 1]
+    python scripts/bench_rendezvous.py --ranks 64 --flood 200 --max-connections 64
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import argparse
 import os
 import resource
 import secrets
+import selectors
+import socket
 import statistics
 import sys
 import threading
@@ -30,13 +37,58 @@ def _raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(needed, hard), hard))
 
 
-def run_once(ranks: int, nids: int, timeout: float) -> tuple[float, float]:
+class Flood:
+    """``n`` connections that never speak, each replaced as soon as the server drops it."""
+
+    def __init__(self, port: int, n: int) -> None:
+        self.port = port
+        self.sel = selectors.DefaultSelector()
+        for _ in range(n):
+            self.sel.register(socket.create_connection(("127.0.0.1", port)), selectors.EVENT_READ)
+        self.replaced = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            for key, _ in self.sel.select(0.02):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                self.sel.unregister(sock)
+                sock.close()
+                try:
+                    new = socket.create_connection(("127.0.0.1", self.port), timeout=1.0)
+                except OSError:
+                    continue  # the server is gone
+                self.sel.register(new, selectors.EVENT_READ)
+                self.replaced += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        for key in list(self.sel.get_map().values()):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            sock.close()
+        self.sel.close()
+
+
+def run_once(
+    ranks: int, nids: int, timeout: float, flood: int = 0, max_connections: int = 1024
+) -> tuple[float, float]:
     """(seconds for the exchange, seconds including thread start)."""
     key = secrets.token_hex(32)
     payload = os.urandom(128 * nids)
     t_start = time.perf_counter()
     server = TcpRendezvousServer(
-        payload, host="127.0.0.1", port=0, world_size=ranks, key=key, timeout=timeout
+        payload,
+        host="127.0.0.1",
+        port=0,
+        world_size=ranks,
+        key=key,
+        timeout=timeout,
+        max_connections=max_connections,
     )
     client = TcpRendezvous("127.0.0.1", server.address[1], key)
     go = threading.Barrier(ranks)  # the client threads and this one
@@ -54,13 +106,18 @@ def run_once(ranks: int, nids: int, timeout: float) -> tuple[float, float]:
     for t in threads:
         t.start()
     server.start()
+    flooder = Flood(server.address[1], flood) if flood else None
     go.wait()
     t_go = time.perf_counter()
-    for t in threads:
-        t.join()
-    server.wait()
-    t_end = time.perf_counter()
-    server.close()
+    try:
+        for t in threads:
+            t.join()
+        server.wait()
+        t_end = time.perf_counter()
+    finally:
+        server.close()
+        if flooder is not None:
+            flooder.close()
     if errors:
         raise RuntimeError(f"{len(errors)} rank(s) failed, first: {errors[0]!r}")
     if any(g != payload for g in got[1:]):
@@ -74,23 +131,36 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--ids", type=int, default=1, help="unique ids per payload (128 B each)")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--flood", type=int, default=0, help="silent connections competing")
+    p.add_argument("--max-connections", type=int, default=1024, help="the server's slots")
     args = p.parse_args()
-    _raise_fd_limit(2 * args.ranks + 256)
+    _raise_fd_limit(2 * args.ranks + 2 * args.flood + 256)
     threading.stack_size(256 * 1024)  # a thousand default 8 MiB stacks are wasteful
-    exchange, total = [], []
+    exchange, total, flooded = [], [], []
     for i in range(args.repeat):
-        e, t = run_once(args.ranks, args.ids, args.timeout)
+        e, t = run_once(args.ranks, args.ids, args.timeout, 0, args.max_connections)
         exchange.append(e)
         total.append(t)
-        print(
+        line = (
             f"run {i + 1}: {args.ranks} ranks got {128 * args.ids} B: exchange {e:.3f} s, "
             f"with thread start {t:.3f} s"
         )
+        if args.flood:
+            f, _ = run_once(args.ranks, args.ids, args.timeout, args.flood, args.max_connections)
+            flooded.append(f)
+            line += f"; with {args.flood} silent connections: exchange {f:.3f} s"
+        print(line)
     print(
         f"median exchange {statistics.median(exchange):.3f} s, "
         f"median total {statistics.median(total):.3f} s "
         f"({os.cpu_count()} CPUs, Python {sys.version.split()[0]})"
     )
+    if flooded:
+        base, worse = statistics.median(exchange), statistics.median(flooded)
+        print(
+            f"median exchange with {args.flood} silent connections against "
+            f"{args.max_connections} slots: {worse:.3f} s ({worse / base:.1f}x)"
+        )
     return 0
 
 
