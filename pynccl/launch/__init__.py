@@ -29,9 +29,10 @@ stderr to stderr, whole lines only). SIGINT/SIGTERM are forwarded to the ranks;
 a second one kills them. When a rank fails the others get SIGTERM, then SIGKILL
 after ``--grace`` seconds, and the launcher exits with the failed rank's code
 (128 + signal number for a rank killed by a signal). Each rank runs in its own
-process group, so the processes it starts are stopped with it. On Linux each rank
-also gets SIGKILL from the kernel when the launcher dies, however it dies (a
-scheduler's SIGKILL included: ``prctl(PR_SET_PDEATHSIG)``), so no rank outlives it.
+process group, so the processes it starts are stopped with it. Nothing outlives the
+launcher, however it dies (a scheduler's SIGKILL included): on Linux each rank gets
+SIGKILL from the kernel when the launcher goes (``prctl(PR_SET_PDEATHSIG)``), and a
+tiny keeper process, outside those groups, then SIGKILLs the ranks' whole groups.
 """
 
 from __future__ import annotations

@@ -21,6 +21,27 @@ _MAX_LINE = 1 << 20  # longer lines are split (each piece still prefixed and who
 _POLL = 0.05  # seconds between checks of the children
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
+# The keeper: a tiny process outside the ranks' groups that outlives a killed launcher just
+# long enough to SIGKILL the ranks' whole process groups (what the ranks started, too; the
+# parent-death signal reaches the ranks only). It reads its stdin, which only the launcher
+# holds open, until EOF: "done" first means the launcher stopped the ranks itself.
+_KEEPER = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+said = b""
+while True:
+    chunk = os.read(0, 16)
+    if not chunk:
+        break
+    said += chunk
+if said != b"done":
+    for group in sys.argv[1:]:
+        try:
+            os.killpg(int(group), signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
 
 def _die_with_launcher() -> Callable[[], None] | None:
     """A ``preexec_fn`` that has the kernel SIGKILL the child when this process dies,
@@ -134,6 +155,7 @@ class Job:
         self.kill_at: float | None = None
         self.wake_r, self.wake_w = socket.socketpair()
         self.preexec = _die_with_launcher()
+        self.keeper: subprocess.Popen[bytes] | None = None
 
     def say(self, text: str) -> None:
         self.err.write(f"pynccl launch: {text}\n".encode())
@@ -187,6 +209,14 @@ class Job:
                 os.set_blocking(stream.fd, False)
                 self.streams[stream.fd] = stream
                 self.sel.register(stream.fd, selectors.EVENT_READ, stream)
+        self.keeper = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _KEEPER, *(str(p.pid) for p in self.procs)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # not in our group: a kill aimed at us leaves it standing
+            close_fds=True,
+        )
 
     def _pump(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
@@ -312,6 +342,18 @@ class Job:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if self.keeper is not None:  # the ranks' groups are stopped: the keeper may go
+            assert self.keeper.stdin is not None
+            try:
+                self.keeper.stdin.write(b"done")
+                self.keeper.stdin.close()
+            except OSError:
+                pass  # it died: nothing to release
+            try:
+                self.keeper.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.keeper.kill()
+                self.keeper.wait()
         for stream in list(self.streams.values()):
             self._close_stream(stream)
         self.out.flush()

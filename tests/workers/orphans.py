@@ -8,15 +8,17 @@
 * ``collective``: every rank initialises; then the last rank sleeps while the others
   block in an all_reduce waiting for it.
 
-Each rank prints ``READY rank= pid= phase=`` just before it blocks (``shm=`` names the
-``/dev/shm`` segments it maps at that point), then blocks for up to 10 minutes: only
-the launcher's death may end it.
+Each rank first starts a child of its own (``sleep``, in the rank's process group, as a
+data loader would be), then prints ``READY rank= pid= child= phase=`` just before it
+blocks (``shm=`` names the ``/dev/shm`` segments it maps at that point), then blocks for
+up to 10 minutes: only the launcher's death may end it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import time
 
 import numpy as np
@@ -27,10 +29,12 @@ from pynccl.bootstrap import detect_launch_env, make_rendezvous, select_device
 from pynccl.cuda import DeviceBuffer
 
 FOREVER = 600.0
+CHILD: subprocess.Popen[bytes] | None = None
 
 
 def ready(rank: int, phase: str) -> None:
-    report("READY", rank=rank, pid=os.getpid(), phase=phase, shm=shm_names())
+    assert CHILD is not None
+    report("READY", rank=rank, pid=os.getpid(), child=CHILD.pid, phase=phase, shm=shm_names())
 
 
 def block(rank: int, phase: str) -> None:
@@ -42,6 +46,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--phase", choices=("rendezvous", "init", "collective"), required=True)
     args = p.parse_args()
+    global CHILD
+    CHILD = subprocess.Popen(["sleep", str(FOREVER)])
     env = detect_launch_env()
     rank, size, last = env.rank, env.world_size, env.world_size - 1
     if args.phase == "rendezvous":
