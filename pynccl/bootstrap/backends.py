@@ -27,7 +27,7 @@ from .errors import (
     RendezvousProtocolError,
     RendezvousTimeoutError,
 )
-from .tcp import DEFAULT_MAX_PAYLOAD
+from ._wire import DEFAULT_MAX_PAYLOAD
 
 __all__ = ["FileRendezvous", "MpiRendezvous", "Rendezvous", "StoreRendezvous"]
 

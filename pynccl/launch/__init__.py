@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pynccl launch",
         description="Start N local ranks of a Python script or module with RANK, WORLD_SIZE, "
-        "LOCAL_RANK, MASTER_ADDR/MASTER_PORT and a fresh PYNCCL_RENDEZVOUS_KEY set.",
+        "LOCAL_RANK, MASTER_ADDR/MASTER_PORT and a fresh PYNCCL_RENDEZVOUS_KEY set. For a job "
+        "on several nodes, run it on each with --nnodes, --node-rank and --master-addr.",
         usage="%(prog)s -n N [options] (script.py | -m module) [args ...]",
     )
     p.add_argument(
