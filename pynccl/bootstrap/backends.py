@@ -21,13 +21,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from ._common import check_share_args, format_ranks
 from ._seal import DIGEST, KEY_ENV, mac, nonce, normalize_key, open_box, seal
+from ._wire import DEFAULT_MAX_PAYLOAD
 from .errors import (
     RendezvousError,
     RendezvousMismatchError,
     RendezvousProtocolError,
     RendezvousTimeoutError,
 )
-from ._wire import DEFAULT_MAX_PAYLOAD
 
 __all__ = ["FileRendezvous", "MpiRendezvous", "Rendezvous", "StoreRendezvous"]
 
