@@ -382,6 +382,15 @@ def test_multinode_ranks_and_key(monkeypatch, key):
         assert [e["PYNCCL_RENDEZVOUS_KEY"] for e in env] == [key, key] and warning is None
 
 
+def test_multinode_without_a_key_warns(tmp_path):
+    script = _script(tmp_path, "print(os.environ['RANK'], os.environ['WORLD_SIZE'])\n")
+    args = ["--nnodes", 2, "--node-rank", 1, "--master-addr", "127.0.0.1", "-n", 2, script]
+    out = _launch(args)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.splitlines()) == ["[rank 2] 2 4", "[rank 3] 3 4"]
+    assert "warning: PYNCCL_RENDEZVOUS_KEY is not set" in out.stderr
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

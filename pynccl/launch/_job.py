@@ -209,14 +209,17 @@ class Job:
                 os.set_blocking(stream.fd, False)
                 self.streams[stream.fd] = stream
                 self.sel.register(stream.fd, selectors.EVENT_READ, stream)
-        self.keeper = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _KEEPER, *(str(p.pid) for p in self.procs)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # not in our group: a kill aimed at us leaves it standing
-            close_fds=True,
-        )
+        try:
+            self.keeper = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _KEEPER, *(str(p.pid) for p in self.procs)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # not in our group: a kill aimed at us leaves it be
+                close_fds=True,
+            )
+        except OSError as e:  # the ranks still die with us; only what they start might not
+            self.say(f"warning: could not start the keeper of the ranks' process groups: {e}")
 
     def _pump(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
