@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import ipaddress
 import os
 import secrets
 import signal
@@ -181,8 +182,8 @@ def _free_port() -> int:
 
 def _child_envs(
     opts: argparse.Namespace, devices: list[str] | None, addr: str, port: int
-) -> tuple[list[dict[str, str]], str | None]:
-    """Every local rank's environment, and a warning for the launcher to print (or None)."""
+) -> tuple[list[dict[str, str]], list[str]]:
+    """Every local rank's environment, and warnings for the launcher to print."""
     nproc, nnodes, node = opts.nproc, opts.nnodes, opts.node_rank
     base = dict(os.environ)
     if opts.loopback:
@@ -196,14 +197,19 @@ def _child_envs(
             ) from e
         # devices follow -n: local rank i uses loopback device i
         base.setdefault("PYNCCL_LOOPBACK_DEVICES", str(max(8, nproc)))
-    warning = None
+    warnings = []
     key = base.get("PYNCCL_RENDEZVOUS_KEY") or None
     if key is None and nnodes == 1:
         key = secrets.token_hex(32)
     elif key is None:
-        warning = (
+        warnings.append(
             "PYNCCL_RENDEZVOUS_KEY is not set, so the rendezvous between nodes is not "
             "authenticated: export the same secret on every node"
+        )
+    if nnodes > 1 and _loopback_only(addr):
+        warnings.append(
+            f"--master-addr {addr} is a loopback address here: ranks on other machines cannot "
+            "reach rank 0 there (give node 0's network address)"
         )
     envs = []
     for local in range(nproc):
@@ -225,7 +231,16 @@ def _child_envs(
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         envs.append(env)
-    return envs, warning
+    return envs, warnings
+
+
+def _loopback_only(addr: str) -> bool:
+    """Whether ``addr`` names this machine's loopback only (unresolvable: rank 0 says so)."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback for i in infos)
 
 
 def _check_options(opts: argparse.Namespace) -> None:
@@ -270,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to run: give a script or -m module")
         addr = (opts.master_addr or "127.0.0.1").strip()
         port = opts.master_port or (_DEFAULT_MULTINODE_PORT if opts.nnodes > 1 else _free_port())
-        envs, warning = _child_envs(opts, devices, addr, port)
+        envs, warnings = _child_envs(opts, devices, addr, port)
     except (ValueError, ImportError) as e:
         parser.print_usage(sys.stderr)
         print(f"python -m pynccl launch: error: {e}", file=sys.stderr)
@@ -289,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             old_wakeup = signal.set_wakeup_fd(job.wake_w.fileno(), warn_on_full_buffer=False)
             for sig in handled:
                 previous[sig] = signal.signal(sig, lambda s, _f: pending.append(s))
-        if warning is not None:
+        for warning in warnings:
             job.say(f"warning: {warning}")
         try:
             job.start()
