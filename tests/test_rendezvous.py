@@ -318,32 +318,44 @@ def test_tcp_connection_bound_does_not_stall_service(no_leaks):
 
 
 class _Flood:
-    """``n`` connections to ``port`` that never say a word. With ``reconnect``, each one the
-    server drops is replaced at once, from a thread (a client bent on holding every slot)."""
+    """``n`` connections to ``port`` that never finish a handshake: silent, or (``hello``)
+    sending a valid HELLO that claims a key and then never answering the challenge. With
+    ``reconnect``, each one the server drops is replaced at once, from a thread (a client
+    bent on holding every slot)."""
 
-    def __init__(self, port: int, n: int, *, reconnect: bool) -> None:
+    def __init__(self, port: int, n: int, *, reconnect: bool, hello: bool) -> None:
         self.port = port
+        self.hello = hello
         self.sel = selectors.DefaultSelector()
         for _ in range(n):
-            self.sel.register(_raw(port), selectors.EVENT_READ)
+            self._open(_raw(port))
         self.reconnects = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run) if reconnect else None
         if self.thread is not None:
             self.thread.start()
 
+    def _open(self, sock: socket.socket) -> None:
+        if self.hello:  # rank 1 of the right world size: nothing secret in a HELLO
+            sock.sendall(wire.frame(wire.HELLO, struct.pack("!B32sII", 1, bytes(32), 1, 4)))
+        self.sel.register(sock, selectors.EVENT_READ)
+
     def _run(self) -> None:
         while not self.stop.is_set():
             for key, _ in self.sel.select(0.02):
                 sock = key.fileobj
                 assert isinstance(sock, socket.socket)
+                try:
+                    if sock.recv(4096):
+                        continue  # a challenge: left unanswered
+                except OSError:
+                    pass
                 self.sel.unregister(sock)
                 sock.close()
                 try:
-                    new = socket.create_connection((HOST, self.port), timeout=1.0)
+                    self._open(socket.create_connection((HOST, self.port), timeout=1.0))
                 except OSError:
                     continue  # the server is gone: it served everyone
-                self.sel.register(new, selectors.EVENT_READ)
                 self.reconnects += 1
 
     def close(self) -> None:
@@ -355,14 +367,19 @@ class _Flood:
         self.sel.close()
 
 
-@pytest.mark.parametrize("reconnect", [False, True], ids=["idle", "reconnecting"])
-def test_tcp_ranks_served_under_connection_exhaustion(no_leaks, reconnect):
-    # 200 silent connections against 64 slots, with the default per-connection timeout (30 s)
-    # longer than the rendezvous timeout: every rightful rank is still served, promptly.
+@pytest.mark.parametrize(
+    "reconnect, hello",
+    [(False, False), (True, False), (True, True)],
+    ids=["idle", "reconnecting", "reconnecting-challenged"],
+)
+def test_tcp_ranks_served_under_connection_exhaustion(no_leaks, reconnect, hello):
+    # 200 connections that never finish a handshake against 64 slots, with the default
+    # per-connection timeout (30 s) longer than the rendezvous timeout: every rightful rank
+    # is still served, promptly.
     payload, size, timeout = _payload(), 4, 20.0
     with _server(payload, size, timeout=timeout, max_connections=64) as server:
         port = server.address[1]
-        flood = _Flood(port, 200, reconnect=reconnect)
+        flood = _Flood(port, 200, reconnect=reconnect, hello=hello)
         try:
             elapsed: dict[int, float] = {}
 
