@@ -10,7 +10,7 @@ Usage::
 
 Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT`` (a free port), a fresh random
-``PYNCCL_RENDEZVOUS_KEY`` and ``PYNCCL_LAUNCHER=pynccl``, so that
+``PYNCCL_RENDEZVOUS_KEY`` (unless one is exported) and ``PYNCCL_LAUNCHER=pynccl``, so that
 ``pynccl.bootstrap.from_env()`` just works. ``--devices`` sets
 ``CUDA_VISIBLE_DEVICES`` to the chosen devices (rank k uses the k-th);
 ``--loopback`` adds the environment of the GPU-less loopback libraries, with as
