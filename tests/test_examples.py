@@ -136,3 +136,11 @@ def test_gpu_example_runs_where_there_is_a_gpu(name: str) -> None:
     n = max(ex.min_ranks, 1)
     out = _run(["-m", "pynccl", "launch", "-n", str(n), f"examples/{name}"], _env())
     assert len(_ok_lines(out, ex.says)) == n, out
+
+
+def test_readme_lists_every_example() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Examples\n") :]
+    section = section[: section.index("\n## ")]
+    for name in EXAMPLES:
+        assert f"python examples/{name}" in section, f"README's Examples section lacks {name}"
