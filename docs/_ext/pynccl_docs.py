@@ -3,11 +3,16 @@
 * ``.. nccl-functions::`` — every libnccl function pynccl binds, with the first NCCL
   release that exports it (from ``pynccl.capi.PROTOTYPES``, the table the binding uses).
 * ``.. nccl-types::`` — the data types and reduction ops with their first releases.
+* ``.. config-fields::`` — :class:`pynccl.Config`'s fields, their ``ncclConfig_t`` names
+  and first releases (the table ``Config.to_struct`` checks against).
 * ``.. cudart-functions::`` — the libcudart functions pynccl binds.
 * A check of every docstring autodoc renders: one that names an NCCL function newer than
   the oldest release pynccl serves (:data:`OLDEST_SERVED`) must say which release it
   requires (its ``major.minor`` appears in the text, as in "NCCL >= 2.19"); one that does
   not is a warning.
+* Napoleon left out of attribute and data docstrings: pynccl writes their types as
+  annotations, and their ``#:`` comments as prose ("A CUDA stream: None, an int ..."),
+  which napoleon's Google style would read as "type: description".
 * A check at the end of reading: every name in the ``__all__`` of each public module
   (:data:`PUBLIC_MODULES`) must be documented under that module's name; each one that is
   not is a warning, so ``sphinx-build -W`` fails.
@@ -102,6 +107,38 @@ class NcclTypes(_Table):
         return ["member", "C name", "requires NCCL ≥"], rows
 
 
+_ATTRIBUTE_KINDS = ("attribute", "data")
+_before_napoleon: dict[str, list[str]] = {}
+
+
+def _save_attribute_doc(
+    app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
+) -> None:
+    if what in _ATTRIBUTE_KINDS:
+        _before_napoleon[name] = list(lines)
+
+
+def _restore_attribute_doc(
+    app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
+) -> None:
+    saved = _before_napoleon.pop(name, None)
+    if what in _ATTRIBUTE_KINDS and saved is not None:
+        lines[:] = saved
+
+
+class ConfigFields(_Table):
+    def rows(self) -> tuple[list[str], list[list[str]]]:
+        from pynccl import Config
+        from pynccl._capi.structs import CONFIG_FIELD_RELEASE
+
+        rows = []
+        for field, cname in Config.C_NAMES.items():
+            first = CONFIG_FIELD_RELEASE[cname]
+            shown = _release(first if first[2] else first[:2])
+            rows.append([f"``{field}``", f"``{cname}``", shown])
+        return ["field", "``ncclConfig_t`` field", "requires NCCL ≥"], rows
+
+
 def _check_public_names(app: Sphinx, env: Any) -> None:
     documented = set(env.get_domain("py").objects)
     for module_name in PUBLIC_MODULES:
@@ -142,6 +179,10 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("nccl-functions", NcclFunctions)
     app.add_directive("cudart-functions", CudartFunctions)
     app.add_directive("nccl-types", NcclTypes)
+    app.add_directive("config-fields", ConfigFields)
+    # Napoleon's listener has the default priority, 500: save before it, restore after.
+    app.connect("autodoc-process-docstring", _save_attribute_doc, priority=400)
+    app.connect("autodoc-process-docstring", _restore_attribute_doc, priority=600)
     app.connect("autodoc-process-docstring", _check_release_note)
     app.connect("env-check-consistency", _check_public_names)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
