@@ -31,9 +31,7 @@ class Example(NamedTuple):
     says: str = "OK"
 
 
-#: Every example, for this module and for the GPU check: on a GPU run
-#: ``python examples/NAME`` when ``min_ranks == 0``, otherwise
-#: ``python -m pynccl launch -n max(min_ranks, min(2, ngpus)) examples/NAME``.
+#: Every example, for this module and for the GPU check (see :func:`gpu_command`).
 EXAMPLES: dict[str, Example] = {
     "allreduce_lowlevel.py": Example(0, says="ncclAllReduce on"),
     "object_api.py": Example(1),
@@ -47,6 +45,19 @@ EXAMPLES: dict[str, Example] = {
 
 #: The examples that need a GPU and another library: the GPU check runs these.
 GPU_ONLY = sorted(name for name, ex in EXAMPLES.items() if ex.needs)
+
+
+def gpu_command(name: str, ngpus: int) -> list[str] | None:
+    """The arguments after ``sys.executable`` that run example ``name`` on real GPUs (from
+    the repository root, with the real libraries), or None when ``ngpus`` is too few."""
+    ex = EXAMPLES[name]
+    if ex.min_ranks == 0:
+        return [f"examples/{name}"] if ngpus >= 1 else None
+    n = max(ex.min_ranks, min(2, ngpus))
+    if n > ngpus:
+        return None
+    return ["-m", "pynccl", "launch", "-n", str(n), f"examples/{name}"]
+
 
 LOOPBACK_EXAMPLES = sorted(name for name, ex in EXAMPLES.items() if not ex.needs)
 LAUNCHED_EXAMPLES = sorted(name for name in LOOPBACK_EXAMPLES if EXAMPLES[name].min_ranks)
@@ -133,9 +144,18 @@ def test_gpu_example_runs_where_there_is_a_gpu(name: str) -> None:
     pytest.importorskip(ex.needs, reason=f"{name} needs {ex.needs} (and a GPU)")
     if not Path("/proc/driver/nvidia/version").exists():
         pytest.skip(f"{name} needs a GPU: the GPU check runs it (EXAMPLES in this module)")
-    n = max(ex.min_ranks, 1)
-    out = _run(["-m", "pynccl", "launch", "-n", str(n), f"examples/{name}"], _env())
-    assert len(_ok_lines(out, ex.says)) == n, out
+    cmd = gpu_command(name, 1)
+    assert cmd is not None
+    out = _run(cmd, _env())
+    assert len(_ok_lines(out, ex.says)) == 1, out
+
+
+def test_gpu_command() -> None:
+    assert gpu_command("allreduce_lowlevel.py", 1) == ["examples/allreduce_lowlevel.py"]
+    launch = "-m pynccl launch -n {} examples/object_api.py"
+    assert gpu_command("object_api.py", 8) == launch.format(2).split()
+    assert gpu_command("object_api.py", 1) == launch.format(1).split()
+    assert gpu_command("dead_peer.py", 1) is None
 
 
 def test_readme_lists_every_example() -> None:
