@@ -33,6 +33,7 @@ html_title = f"pynccl {release}"
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_class_signature = "mixed"
+autoclass_content = "both"  # the class docstring, then __init__'s where it has one
 autodoc_preserve_defaults = True
 autodoc_default_options = {"members": True, "show-inheritance": True}
 napoleon_google_docstring = True

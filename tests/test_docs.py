@@ -28,7 +28,7 @@ PUBLIC_MODULES = (
 
 _DIRECTIVE = re.compile(
     r"^\.\. (?:auto(?:class|function|data|exception|attribute)|py:(?:data|function|class)|"
-    r"automodule|py:module|currentmodule|py:currentmodule):: *(\S+)",
+    r"automodule|py:module|currentmodule|py:currentmodule):: *([\w.]+)",
     re.M,
 )
 _MODULE = re.compile(r"^\.\. (?:automodule|py:module|currentmodule|py:currentmodule)::", re.M)
