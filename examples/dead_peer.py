@@ -4,7 +4,9 @@
 error: a peer that died shows up as :class:`pynccl.NcclRemoteError` where NCCL (or the
 loopback) notices it, and as :class:`pynccl.NcclTimeoutError` (the communicator aborted,
 the message naming the last operation issued) where it does not. Either way the rank
-gets control back and can exit cleanly::
+gets control back and can exit cleanly. (Where no thread waits, ``Communicator(...,
+watchdog_timeout=...)`` or ``from_env(watchdog_timeout=...)`` runs a watchdog thread that
+aborts a hung communicator and makes its next call raise why.)::
 
     python -m pynccl launch -n 2 --loopback examples/dead_peer.py
     python examples/dead_peer.py [--loopback]      # starts 2 ranks itself

@@ -107,6 +107,12 @@ def test_example_docstring_says_how_to_run_it(name: str) -> None:
         assert "python -m pynccl launch -n" in doc and f"examples/{name}" in doc
 
 
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_compiles(name: str) -> None:
+    # The GPU-only examples run only where there is a GPU: here they are at least parsed.
+    compile((EXAMPLES_DIR / name).read_text(), name, "exec")
+
+
 @pytest.mark.parametrize("name", LOOPBACK_EXAMPLES)
 def test_example_runs_on_the_loopback(name: str, lb_env: dict[str, str]) -> None:
     ex = EXAMPLES[name]
