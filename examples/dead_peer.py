@@ -40,9 +40,9 @@ if rank == size - 1:
     # that the launcher, which stops every rank when one fails, lets the others go on.)
     os._exit(0)
 
-comm.all_reduce(x)  # the dead rank never joins this one
 try:
-    comm.synchronize(timeout=10)
+    comm.all_reduce(x)  # the dead rank never joins this one
+    comm.synchronize(timeout=10)  # (the call itself raises if NCCL already knows)
 except (pynccl.NcclRemoteError, pynccl.NcclTimeoutError) as error:
     print(f"rank {rank}: peer lost, {type(error).__name__}: {str(error).splitlines()[0]}")
     comm.abort()  # a failed communicator is aborted, not destroyed
