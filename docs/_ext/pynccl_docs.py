@@ -6,10 +6,10 @@
 * ``.. config-fields::`` — :class:`pynccl.Config`'s fields, their ``ncclConfig_t`` names
   and first releases (the table ``Config.to_struct`` checks against).
 * ``.. cudart-functions::`` — the libcudart functions pynccl binds.
-* A check of every docstring autodoc renders: one that names an NCCL function newer than
-  the oldest release pynccl serves (:data:`OLDEST_SERVED`) must say which release it
-  requires (its ``major.minor`` appears in the text, as in "NCCL >= 2.19"); one that does
-  not is a warning.
+* A check of every docstring autodoc renders: an empty one is a warning, and so is one
+  that names an NCCL function newer than the oldest release pynccl serves
+  (:data:`OLDEST_SERVED`) without saying which release it requires (its ``major.minor``
+  must appear in the text, as in "NCCL >= 2.19").
 * Napoleon left out of attribute and data docstrings: pynccl writes their types as
   annotations, and their ``#:`` comments as prose ("A CUDA stream: None, an int ..."),
   which napoleon's Google style would read as "type: description".
@@ -156,6 +156,9 @@ def _check_release_note(
     app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
 ) -> None:
     if what == "module":
+        return
+    if not any(line.strip() for line in lines):
+        _logger.warning("%s has no docstring", name)
         return
     from pynccl.capi import PROTOTYPES
 
