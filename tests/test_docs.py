@@ -91,3 +91,19 @@ def test_every_example_is_in_the_examples_page() -> None:
     for example in sorted((ROOT / "examples").glob("*.py")):
         assert f".. literalinclude:: ../examples/{example.name}" in page
         assert f"``{example.name}``" in page
+
+
+def test_values_written_into_the_reference_are_the_real_ones() -> None:
+    # `.. py:data:: NAME` / `:value: V` entries restate a constant: they must not drift.
+    import ast
+
+    checked = 0
+    for page in sorted((DOCS / "reference").glob("*.rst")):
+        text = page.read_text()
+        module = re.search(r"^\.\. automodule:: *(\S+)", text, re.M)
+        assert module is not None
+        for name, value in re.findall(r"^\.\. py:data:: (\w+)\n +:value: (.+)$", text, re.M):
+            actual = getattr(importlib.import_module(module.group(1)), name)
+            assert ast.literal_eval(value) == actual, f"{page.name}: {name} is {actual!r}"
+            checked += 1
+    assert checked >= 6

@@ -152,11 +152,42 @@ def _check_public_names(app: Sphinx, env: Any) -> None:
                 )
 
 
+def _is_type_doc(obj: Any, lines: list[str]) -> bool:
+    import inspect
+
+    doc = inspect.getdoc(type(obj))
+    return bool(doc) and "\n".join(lines).strip() == doc.strip()
+
+
+def _defining_comment(name: str, obj: Any) -> list[str]:
+    """The ``#:`` comment of ``name``'s last part in the pynccl module that defines it."""
+    import sys
+
+    from sphinx.pycode import ModuleAnalyzer, PycodeError
+
+    attr = name.rpartition(".")[2]
+    for modname, module in sorted(sys.modules.items()):
+        if not modname.startswith("pynccl") or getattr(module, attr, None) is not obj:
+            continue
+        try:
+            docs = ModuleAnalyzer.for_module(modname).find_attr_docs()
+        except PycodeError:
+            continue
+        comment = docs.get(("", attr))
+        if comment:
+            return list(comment)
+    return []
+
+
 def _check_release_note(
     app: Sphinx, what: str, name: str, obj: Any, options: Any, lines: list[str]
 ) -> None:
     if what == "module":
         return
+    if what in _ATTRIBUTE_KINDS and _is_type_doc(obj, lines):
+        # autodoc fell back on the docstring of the value's type (str, dict): the name is
+        # re-exported, and its #: comment sits where it is defined.
+        lines[:] = _defining_comment(name, obj)
     if not any(line.strip() for line in lines):
         _logger.warning("%s has no docstring", name)
         return
