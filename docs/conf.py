@@ -28,6 +28,8 @@ extensions = [
 exclude_patterns = ["_build"]
 html_theme = "alabaster"
 html_static_path: list[str] = []
+# Wide enough for the examples' 100-column lines.
+html_theme_options = {"page_width": "1240px", "body_max_width": "none"}
 html_title = f"pynccl {release}"
 
 autodoc_member_order = "bysource"

@@ -53,13 +53,14 @@ def _release(release: tuple[int, ...]) -> str:
 
 class _Table(SphinxDirective):
     has_content = False
+    widths = "auto"
 
     def rows(self) -> tuple[list[str], list[list[str]]]:
         raise NotImplementedError
 
     def run(self) -> list[nodes.Node]:
         header, rows = self.rows()
-        lines = [".. list-table::", "   :header-rows: 1", ""]
+        lines = [".. list-table::", "   :header-rows: 1", f"   :widths: {self.widths}", ""]
         for row in [header, *rows]:
             lines.append(f"   * - {row[0]}")
             lines.extend(f"     - {cell}" for cell in row[1:])
@@ -69,6 +70,8 @@ class _Table(SphinxDirective):
 
 
 class NcclFunctions(_Table):
+    widths = "30 14 56"
+
     def rows(self) -> tuple[list[str], list[list[str]]]:
         from pynccl.capi import PROTOTYPES
 
