@@ -1,8 +1,8 @@
 """The process-wide libnccl and libcudart: loaded once, on first use, thread-safely.
 
-``load_library()`` / ``lib()`` give the :class:`~pynccl._capi.nccl.NcclLibrary`
+``load_library()`` / ``lib()`` give the :class:`~pynccl.capi.NcclLibrary`
 (functions by their C names, checked); ``load_cudart()`` / ``cudart()`` the
-:class:`~pynccl._capi.cudart.CudartLibrary`. Nothing is loaded at import.
+:class:`~pynccl.capi.CudartLibrary`. Nothing is loaded at import.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
     the dynamic loader, ``$NCCL_HOME``, ``$CUDA_HOME``; see ``python -m pynccl
     info``). Loading again returns the same object; asking for a different file
     once one is loaded raises ``RuntimeError`` (one process, one libnccl).
+    Raises :class:`~pynccl.LibraryNotFoundError`, listing every candidate tried and
+    why it was refused, when no usable libnccl is found.
     """
     global _nccl
     current = _nccl
@@ -59,7 +61,11 @@ def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
 
 
 def lib() -> NcclLibrary:
-    """The process's libnccl (loading it on first use): the low-level, C-named API."""
+    """The process's libnccl (loading it on first use): the low-level, C-named API.
+
+    ``lib().ncclAllReduce(...)`` calls NCCL's function of that name; see
+    :class:`~pynccl.capi.NcclLibrary`. Discovery and errors as :func:`load_library`.
+    """
     current = _nccl
     return current if current is not None else load_library()
 
@@ -70,7 +76,13 @@ def version() -> Release:
 
 
 def load_cudart(path: str | os.PathLike[str] | None = None) -> CudartLibrary:
-    """Load the CUDA runtime (once per process) and return it; see :func:`load_library`."""
+    """Load the CUDA runtime (once per process) and return it.
+
+    Without ``path``: ``$PYNCCL_CUDART_LIBRARY``; else the loopback's libcudart when
+    the loopback libnccl is mapped; else a libcudart already in the process (torch,
+    CuPy: pynccl shares their runtime), the ``nvidia-cuda-runtime`` wheels, the dynamic
+    loader, ``$CUDA_HOME`` and ``/usr/local/cuda``. Errors as :func:`load_library`.
+    """
     global _cudart
     current = _cudart
     if current is not None and path is None:
@@ -103,7 +115,7 @@ def _refuse_another(kind: str, current: BoundLibrary, path: str | os.PathLike[st
 
 
 def cudart() -> CudartLibrary:
-    """The process's CUDA runtime (loading it on first use)."""
+    """The process's CUDA runtime (loading it on first use); see :func:`load_cudart`."""
     current = _cudart
     return current if current is not None else load_cudart()
 

@@ -1,0 +1,109 @@
+"""The API reference (docs/, Sphinx) documents every public name, and nothing that is not one.
+
+Read from the reStructuredText sources, so this runs without Sphinx; CI builds the
+reference itself with warnings as errors (``sphinx-build -W``), where docs/_ext checks the
+same thing on the built inventory and the "requires NCCL >= x" notes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+PUBLIC_MODULES = (
+    "pynccl",
+    "pynccl.capi",
+    "pynccl.cuda",
+    "pynccl.bootstrap",
+    "pynccl.typing",
+    "pynccl.testing.loopback",
+)
+
+_DIRECTIVE = re.compile(
+    r"^\.\. (?:auto(?:class|function|data|exception|attribute)|py:(?:data|function|class)|"
+    r"automodule|py:module|currentmodule|py:currentmodule):: *([\w.]+)",
+    re.M,
+)
+_MODULE = re.compile(r"^\.\. (?:automodule|py:module|currentmodule|py:currentmodule)::", re.M)
+
+
+def documented_names() -> set[str]:
+    """Every object a reference page documents, by its full dotted name."""
+    names: set[str] = set()
+    for page in sorted((DOCS / "reference").glob("*.rst")):
+        text = page.read_text()
+        module = ""
+        for match in _DIRECTIVE.finditer(text):
+            target = match.group(1)
+            if _MODULE.match(match.group(0)):
+                module = target
+            elif target.startswith("pynccl."):
+                names.add(target)
+            else:  # a py:data NAME inside the current module, as Sphinx resolves it
+                names.add(f"{module}.{target}")
+    return names
+
+
+def public_names() -> set[str]:
+    return {f"{m}.{name}" for m in PUBLIC_MODULES for name in importlib.import_module(m).__all__}
+
+
+def test_every_public_name_is_in_the_reference() -> None:
+    missing = sorted(public_names() - documented_names())
+    assert missing == [], f"public names with no entry under docs/reference/: {missing}"
+
+
+def test_the_reference_documents_no_name_that_is_not_public() -> None:
+    stale = sorted(documented_names() - public_names())
+    assert stale == [], f"docs/reference/ documents names no module exports: {stale}"
+
+
+def test_every_public_module_has_a_page() -> None:
+    modules = set()
+    for page in (DOCS / "reference").glob("*.rst"):
+        modules |= set(re.findall(r"^\.\. automodule:: *(\S+)", page.read_text(), re.M))
+    assert modules == set(PUBLIC_MODULES)
+    index = (DOCS / "index.rst").read_text()
+    for page in (DOCS / "reference").glob("*.rst"):
+        assert f"reference/{page.stem}" in index, f"{page.name} is not in index.rst's toctree"
+
+
+def test_the_build_checks_the_same_modules() -> None:
+    # docs/_ext/pynccl_docs.py warns (so `sphinx-build -W` fails) for an undocumented name.
+    pytest.importorskip("sphinx", reason="the docs extra (pip install -e '.[docs]')")
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        ext = importlib.import_module("pynccl_docs")
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    assert tuple(ext.PUBLIC_MODULES) == PUBLIC_MODULES
+
+
+def test_every_example_is_in_the_examples_page() -> None:
+    page = (DOCS / "examples.rst").read_text()
+    for example in sorted((ROOT / "examples").glob("*.py")):
+        assert f".. literalinclude:: ../examples/{example.name}" in page
+        assert f"``{example.name}``" in page
+
+
+def test_values_written_into_the_reference_are_the_real_ones() -> None:
+    # `.. py:data:: NAME` / `:value: V` entries restate a constant: they must not drift.
+    import ast
+
+    checked = 0
+    for page in sorted((DOCS / "reference").glob("*.rst")):
+        text = page.read_text()
+        module = re.search(r"^\.\. automodule:: *(\S+)", text, re.M)
+        assert module is not None
+        for name, value in re.findall(r"^\.\. py:data:: (\w+)\n +:value: (.+)$", text, re.M):
+            actual = getattr(importlib.import_module(module.group(1)), name)
+            assert ast.literal_eval(value) == actual, f"{page.name}: {name} is {actual!r}"
+            checked += 1
+    assert checked >= 6
