@@ -279,7 +279,6 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     c->scalars = calloc((size_t)nranks, sizeof *c->scalars);
     if (!c->srcs || !c->scalars) {
         free(c->srcs);
-    free(c->scalars);
         free(c->scalars);
         free(c);
         return NULL;
@@ -287,6 +286,7 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     c->refs = 1;
+    c->rv_fd = c->seg_fd = -1;
     c->nranks = nranks;
     c->rank = rank;
     c->dev = dev;
@@ -313,6 +313,7 @@ static void comm_free(struct lb_comm *c) {
     }
     free(c->uops);
     free(c->srcs);
+    free(c->scalars);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c);

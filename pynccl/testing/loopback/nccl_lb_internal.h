@@ -180,7 +180,8 @@ struct lb_comm {
     int rank, nranks, dev;
     pid_t pid;
     unsigned char uid[NCCL_UNIQUE_ID_BYTES];
-    char shm_name[96];
+    char shm_name[96]; /* "/pynccl-lb-<hex>": the rendezvous and memfd name */
+    int rv_fd, seg_fd; /* the creator's listening socket and memfd until all joined */
     uint64_t hash; /* for messages */
 
     /* the mapped world and pointers into it */
@@ -300,7 +301,8 @@ ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key)
 /* Non-blocking unless blocking: 1 with colors/keys filled once everyone posted. */
 ncclResult_t lbw_split_gather(struct lb_comm *c, uint64_t seq, int *colors, int *keys,
                               int blocking, int *done);
-void lbw_reclaim_stale(void);
+/* Close the creator's rendezvous socket and memfd (once all joined, or on leave). */
+void lbw_rendezvous_close(struct lb_comm *c);
 /* Executors, run on a stream worker. Return ncclSuccess, or an error already recorded
  * in the comm's async error (LB_ABORTED when the comm was aborted). */
 #define LB_ABORTED ((ncclResult_t)-1)
