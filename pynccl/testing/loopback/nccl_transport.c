@@ -198,7 +198,8 @@ ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns) {
  * and then fails with the returned error. */
 static ncclResult_t lbw_trouble(struct lb_comm *c, int blocker, int *recheck) {
     *recheck = 0;
-    if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) return LB_ABORTED;
+    if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE) || __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE))
+        return LB_ABORTED; /* aborted, revoked, or shrunk with NCCL_SHRINK_ABORT */
     ncclResult_t r = lbw_broken(c);
     if (r != ncclSuccess) return r;
     if (blocker >= 0 && blocker != c->rank) {
@@ -537,6 +538,20 @@ void lbw_leave(struct lb_comm *c, enum lbw_rank_state state) {
     munmap(w, c->wsize);
     c->w = NULL;
     c->ranks = NULL;
+}
+
+ncclResult_t lbw_wait_until(struct lb_comm *c, int (*ready)(struct lb_comm *, void *), void *arg,
+                            const char *what) {
+    int spins = 0;
+    for (;;) {
+        uint32_t e = __atomic_load_n(&c->w->epoch, __ATOMIC_SEQ_CST);
+        if (ready(c, arg)) return ncclSuccess;
+        int recheck;
+        ncclResult_t r = lbw_trouble(c, -1, &recheck);
+        if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "%s : communicator aborted or revoked", what);
+        if (r != ncclSuccess) return r;
+        lbw_backoff(c, e, &spins);
+    }
 }
 
 /* ---- split control ------------------------------------------------------------------ */
