@@ -479,16 +479,112 @@ def _scenario_orphan(lib: Lib, uid_hex: str, nranks: int, rank: int) -> None:
     lib.ncclCommInitRank(byref(comm), nranks, uid, rank)
 
 
+def _allreduce_ok(lib: Lib, comm: int, nranks: int, rank: int, count: int) -> tuple[int, bool]:
+    """A float32 sum all-reduce of every rank's make_input, checked against numpy."""
+    stream = lib.stream(lib.device())
+    sb, rb = lib.malloc(count * 4), lib.malloc(count * 4)
+    sends = [make_input(np.float32, count, r, seed=11) for r in range(nranks)]
+    lib.upload(sb, sends[rank])
+    rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream) or lib.sync(stream)
+    ok = rc == 0 and bool(
+        np.array_equal(lib.download(rb, np.float32, count), fold(sends, SUM, nranks))
+    )
+    lib.free(sb)
+    lib.free(rb)
+    lib.destroy_stream(stream)
+    return rc, ok
+
+
+def _scenario_shrink(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) -> bool:
+    """The parent kills the victim (args[0]) after 'ready'; the survivors see their
+    collective fail, shrink it away with NCCL_SHRINK_ABORT and all-reduce in the child."""
+    victim = int(args[0])
+    count = 1 << 16
+    stream = lib.stream(rank % 8)
+    sb, rb = lib.malloc(count * 4), lib.malloc(count * 4)
+    rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream) or lib.sync(stream)
+    _emit(event="ready", rc=rc)
+    if rank == victim:
+        while True:
+            time.sleep(0.05)
+    lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream)
+    lib.sync(stream)
+    err = lib.async_error(comm)
+    _emit(event="parent", async_error=err, error=lib.last_error())
+    excl = (c_int * 1)(victim)
+    child = c_void_p()
+    rc = lib.ncclCommShrink(comm, excl, 1, byref(child), None, 1)  # NCCL_SHRINK_ABORT
+    ok = False
+    if rc == 0:
+        crank, size = lib.user_rank(child.value), lib.count(child.value)
+        rc, ok = _allreduce_ok(lib, int(child.value or 0), size, crank, 10_000)
+        _emit(event="child", rc=rc, rank=crank, size=size, ok=ok)
+        ok = ok and lib.ncclCommDestroy(child.value) == 0
+    else:
+        _emit(event="child", rc=rc, error=lib.last_error())
+    lib.free(sb)
+    lib.free(rb)
+    lib.destroy_stream(stream)
+    lib.ncclCommAbort(comm)
+    return ok and err == REMOTE
+
+
+def _grown(lib: Lib, newcomm: c_void_p, rc: int) -> bool:
+    ok = False
+    if rc == 0:
+        crank, size = lib.user_rank(newcomm.value), lib.count(newcomm.value)
+        rc, ok = _allreduce_ok(lib, int(newcomm.value or 0), size, crank, 10_000)
+        _emit(event="grown", rc=rc, rank=crank, size=size, ok=ok)
+        ok = ok and lib.ncclCommDestroy(newcomm.value) == 0
+    else:
+        _emit(event="grown", rc=rc, error=lib.last_error())
+    return ok
+
+
+def _scenario_grow_old(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) -> bool:
+    """An existing rank of a grow to args[0] ranks; rank 0 is the root and prints the id."""
+    total = int(args[0])
+    newcomm = c_void_p()
+    if rank == 0:
+        gid = ncclUniqueId()
+        rc = lib.ncclCommGetUniqueId(comm, byref(gid))
+        _emit(event="grow_id", rc=rc, uid=bytes(gid).hex())
+        rc = rc or lib.ncclCommGrow(comm, total, byref(gid), -1, byref(newcomm), None)
+    else:
+        rc = lib.ncclCommGrow(comm, total, None, -1, byref(newcomm), None)
+    return _grown(lib, newcomm, rc)
+
+
+def _scenario_grow_new(lib: Lib, uid_hex: str, nranks: int, rank: int) -> bool:
+    """A new rank joining a grow with the root's id."""
+    gid = ncclUniqueId()
+    ctypes.memmove(byref(gid), bytes.fromhex(uid_hex), ctypes.sizeof(gid))
+    lib.set_device(rank % 8)
+    newcomm = c_void_p()
+    rc = lib.ncclCommGrow(None, nranks, byref(gid), rank, byref(newcomm), None)
+    return _grown(lib, newcomm, rc)
+
+
 def main(argv: list[str]) -> int:
     scenario, uid_hex, nranks, rank = argv[0], argv[1], int(argv[2]), int(argv[3])
     lib = Lib(os.environ["PYNCCL_NCCL_LIBRARY"], os.environ["PYNCCL_CUDART_LIBRARY"])
     if scenario == "orphan":
         _scenario_orphan(lib, uid_hex, nranks, rank)
         return 0
+    if scenario == "grow_new":
+        ok = _scenario_grow_new(lib, uid_hex, nranks, rank)
+        _emit(event="exit", ok=ok)
+        return 0 if ok else 1
     comm = _init(lib, uid_hex, nranks, rank)
-    run = {"colls": _scenario_colls, "big": _scenario_big, "die": _scenario_die}[scenario]
+    run = {
+        "colls": _scenario_colls,
+        "big": _scenario_big,
+        "die": _scenario_die,
+        "shrink": _scenario_shrink,
+        "grow_old": _scenario_grow_old,
+    }[scenario]
     ok = run(lib, comm, nranks, rank, argv[4:])
-    if scenario != "die":
+    if scenario not in ("die", "shrink"):
         rc = lib.ncclCommDestroy(comm)
         ok = ok and rc == 0
     _emit(event="exit", ok=ok)
