@@ -471,12 +471,17 @@ def _scenario_die(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) 
 
 
 def _scenario_orphan(lib: Lib, uid_hex: str, nranks: int, rank: int) -> None:
-    """Join a world whose other ranks never come; the parent kills this process."""
+    """Join a world whose other ranks may never come (the parent may kill this process);
+    report how the init ended. $LB_TEST_DEVICE overrides the device (rank % 8)."""
     uid = ncclUniqueId()
     ctypes.memmove(byref(uid), bytes.fromhex(uid_hex), ctypes.sizeof(uid))
+    lib.set_device(int(os.environ.get("LB_TEST_DEVICE", rank % 8)))
     comm = c_void_p()
     _emit(event="joining")
-    lib.ncclCommInitRank(byref(comm), nranks, uid, rank)
+    rc = lib.ncclCommInitRank(byref(comm), nranks, uid, rank)
+    _emit(event="init_done", rc=rc, error=lib.last_error() if rc else "")
+    if rc == 0:
+        lib.ncclCommDestroy(comm)
 
 
 def _allreduce_ok(lib: Lib, comm: int, nranks: int, rank: int, count: int) -> tuple[int, bool]:
