@@ -227,9 +227,7 @@ def _shm_entries() -> set[str]:
 
 
 @pytest.mark.parametrize("point", ["creator_alone", "joined_rank", "creator_with_others"])
-def test_no_shm_entry_after_a_rank_is_killed_during_init(
-    lib: Lib, build: Any, point: str
-) -> None:
+def test_no_shm_entry_after_a_rank_is_killed_during_init(lib: Lib, build: Any, point: str) -> None:
     """Ranks of a 3-rank job start init one by one; one is SIGKILLed at some point."""
     before = _shm_entries()
     uid = lib.unique_id()
