@@ -7,6 +7,8 @@
  *                     failure detection, the collective algorithms and the p2p rings
  *   nccl.c            communicators: init, split, config, teardown, errors, versions
  *   nccl_enqueue.c    argument checks, groups, and tasks on the loopback streams
+ *   nccl_fault.c      revoke, shrink, grow (on top of communicators)
+ *   nccl_suspend.c    suspend/resume and memory statistics
  *   nccl_unsupported.c the API the loopback does not implement
  *
  * Locking: a communicator's mu guards its task counters, refs, user ops and
