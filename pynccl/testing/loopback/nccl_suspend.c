@@ -12,8 +12,8 @@
  * suspended, every rank is idle and the data part's pages are given back to the
  * system (MADV_REMOVE punches them out of the shared memory; the ring buffers only
  * when no sent message waits to be received). The first rank to resume reserves them
- * again (MADV_POPULATE_WRITE, so that a full /dev/shm is an error here rather than a
- * SIGBUS in a collective). ncclCommMemStats reports the shares as they are now.
+ * again (MADV_POPULATE_WRITE, so that exhausted memory is an error here rather than
+ * a SIGBUS in a collective). ncclCommMemStats reports the shares as they are now.
  */
 #include "nccl_lb_internal.h"
 
@@ -113,7 +113,7 @@ ncclResult_t ncclCommResume(ncclComm_t comm) {
             __atomic_store_n(&w->released, mask, __ATOMIC_RELEASE);
             return lb_err(ncclSystemError,
                           "%s : cannot reserve the communicator's %zu bytes of shared memory "
-                          "again: %s (is /dev/shm full?)",
+                          "again: %s (is the memory limit reached?)",
                           opname, to - from, strerror(e));
         }
     }

@@ -337,14 +337,14 @@ static ncclResult_t create_world(struct lb_comm *c, const char *opname, int *fd_
     memset(&h, 0, sizeof h);
     layout(&h, c->nranks);
     size_t size = h.size;
-    /* Reserve the pages now: a full /dev/shm then fails init cleanly instead of
+    /* Reserve the pages now: exhausted shared memory then fails init cleanly instead of
      * raising SIGBUS in the middle of a collective. */
     int e = ftruncate(fd, (off_t)size) == 0 ? posix_fallocate(fd, 0, (off_t)size) : errno;
     if (e != 0) {
         close(fd);
         return lb_err(ncclSystemError,
-                      "%s : cannot reserve %zu bytes of shared memory for %s: %s (is /dev/shm "
-                      "full?)",
+                      "%s : cannot reserve %zu bytes of shared memory for %s: %s (is the "
+                      "memory limit reached?)",
                       opname, size, c->shm_name + 1, strerror(e));
     }
     struct lbw_hdr *w = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
