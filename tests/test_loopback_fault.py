@@ -335,3 +335,63 @@ def test_grow_from_2_to_4_processes(lib: Lib, build: Any) -> None:
         assert done == {"event": "grown", "rc": 0, "rank": r, "size": 4, "ok": True}, ev
         assert ev[-1] == {"event": "exit", "ok": True}
     assert not rendezvous_open(gid)
+
+
+# ---- grow in a thread world, and its argument errors ------------------------------------
+
+
+def test_grow_in_a_thread_world_and_its_errors(lib: Lib, world: Any) -> None:
+    w = world(2)
+    gid = ncclUniqueId()
+    assert lib.ncclCommGetUniqueId(w.comms[0], byref(gid)) == 0
+    again = ncclUniqueId()
+    assert lib.ncclCommGetUniqueId(w.comms[0], byref(again)) == INVALID_USAGE
+    assert "not consumed" in lib.last_error()
+    out = c_void_p(1)
+    for args, code, words in (
+        ((w.comms[0], 3, byref(gid), 0), INVALID_ARG, "passes rank -1"),
+        ((w.comms[0], 2, byref(gid), -1), INVALID_ARG, "nRanks 2 must exceed"),
+        ((w.comms[1], 3, byref(again), -1), INVALID_USAGE, "not made by ncclCommGetUniqueId"),
+        ((None, 3, None, 2), INVALID_ARG, "needs the uniqueId"),
+        ((None, 3, byref(gid), 3), INVALID_ARG, "Invalid rank requested : 3/3"),
+    ):
+        assert lib.ncclCommGrow(*args, byref(out), None) == code, lib.last_error()
+        assert words in lib.last_error()
+        assert out.value is None
+
+    grown: list[int] = [0, 0, 0]
+    errors: list[str] = []
+
+    def existing(r: int) -> None:
+        nc = c_void_p()
+        uid = byref(gid) if r == 0 else None
+        lib.set_device(r)
+        if lib.ncclCommGrow(w.comms[r], 3, uid, -1, byref(nc), None) != 0:
+            errors.append(lib.last_error())
+        grown[r] = int(nc.value or 0)
+
+    def new_rank() -> None:
+        nc = c_void_p()
+        lib.set_device(2)
+        if lib.ncclCommGrow(None, 3, byref(gid), 2, byref(nc), None) != 0:
+            errors.append(lib.last_error())
+        grown[2] = int(nc.value or 0)
+
+    threads = [threading.Thread(target=existing, args=(1,)), threading.Thread(target=new_rank)]
+    for t in threads:
+        t.start()
+    existing(0)  # the root posts the id last: rank 1 waited for it in the parent's world
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive()
+    assert errors == [] and all(grown), errors
+    try:
+        assert [lib.user_rank(c) for c in grown] == [0, 1, 2]
+        assert [lib.count(c) for c in grown] == [3, 3, 3]
+        allreduce_checked(lib, grown, [0, 1, 2], 3000, seed=6)
+        # the id was consumed: a new one may be taken, the old one is refused
+        assert lib.ncclCommGrow(w.comms[0], 4, byref(gid), -1, byref(out), None) == INVALID_USAGE
+        assert lib.ncclCommGetUniqueId(w.comms[0], byref(again)) == 0
+    finally:
+        for c in grown:
+            assert lib.ncclCommDestroy(c) == 0
