@@ -372,6 +372,7 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
     struct lbw_hdr *w = NULL;
     size_t size = 0;
     int fd = -1;
+    pid_t creator = 0; /* reached, but its memfd not (yet) found in /proc/<pid>/fd */
     uint64_t deadline = lb_now_ns() + 30ULL * 1000000000ULL;
     for (;;) {
         int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -398,8 +399,10 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
         if (e == EADDRINUSE && connect(s, (struct sockaddr *)&sa, salen) == 0) {
             struct ucred cred;
             socklen_t cl = sizeof cred;
-            if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0)
+            if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0) {
+                creator = cred.pid;
                 fd = open_creator_memfd(c, cred.pid);
+            }
         } else if (e != EADDRINUSE) {
             close(s);
             return lb_err(ncclSystemError, "%s : bind(@%s) failed: %s", opname, c->shm_name + 1,
@@ -426,6 +429,11 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
             break;
         }
         /* the creator has bound but is not listening yet (or just died): try again */
+        if (lb_now_ns() > deadline && creator)
+            return lb_err(ncclSystemError,
+                          "%s : the creator of %s (pid %d) listens, but its segment cannot be "
+                          "opened through /proc/%d/fd (is /proc mounted with hidepid?)",
+                          opname, c->shm_name + 1, (int)creator, (int)creator);
         if (lb_now_ns() > deadline)
             return lb_err(ncclSystemError, "%s : could not reach the creator of %s", opname,
                           c->shm_name + 1);
