@@ -87,7 +87,12 @@ def allreduce_checked(
             lib.ncclAllReduce(bufs[r][0], bufs[r][1], count, 7, SUM, comms[r], streams[r])
             for r in range(n)
         ]
-        assert lib.ncclGroupEnd() == 0 and codes == [0] * n, (codes, lib.last_error())
+        end = lib.ncclGroupEnd()
+        assert end in (SUCCESS, IN_PROGRESS) and codes == [0] * n, (codes, lib.last_error())
+        for c in comms:  # a nonblocking comm's group end may be in progress
+            while (e := lib.async_error(c)) == IN_PROGRESS:
+                pass
+            assert e == SUCCESS, lib.last_error()
         for s in streams:
             assert lib.sync(s) == 0
         want = fold(sends, SUM, n)
@@ -395,3 +400,27 @@ def test_grow_in_a_thread_world_and_its_errors(lib: Lib, world: Any) -> None:
     finally:
         for c in grown:
             assert lib.ncclCommDestroy(c) == 0
+
+
+def test_nonblocking_shrink_completes_as_the_child_is_polled(lib: Lib) -> None:
+    from pynccl._capi.structs import make_config
+
+    cfg = make_config({"blocking": 0})
+    comm = c_void_p()
+    lib.set_device(0)
+    rc = lib.ncclCommInitRankConfig(byref(comm), 1, lib.unique_id(), 0, byref(cfg))
+    assert rc in (SUCCESS, IN_PROGRESS)
+    while lib.async_error(comm.value) == IN_PROGRESS:
+        pass
+    child = c_void_p()
+    rc = lib.ncclCommShrink(comm.value, None, 0, byref(child), None, SHRINK_DEFAULT)
+    assert rc in (SUCCESS, IN_PROGRESS), lib.last_error()
+    assert child.value  # the handle is there at once; it is ready once polled so
+    while (e := lib.async_error(child.value)) == IN_PROGRESS:
+        pass
+    try:
+        assert e == SUCCESS and lib.count(child.value) == 1
+        allreduce_checked(lib, [int(child.value)], [0], 100, seed=7)
+    finally:
+        assert lib.ncclCommDestroy(child.value) == 0
+        assert lib.ncclCommDestroy(comm.value) == 0
