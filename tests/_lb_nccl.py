@@ -471,12 +471,103 @@ def _scenario_die(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) 
 
 
 def _scenario_orphan(lib: Lib, uid_hex: str, nranks: int, rank: int) -> None:
-    """Join a world whose other ranks never come; the parent kills this process."""
+    """Join a world whose other ranks may never come (the parent may kill this process);
+    report how the init ended. $LB_TEST_DEVICE overrides the device (rank % 8)."""
     uid = ncclUniqueId()
     ctypes.memmove(byref(uid), bytes.fromhex(uid_hex), ctypes.sizeof(uid))
+    lib.set_device(int(os.environ.get("LB_TEST_DEVICE", rank % 8)))
     comm = c_void_p()
     _emit(event="joining")
-    lib.ncclCommInitRank(byref(comm), nranks, uid, rank)
+    rc = lib.ncclCommInitRank(byref(comm), nranks, uid, rank)
+    _emit(event="init_done", rc=rc, error=lib.last_error() if rc else "")
+    if rc == 0:
+        lib.ncclCommDestroy(comm)
+
+
+def _allreduce_ok(lib: Lib, comm: int, nranks: int, rank: int, count: int) -> tuple[int, bool]:
+    """A float32 sum all-reduce of every rank's make_input, checked against numpy."""
+    stream = lib.stream(lib.device())
+    sb, rb = lib.malloc(count * 4), lib.malloc(count * 4)
+    sends = [make_input(np.float32, count, r, seed=11) for r in range(nranks)]
+    lib.upload(sb, sends[rank])
+    rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream) or lib.sync(stream)
+    ok = rc == 0 and bool(
+        np.array_equal(lib.download(rb, np.float32, count), fold(sends, SUM, nranks))
+    )
+    lib.free(sb)
+    lib.free(rb)
+    lib.destroy_stream(stream)
+    return rc, ok
+
+
+def _scenario_shrink(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) -> bool:
+    """The parent kills the victim (args[0]) after 'ready'; the survivors see their
+    collective fail, shrink it away with NCCL_SHRINK_ABORT and all-reduce in the child."""
+    victim = int(args[0])
+    count = 1 << 16
+    stream = lib.stream(rank % 8)
+    sb, rb = lib.malloc(count * 4), lib.malloc(count * 4)
+    rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream) or lib.sync(stream)
+    _emit(event="ready", rc=rc)
+    if rank == victim:
+        while True:
+            time.sleep(0.05)
+    lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream)
+    lib.sync(stream)
+    err = lib.async_error(comm)
+    _emit(event="parent", async_error=err, error=lib.last_error())
+    excl = (c_int * 1)(victim)
+    child = c_void_p()
+    rc = lib.ncclCommShrink(comm, excl, 1, byref(child), None, 1)  # NCCL_SHRINK_ABORT
+    ok = False
+    if rc == 0:
+        crank, size = lib.user_rank(child.value), lib.count(child.value)
+        rc, ok = _allreduce_ok(lib, int(child.value or 0), size, crank, 10_000)
+        _emit(event="child", rc=rc, rank=crank, size=size, ok=ok)
+        ok = ok and lib.ncclCommDestroy(child.value) == 0
+    else:
+        _emit(event="child", rc=rc, error=lib.last_error())
+    lib.free(sb)
+    lib.free(rb)
+    lib.destroy_stream(stream)
+    lib.ncclCommAbort(comm)
+    return ok and err == REMOTE
+
+
+def _grown(lib: Lib, newcomm: c_void_p, rc: int) -> bool:
+    ok = False
+    if rc == 0:
+        crank, size = lib.user_rank(newcomm.value), lib.count(newcomm.value)
+        rc, ok = _allreduce_ok(lib, int(newcomm.value or 0), size, crank, 10_000)
+        _emit(event="grown", rc=rc, rank=crank, size=size, ok=ok)
+        ok = ok and lib.ncclCommDestroy(newcomm.value) == 0
+    else:
+        _emit(event="grown", rc=rc, error=lib.last_error())
+    return ok
+
+
+def _scenario_grow_old(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]) -> bool:
+    """An existing rank of a grow to args[0] ranks; rank 0 is the root and prints the id."""
+    total = int(args[0])
+    newcomm = c_void_p()
+    if rank == 0:
+        gid = ncclUniqueId()
+        rc = lib.ncclCommGetUniqueId(comm, byref(gid))
+        _emit(event="grow_id", rc=rc, uid=bytes(gid).hex())
+        rc = rc or lib.ncclCommGrow(comm, total, byref(gid), -1, byref(newcomm), None)
+    else:
+        rc = lib.ncclCommGrow(comm, total, None, -1, byref(newcomm), None)
+    return _grown(lib, newcomm, rc)
+
+
+def _scenario_grow_new(lib: Lib, uid_hex: str, nranks: int, rank: int) -> bool:
+    """A new rank joining a grow with the root's id."""
+    gid = ncclUniqueId()
+    ctypes.memmove(byref(gid), bytes.fromhex(uid_hex), ctypes.sizeof(gid))
+    lib.set_device(rank % 8)
+    newcomm = c_void_p()
+    rc = lib.ncclCommGrow(None, nranks, byref(gid), rank, byref(newcomm), None)
+    return _grown(lib, newcomm, rc)
 
 
 def main(argv: list[str]) -> int:
@@ -485,10 +576,20 @@ def main(argv: list[str]) -> int:
     if scenario == "orphan":
         _scenario_orphan(lib, uid_hex, nranks, rank)
         return 0
+    if scenario == "grow_new":
+        ok = _scenario_grow_new(lib, uid_hex, nranks, rank)
+        _emit(event="exit", ok=ok)
+        return 0 if ok else 1
     comm = _init(lib, uid_hex, nranks, rank)
-    run = {"colls": _scenario_colls, "big": _scenario_big, "die": _scenario_die}[scenario]
+    run = {
+        "colls": _scenario_colls,
+        "big": _scenario_big,
+        "die": _scenario_die,
+        "shrink": _scenario_shrink,
+        "grow_old": _scenario_grow_old,
+    }[scenario]
     ok = run(lib, comm, nranks, rank, argv[4:])
-    if scenario != "die":
+    if scenario not in ("die", "shrink"):
         rc = lib.ncclCommDestroy(comm)
         ok = ok and rc == 0
     _emit(event="exit", ok=ok)

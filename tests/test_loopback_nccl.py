@@ -13,7 +13,6 @@ fault injection, the null build, and that nothing (segment, thread) is left behi
 from __future__ import annotations
 
 import ctypes
-import glob
 import os
 import shutil
 import signal
@@ -1013,10 +1012,8 @@ def test_memory_and_registration(lib: Lib, world: Any) -> None:
 
 def test_unimplemented_functions_say_so(lib: Lib, world: Any) -> None:
     w = world(1)
-    newcomm = c_void_p()
-    assert lib.ncclCommShrink(w.comms[0], (c_int * 1)(0), 1, byref(newcomm), None, 0) == 5
-    assert "not implemented by the pynccl loopback" in lib.last_error()
     assert lib.ncclCommWindowRegister(w.comms[0], None, 0, byref(c_void_p()), 0) == 5
+    assert "not implemented by the pynccl loopback" in lib.last_error()
     assert lib.ncclParamBind(byref(c_void_p()), b"x") == 5
     lib.ncclParamDumpAll()
 
@@ -1156,33 +1153,33 @@ def test_killed_peer_stops_the_others(lib: Lib, build: Any) -> None:
     assert not os.path.exists(shm_name(uid))
 
 
-def test_segment_of_a_process_that_died_during_init_is_reclaimed(lib: Lib, build: Any) -> None:
+def rendezvous_name(uid: ncclUniqueId) -> str:
+    """The abstract unix socket a world's creator listens on until every rank joined."""
+    raw = bytes(uid)
+    return "@pynccl-lb-" + raw[0:8].hex() + raw[64:80].hex()
+
+
+def rendezvous_open(uid: ncclUniqueId) -> bool:
+    with open("/proc/net/unix") as f:
+        return any(line.split()[-1] == rendezvous_name(uid) for line in f.readlines()[1:])
+
+
+def test_a_process_killed_during_init_leaves_nothing(lib: Lib, build: Any) -> None:
     import json
 
     uid = lib.unique_id()
     (orphan,) = spawn(build, "orphan", uid, 2, ranks=[0])
     assert orphan.stdout is not None
     assert json.loads(orphan.stdout.readline())["event"] == "joining"
-    name = shm_name(uid)
-
-    def initialised() -> bool:  # the creator has filled the header (its magic is there)
-        try:
-            with open(name, "rb") as f:
-                return f.read(8) == b"PCNLBWD1"
-        except OSError:
-            return False
-
     for _ in range(2000):
-        if initialised():
+        if rendezvous_open(uid):
             break
         time.sleep(0.005)
-    assert initialised()
+    assert rendezvous_open(uid)  # the creator waits for rank 1
+    assert not os.path.exists(shm_name(uid))  # the segment has no name
     orphan.kill()
     orphan.wait(timeout=30)
-    # a fresh process's first init sweeps /dev/shm
-    procs = spawn(build, "colls", lib.unique_id(), 1)
-    assert events(procs[0])[-1]["ok"] is True
-    assert not os.path.exists(name)
+    assert not rendezvous_open(uid)  # the kernel dropped the name with the process
 
 
 def test_256mib_allreduce_across_4_processes(lib: Lib, build: Any) -> None:
@@ -1218,7 +1215,7 @@ def test_null_build_checks_arguments_and_moves_nothing() -> None:
 
 
 def test_nothing_left_behind(lib: Lib) -> None:
-    """A world's segment is gone once everyone joined; the libnccl starts no threads."""
+    """A world's rendezvous is gone once everyone joined; the libnccl starts no threads."""
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
@@ -1227,18 +1224,19 @@ def test_nothing_left_behind(lib: Lib) -> None:
     s0 = lib.stream(0)  # let the cudart start what it keeps
     lib.destroy_stream(s0)
     before_threads = threads()
-    mine_before = set(glob.glob("/dev/shm/pynccl-lb-*"))
     uid = lib.unique_id()
     comms = [c_void_p() for _ in range(2)]
     assert lib.ncclGroupStart() == 0
     for r in range(2):
         lib.set_device(r)
         assert lib.ncclCommInitRank(byref(comms[r]), 2, uid, r) == 0
-        # the segment exists while ranks are missing; the last to join unlinks it
-        assert os.path.exists(shm_name(uid)) == (r == 0)
+        # the creator listens until it sees everyone joined; no file is ever made
+        assert rendezvous_open(uid)
+        assert not os.path.exists(shm_name(uid))
     lib.set_device(0)
     assert lib.ncclGroupEnd() == 0
+    assert not rendezvous_open(uid)
     assert threads() == before_threads
     for c in comms:
         assert lib.ncclCommDestroy(c.value) == 0
-    assert not (set(glob.glob("/dev/shm/pynccl-lb-*")) - mine_before)
+    assert not rendezvous_open(uid)

@@ -249,8 +249,9 @@ def mapped_shm(pid: int) -> set[str]:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
                 path = line.split(maxsplit=5)[5:]
-                if path and path[0].startswith("/dev/shm/pynccl"):
-                    names.add(path[0].split()[0].rsplit("/", 1)[1])
+                # a loopback world: a memfd (older builds: a /dev/shm file)
+                if path and path[0].startswith(("/dev/shm/pynccl", "/memfd:pynccl")):
+                    names.add(path[0].split()[0].rsplit("/", 1)[1].removeprefix("memfd:"))
     except (FileNotFoundError, ProcessLookupError):
         pass
     return names

@@ -214,6 +214,9 @@ static void make_uid(unsigned char *u) {
 
 static int uid_valid(const unsigned char *u) { return memcmp(u + 80, k_uid_sig, sizeof k_uid_sig) == 0; }
 
+void lb_make_uid(unsigned char *u) { make_uid(u); }
+int lb_uid_valid(const unsigned char *u) { return uid_valid(u); }
+
 ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
     if (uniqueId == NULL) return lb_err(ncclInvalidArgument, "GetUniqueId : out argument is NULL");
     make_uid((unsigned char *)uniqueId->internal);
@@ -279,7 +282,6 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     c->scalars = calloc((size_t)nranks, sizeof *c->scalars);
     if (!c->srcs || !c->scalars) {
         free(c->srcs);
-    free(c->scalars);
         free(c->scalars);
         free(c);
         return NULL;
@@ -287,6 +289,7 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     c->refs = 1;
+    c->rv_fd = c->seg_fd = -1;
     c->nranks = nranks;
     c->rank = rank;
     c->dev = dev;
@@ -313,6 +316,7 @@ static void comm_free(struct lb_comm *c) {
     }
     free(c->uops);
     free(c->srcs);
+    free(c->scalars);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c);
@@ -331,7 +335,7 @@ void lb_comm_unref(struct lb_comm *c) {
     if (left == 0) comm_free(c);
 }
 
-static void comm_halt(struct lb_comm *c) {
+void lb_comm_halt(struct lb_comm *c) {
     pthread_mutex_lock(&c->mu);
     __atomic_store_n(&c->halt, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&c->cv);
@@ -348,13 +352,13 @@ void lb_comm_fail(struct lb_comm *c, ncclResult_t code, const char *fmt, ...) {
         lb_set_error("%s", msg);
     }
     if (code == LB_ABORTED) {
-        comm_halt(c);
+        lb_comm_halt(c);
         return;
     }
     int expected = ncclSuccess;
     __atomic_compare_exchange_n(&c->async, &expected, (int)code, 0, __ATOMIC_SEQ_CST,
                                 __ATOMIC_SEQ_CST);
-    comm_halt(c);
+    lb_comm_halt(c);
     if (c->w && !__atomic_load_n(&c->w->broken, __ATOMIC_ACQUIRE)) {
         ncclResult_t others = code == ncclInvalidUsage ? ncclInvalidUsage
                                                        : (LB_HAS_REMOTE_ERROR ? ncclRemoteError
@@ -384,7 +388,7 @@ ncclResult_t lb_comm_ensure_ready(struct lb_comm *c, const char *opname) {
     if (c->finalized)
         return lb_err(ncclInvalidUsage, "%s : communicator %p was finalized", opname,
                       (void *)c->handle);
-    return ncclSuccess;
+    return lb_comm_check_stopped(c, opname);
 }
 
 ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking) {
@@ -412,7 +416,7 @@ static void drop_splits_of(struct lb_comm *parent);
 
 /* Tear down after the comm's tasks stopped: leave the world, kill the handle. */
 static void comm_teardown(struct lb_comm *c, enum lbw_rank_state state) {
-    comm_halt(c);
+    lb_comm_halt(c);
     drop_splits_of(c);
     handle_kill(c);
     lbw_leave(c, state);
@@ -558,7 +562,7 @@ static ncclResult_t config_validate(const ncclConfig_t *c, const char *opname) {
 #undef BAD_IF
 
 /* out: the effective config (blocking resolved to 0/1). */
-static ncclResult_t parse_config(const ncclConfig_t *user, ncclConfig_t *out, const char *opname) {
+ncclResult_t lb_parse_config(const ncclConfig_t *user, ncclConfig_t *out, const char *opname) {
     ncclConfig_t d;
     config_defaults(&d);
     *out = d;
@@ -594,7 +598,7 @@ static void apply_config(struct lb_comm *c, const ncclConfig_t *cfg) {
     c->comm_name = cfg->commName;
 }
 
-static void config_of(const struct lb_comm *c, ncclConfig_t *cfg) {
+void lb_config_of(const struct lb_comm *c, ncclConfig_t *cfg) {
     config_defaults(cfg);
     cfg->blocking = c->blocking;
     cfg->splitShare = c->split_share;
@@ -603,7 +607,7 @@ static void config_of(const struct lb_comm *c, ncclConfig_t *cfg) {
 
 /* ---- init ------------------------------------------------------------------------------ */
 
-static ncclResult_t fail_init_injected(const char *opname) {
+ncclResult_t lb_fail_init_injected(const char *opname) {
     long long code = lb_env_ll("PYNCCL_LOOPBACK_FAIL_INIT", 0);
     if (code == 0) return ncclSuccess;
     return lb_err((ncclResult_t)code, "%s : failing on purpose (PYNCCL_LOOPBACK_FAIL_INIT=%lld)",
@@ -642,7 +646,7 @@ static ncclResult_t init_rank(ncclComm_t *newcomm, int nranks, const unsigned ch
                               const ncclConfig_t *config, const char *opname) {
     if (newcomm == NULL) return lb_err(ncclInvalidArgument, "%s : newcomm argument is NULL", opname);
     *newcomm = NULL;
-    ncclResult_t r = fail_init_injected(opname);
+    ncclResult_t r = lb_fail_init_injected(opname);
     if (r != ncclSuccess) return lb_group_error(r);
     if (nranks < 1 || rank < 0 || rank >= nranks)
         return lb_group_error(
@@ -653,16 +657,20 @@ static ncclResult_t init_rank(ncclComm_t *newcomm, int nranks, const unsigned ch
                                      "ncclGetUniqueId",
                                      opname));
     ncclConfig_t cfg;
-    r = parse_config(config, &cfg, opname);
+    r = lb_parse_config(config, &cfg, opname);
     if (r != ncclSuccess) return lb_group_error(r);
+    return lb_comm_start(uid, nranks, rank, pynccl_lb_current_device(), &cfg, opname, newcomm);
+}
+
+ncclResult_t lb_comm_start(const unsigned char *uid, int nranks, int rank, int dev,
+                           const ncclConfig_t *cfg, const char *opname, ncclComm_t *newcomm) {
     int in_group = lb_group_depth() > 0;
     if (in_group) {
-        r = lb_group_join_mode(cfg.blocking, opname);
+        ncclResult_t r = lb_group_join_mode(cfg->blocking, opname);
         if (r != ncclSuccess) return r;
     }
-    int dev = pynccl_lb_current_device();
     struct lb_comm *c;
-    r = comm_create(uid, nranks, rank, dev, &cfg, opname, &c);
+    ncclResult_t r = comm_create(uid, nranks, rank, dev, cfg, opname, &c);
     if (r != ncclSuccess) return lb_group_error(r);
     *newcomm = c->handle;
     if (in_group) {
@@ -714,7 +722,7 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
     const char *opname = "ncclCommInitAll";
     if (comms == NULL) return lb_err(ncclInvalidArgument, "%s : comms argument is NULL", opname);
     if (ndev < 1) return lb_err(ncclInvalidArgument, "%s : invalid ndev %d", opname, ndev);
-    ncclResult_t r = fail_init_injected(opname);
+    ncclResult_t r = lb_fail_init_injected(opname);
     if (r != ncclSuccess) return r;
     int ndevices = pynccl_lb_device_count();
     for (int i = 0; i < ndev; i++) {
@@ -729,7 +737,7 @@ ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
     unsigned char uid[NCCL_UNIQUE_ID_BYTES];
     make_uid(uid);
     ncclConfig_t cfg;
-    parse_config(NULL, &cfg, opname);
+    lb_parse_config(NULL, &cfg, opname);
     cfg.blocking = 1;
     struct lb_comm **cs = calloc((size_t)ndev, sizeof *cs);
     if (!cs) return lb_err(ncclSystemError, "%s : out of memory", opname);
@@ -756,6 +764,23 @@ static uint64_t mix64(uint64_t x) {
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
     return x ^ (x >> 31);
+}
+
+uint64_t lb_mix64(uint64_t x) { return mix64(x); }
+
+/* The id of a child world (split, shrink): the parent's, with its random parts salted. */
+void lb_derive_uid(const unsigned char *parent, uint64_t salt, unsigned char *uid) {
+    memcpy(uid, parent, NCCL_UNIQUE_ID_BYTES);
+    uint64_t m, t0, t1;
+    memcpy(&m, uid, 8);
+    memcpy(&t0, uid + 64, 8);
+    memcpy(&t1, uid + 72, 8);
+    m = mix64(m ^ salt) | 1;
+    t0 = mix64(t0 ^ salt);
+    t1 = mix64(t1 ^ m);
+    memcpy(uid, &m, 8);
+    memcpy(uid + 64, &t0, 8);
+    memcpy(uid + 72, &t1, 8);
 }
 
 void lb_split_free(struct lb_split *s) {
@@ -790,18 +815,7 @@ static ncclResult_t split_gather(struct lb_split *s, int blocking) {
     }
     free(colors);
     unsigned char uid[NCCL_UNIQUE_ID_BYTES];
-    memcpy(uid, p->uid, sizeof uid);
-    uint64_t m, t0, t1;
-    memcpy(&m, uid, 8);
-    memcpy(&t0, uid + 64, 8);
-    memcpy(&t1, uid + 72, 8);
-    uint64_t salt = mix64(s->seq * 0x100000001ULL + (uint64_t)(uint32_t)s->color);
-    m = mix64(m ^ salt) | 1;
-    t0 = mix64(t0 ^ salt);
-    t1 = mix64(t1 ^ m);
-    memcpy(uid, &m, 8);
-    memcpy(uid + 64, &t0, 8);
-    memcpy(uid + 72, &t1, 8);
+    lb_derive_uid(p->uid, mix64(s->seq * 0x100000001ULL + (uint64_t)(uint32_t)s->color), uid);
     struct lb_comm *child;
     r = comm_create(uid, n, mine, p->dev, &s->config, "ncclCommSplit", &child);
     if (r != ncclSuccess) return r;
@@ -848,18 +862,18 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
                                      "%s : invalid color %d (a color is >= 0, or "
                                      "NCCL_SPLIT_NOCOLOR)",
                                      opname, color));
-    r = fail_init_injected(opname);
+    r = lb_fail_init_injected(opname);
     if (r != ncclSuccess) return lb_group_error(r);
     struct lb_split *s = calloc(1, sizeof *s);
     if (!s) return lb_group_error(lb_err(ncclSystemError, "%s : out of memory", opname));
     if (config) {
-        r = parse_config(config, &s->config, opname);
+        r = lb_parse_config(config, &s->config, opname);
         if (r != ncclSuccess) {
             free(s);
             return lb_group_error(r);
         }
     } else {
-        config_of(p, &s->config); /* NULL config: inherit the parent's */
+        lb_config_of(p, &s->config); /* NULL config: inherit the parent's */
     }
     int in_group = lb_group_depth() > 0;
     if (in_group && (r = lb_group_join_mode(p->blocking, opname)) != ncclSuccess) {
@@ -952,6 +966,10 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
         *asyncError = lb_comm_progress(c, 0);
         return ncclSuccess;
     }
+    if (__atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED) {
+        *asyncError = lb_comm_revoke_state(c);
+        return ncclSuccess;
+    }
     int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
     if (a == ncclSuccess && __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE)) {
         *asyncError = ncclInProgress;
@@ -1008,23 +1026,10 @@ ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank) {
 }
 LB_ALIAS(ncclCommUserRank)
 
-#if LB_AT_LEAST(2, 29, 2)
-ncclResult_t ncclCommGetUniqueId(ncclComm_t comm, ncclUniqueId *uniqueId) {
-    struct lb_comm *c;
-    ncclResult_t r = lb_comm_get(comm, "ncclCommGetUniqueId", &c);
-    if (r != ncclSuccess) return r;
-    if (uniqueId == NULL)
-        return lb_err(ncclInvalidArgument, "ncclCommGetUniqueId : uniqueId argument is NULL");
-    make_uid((unsigned char *)uniqueId->internal); /* a fresh id, as for ncclCommGrow */
-    return ncclSuccess;
-}
-LB_ALIAS(ncclCommGetUniqueId)
-#endif
-
 /* ---- teardown -------------------------------------------------------------------------- */
 
 /* Wait until every task issued on c has completed (or the comm halted). */
-static void drain(struct lb_comm *c) {
+void lb_comm_drain(struct lb_comm *c) {
     pthread_mutex_lock(&c->mu);
     while (!__atomic_load_n(&c->halt, __ATOMIC_ACQUIRE) && c->completed < c->issued)
         pthread_cond_wait(&c->cv, &c->mu);
@@ -1041,11 +1046,16 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     if (c->finalized)
         return lb_err(ncclInvalidArgument, "ncclCommFinalize : comm %p was already finalized",
                       (void *)comm);
+    if (__atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED)
+        return lb_err(ncclInvalidUsage,
+                      "ncclCommFinalize : comm %p was revoked: only ncclCommShrink, "
+                      "ncclCommAbort and ncclCommDestroy may follow ncclCommRevoke",
+                      (void *)comm);
     if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING)
         return lb_err(ncclInvalidArgument,
                       "ncclCommFinalize : Attempt to use communicator before the previous "
                       "operation returned ncclSuccess");
-    drain(c);
+    lb_comm_drain(c);
     c->finalized = 1;
     return ncclSuccess;
 }
@@ -1057,7 +1067,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     struct lb_comm *c;
     ncclResult_t r = lb_comm_get(comm, "ncclCommDestroy", &c);
     if (r != ncclSuccess) return r;
-    drain(c); /* implicit finalize */
+    lb_comm_drain(c); /* implicit finalize */
     int failed = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != LBC_READY;
     comm_teardown(c, failed ? LBR_FAILED : LBR_LEFT);
     return ncclSuccess;
@@ -1071,11 +1081,11 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     ncclResult_t r = lb_comm_get(comm, "ncclCommAbort", &c);
     if (r != ncclSuccess) return r;
     __atomic_store_n(&c->aborted, 1, __ATOMIC_RELEASE);
-    comm_halt(c);
+    lb_comm_halt(c);
     if (c->w) /* tell the other ranks; keep this process's last error */
         lbw_break(c, LB_HAS_REMOTE_ERROR ? ncclRemoteError : ncclSystemError, 0,
                   "rank %d called ncclCommAbort", c->rank);
-    drain(c); /* running tasks see the abort within a sleep period */
+    lb_comm_drain(c); /* running tasks see the abort within a sleep period */
     comm_teardown(c, LBR_FAILED);
     return ncclSuccess;
 }

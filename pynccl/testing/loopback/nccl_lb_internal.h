@@ -7,6 +7,8 @@
  *                     failure detection, the collective algorithms and the p2p rings
  *   nccl.c            communicators: init, split, config, teardown, errors, versions
  *   nccl_enqueue.c    argument checks, groups, and tasks on the loopback streams
+ *   nccl_fault.c      revoke, shrink, grow (on top of communicators)
+ *   nccl_suspend.c    suspend/resume and memory statistics
  *   nccl_unsupported.c the API the loopback does not implement
  *
  * Locking: a communicator's mu guards its task counters, refs, user ops and
@@ -149,11 +151,20 @@ struct lbw_hdr {
     int32_t broken_rank;
     uint32_t broken_msg_ready;
     char broken_msg[512];
+    /* ncclCommSuspend: ranks suspended now; 1 while the data region is released */
+    uint32_t nsuspended __attribute__((aligned(LB_CACHELINE)));
+    uint32_t released;
+    /* ncclCommGrow: the root posts grow number grow_seq's id for the other ranks */
+    uint64_t grow_seq __attribute__((aligned(LB_CACHELINE)));
+    unsigned char grow_uid[NCCL_UNIQUE_ID_BYTES];
 };
 
 /* ---- communicators (nccl.c) ------------------------------------------------------ */
 
 enum lb_comm_state { LBC_JOINING = 0, LBC_READY = 1, LBC_FAILED = 2 };
+
+/* Why a communicator's operations stopped (lb_comm.stopped). */
+enum lb_stop { LB_STOP_NONE = 0, LB_STOP_REVOKED = 1, LB_STOP_SHRUNK = 2 };
 
 struct lb_userop {
     int used;
@@ -180,7 +191,8 @@ struct lb_comm {
     int rank, nranks, dev;
     pid_t pid;
     unsigned char uid[NCCL_UNIQUE_ID_BYTES];
-    char shm_name[96];
+    char shm_name[96]; /* "/pynccl-lb-<hex>": the rendezvous and memfd name */
+    int rv_fd, seg_fd; /* the creator's listening socket and memfd until all joined */
     uint64_t hash; /* for messages */
 
     /* the mapped world and pointers into it */
@@ -226,6 +238,13 @@ struct lb_comm {
     struct lb_userop *uops;
     int nuops;
     struct lb_reg *regs;
+
+    /* fault tolerance and suspend (nccl_fault.c, nccl_suspend.c) */
+    int stopped;     /* atomic: 0, or why operations stopped (enum lb_stop) */
+    int suspended;   /* atomic: ncclCommSuspend(NCCL_SUSPEND_MEM) until ncclCommResume */
+    uint64_t nshrinks, ngrows;
+    int grow_pending; /* an id from ncclCommGetUniqueId not yet consumed by ncclCommGrow */
+    unsigned char grow_uid[NCCL_UNIQUE_ID_BYTES];
 
     /* splits of this comm as a parent */
     uint64_t nsplits;
@@ -281,6 +300,27 @@ void lb_split_free(struct lb_split *s);
 void lb_split_defer(struct lb_split *s);
 uint64_t lb_now_ns(void);
 long long lb_env_ll(const char *name, long long dflt);
+void lb_comm_halt(struct lb_comm *c);
+/* Wait until every task issued on c has completed (or the comm halted) and none runs. */
+void lb_comm_drain(struct lb_comm *c);
+void lb_make_uid(unsigned char *uid);
+int lb_uid_valid(const unsigned char *uid);
+uint64_t lb_mix64(uint64_t x);
+/* The id of a child world: the parent's id with its random parts salted. */
+void lb_derive_uid(const unsigned char *parent, uint64_t salt, unsigned char *uid);
+ncclResult_t lb_parse_config(const ncclConfig_t *user, ncclConfig_t *out, const char *opname);
+void lb_config_of(const struct lb_comm *c, ncclConfig_t *cfg);
+ncclResult_t lb_fail_init_injected(const char *opname);
+/* Create rank `rank` of a world and, outside a group, wait for it (blocking) or
+ * return ncclInProgress: the tail of every init (InitRank, Shrink, Grow). */
+ncclResult_t lb_comm_start(const unsigned char *uid, int nranks, int rank, int dev,
+                           const ncclConfig_t *cfg, const char *opname, ncclComm_t *newcomm);
+
+/* fault tolerance and suspend (nccl_fault.c, nccl_suspend.c) */
+/* ncclInvalidUsage while the comm is revoked, shrunk with NCCL_SHRINK_ABORT or suspended. */
+ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname);
+/* A revoked comm's async state: its error, else ncclInProgress until quiescent. */
+ncclResult_t lb_comm_revoke_state(struct lb_comm *c);
 
 /* transport */
 ncclResult_t lbw_join(struct lb_comm *c, const char *opname);
@@ -300,7 +340,12 @@ ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key)
 /* Non-blocking unless blocking: 1 with colors/keys filled once everyone posted. */
 ncclResult_t lbw_split_gather(struct lb_comm *c, uint64_t seq, int *colors, int *keys,
                               int blocking, int *done);
-void lbw_reclaim_stale(void);
+/* Wait until ready(c, arg), re-evaluated on every wake-up, with the checks of every
+ * wait (abort/revoke, broken world, dead peers). */
+ncclResult_t lbw_wait_until(struct lb_comm *c, int (*ready)(struct lb_comm *, void *), void *arg,
+                            const char *what);
+/* Close the creator's rendezvous socket and memfd (once all joined, or on leave). */
+void lbw_rendezvous_close(struct lb_comm *c);
 /* Executors, run on a stream worker. Return ncclSuccess, or an error already recorded
  * in the comm's async error (LB_ABORTED when the comm was aborted). */
 #define LB_ABORTED ((ncclResult_t)-1)

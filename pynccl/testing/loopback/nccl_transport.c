@@ -1,13 +1,14 @@
 /*
  * The shared-memory transport of the loopback libnccl.
  *
- * Each communicator's ranks share one POSIX shared-memory segment (the "world"),
- * named from the unique id: /dev/shm/pynccl-lb-<hex>. Threads of one process map it
- * like separate processes do, so there is a single code path. The rank that arrives
- * first creates it; the last rank to join unlinks the name, so after init nothing is
- * left in /dev/shm whatever happens to the processes later. Segments left behind by
- * processes that died during init are reclaimed by the next init (creator and rank
- * pids all dead).
+ * Each communicator's ranks share one shared-memory segment (the "world"): an unnamed
+ * memfd, so that nothing is ever left in /dev/shm. The rendezvous is an abstract unix
+ * socket named from the unique id (@pynccl-lb-<hex>), a name that lives in the kernel
+ * and dies with its process: the rank that binds it first is the creator; it makes the
+ * segment, then listens. The others connect, learn the creator's pid (SO_PEERCRED) and
+ * open its memfd through /proc/<pid>/fd. The creator closes both once every rank has
+ * joined (or when it leaves), so a job killed at any point of init leaves nothing.
+ * Threads of one process join like separate processes do: a single code path.
  *
  * Layout: header | per-rank records | p2p ring controls (nranks^2) | collective slots
  * (2 buffers x nranks x slot_bytes) | p2p ring data (nranks^2 x ring_bytes). Sizes are
@@ -54,6 +55,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -195,7 +198,8 @@ ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns) {
  * and then fails with the returned error. */
 static ncclResult_t lbw_trouble(struct lb_comm *c, int blocker, int *recheck) {
     *recheck = 0;
-    if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) return LB_ABORTED;
+    if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE) || __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE))
+        return LB_ABORTED; /* aborted, revoked, or shrunk with NCCL_SHRINK_ABORT */
     ncclResult_t r = lbw_broken(c);
     if (r != ncclSuccess) return r;
     if (blocker >= 0 && blocker != c->rank) {
@@ -285,100 +289,160 @@ static void sleep_ms(long ms) {
     nanosleep(&ts, NULL);
 }
 
-ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
-    lbw_reclaim_stale();
-    shm_name_of(c->uid, c->shm_name, sizeof c->shm_name);
-    int fd = -1, creator = 0;
-    for (int attempt = 0; attempt < 100 && fd < 0; attempt++) {
-        fd = shm_open(c->shm_name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd >= 0) {
-            creator = 1;
-            break;
-        }
-        if (errno != EEXIST)
-            return lb_err(ncclSystemError, "%s : shm_open(%s) failed: %s", opname, c->shm_name,
-                          strerror(errno));
-        fd = shm_open(c->shm_name, O_RDWR | O_CLOEXEC, 0);
-        if (fd < 0 && errno != ENOENT)
-            return lb_err(ncclSystemError, "%s : shm_open(%s) failed: %s", opname, c->shm_name,
-                          strerror(errno));
-        /* ENOENT: the name was just unlinked (a complete world, or reclaimed); retry */
-    }
-    if (fd < 0)
-        return lb_err(ncclSystemError, "%s : could not create or open %s", opname, c->shm_name);
+/* The abstract socket address of a world: "\0pynccl-lb-<hex>". */
+static socklen_t rv_addr(const struct lb_comm *c, struct sockaddr_un *sa) {
+    memset(sa, 0, sizeof *sa);
+    sa->sun_family = AF_UNIX;
+    size_t n = strlen(c->shm_name + 1); /* skip the leading '/' */
+    memcpy(sa->sun_path + 1, c->shm_name + 1, n);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
 
+/* Close the creator's rendezvous socket and memfd (the world stays mapped). */
+void lbw_rendezvous_close(struct lb_comm *c) {
+    if (c->rv_fd >= 0) close(c->rv_fd);
+    if (c->seg_fd >= 0) close(c->seg_fd);
+    c->rv_fd = c->seg_fd = -1;
+}
+
+/* The creator's memfd for this world, opened through /proc/<pid>/fd; -1 if not there. */
+static int open_creator_memfd(const struct lb_comm *c, pid_t pid) {
+    char dir[64], want[160], path[96], got[160];
+    snprintf(dir, sizeof dir, "/proc/%d/fd", (int)pid);
+    snprintf(want, sizeof want, "/memfd:%s (deleted)", c->shm_name + 1);
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int fd = -1;
+    struct dirent *de;
+    while (fd < 0 && (de = readdir(d)) != NULL) {
+        if (de->d_name[0] == '.') continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        ssize_t n = readlink(path, got, sizeof got - 1);
+        if (n <= 0) continue;
+        got[n] = 0;
+        if (strcmp(got, want) == 0) fd = open(path, O_RDWR | O_CLOEXEC);
+    }
+    closedir(d);
+    return fd;
+}
+
+/* Create the world as its creator: size and fill a fresh memfd, map it. */
+static ncclResult_t create_world(struct lb_comm *c, const char *opname, int *fd_out,
+                                 struct lbw_hdr **w_out, size_t *size_out) {
+    int fd = memfd_create(c->shm_name + 1, MFD_CLOEXEC);
+    if (fd < 0)
+        return lb_err(ncclSystemError, "%s : memfd_create(%s) failed: %s", opname,
+                      c->shm_name + 1, strerror(errno));
+    struct lbw_hdr h;
+    memset(&h, 0, sizeof h);
+    layout(&h, c->nranks);
+    size_t size = h.size;
+    /* Reserve the pages now: exhausted shared memory then fails init cleanly instead of
+     * raising SIGBUS in the middle of a collective. */
+    int e = ftruncate(fd, (off_t)size) == 0 ? posix_fallocate(fd, 0, (off_t)size) : errno;
+    if (e != 0) {
+        close(fd);
+        return lb_err(ncclSystemError,
+                      "%s : cannot reserve %zu bytes of shared memory for %s: %s (is the "
+                      "memory limit reached?)",
+                      opname, size, c->shm_name + 1, strerror(e));
+    }
+    struct lbw_hdr *w = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (w == MAP_FAILED) {
+        e = errno;
+        close(fd);
+        return lb_err(ncclSystemError, "%s : mmap of %zu bytes failed: %s", opname, size,
+                      strerror(e));
+    }
+    h.layout = LBW_LAYOUT;
+    h.creator_pid = (int32_t)c->pid;
+    h.lib_version = LB_NCCL_VERSION_CODE;
+    memcpy(w, &h, offsetof(struct lbw_hdr, joined));
+    __atomic_store_n(&w->magic, LBW_MAGIC, __ATOMIC_RELEASE);
+    *fd_out = fd;
+    *w_out = w;
+    *size_out = size;
+    return ncclSuccess;
+}
+
+ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
+    shm_name_of(c->uid, c->shm_name, sizeof c->shm_name);
+    struct sockaddr_un sa;
+    socklen_t salen = rv_addr(c, &sa);
     struct lbw_hdr *w = NULL;
     size_t size = 0;
-    if (creator) {
-        struct lbw_hdr h;
-        memset(&h, 0, sizeof h);
-        layout(&h, c->nranks);
-        size = h.size;
-        /* Reserve the pages now: a full /dev/shm then fails init cleanly instead of
-         * raising SIGBUS in the middle of a collective. */
-        int e = ftruncate(fd, (off_t)size) == 0 ? posix_fallocate(fd, 0, (off_t)size) : errno;
-        if (e != 0) {
-            close(fd);
-            shm_unlink(c->shm_name);
-            return lb_err(ncclSystemError,
-                          "%s : cannot reserve %zu bytes of shared memory for %s: %s (is "
-                          "/dev/shm full?)",
-                          opname, size, c->shm_name, strerror(e));
-        }
-        w = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (w == MAP_FAILED) {
-            int e = errno;
-            close(fd);
-            shm_unlink(c->shm_name);
-            return lb_err(ncclSystemError, "%s : mmap of %zu bytes failed: %s", opname, size,
-                          strerror(e));
-        }
-        h.layout = LBW_LAYOUT;
-        h.creator_pid = (int32_t)c->pid;
-        h.lib_version = LB_NCCL_VERSION_CODE;
-        memcpy(w, &h, offsetof(struct lbw_hdr, joined));
-        __atomic_store_n(&w->magic, LBW_MAGIC, __ATOMIC_RELEASE);
-    } else {
-        /* Wait (briefly) for the creator to size and fill the segment. */
-        struct stat st;
-        uint64_t deadline = lb_now_ns() + 30ULL * 1000000000ULL;
-        for (;;) {
-            if (fstat(fd, &st) != 0) {
-                int e = errno;
-                close(fd);
-                return lb_err(ncclSystemError, "%s : fstat(%s): %s", opname, c->shm_name,
-                              strerror(e));
-            }
-            if ((size_t)st.st_size >= sizeof(struct lbw_hdr)) break;
-            if (lb_now_ns() > deadline) {
-                close(fd);
-                return lb_err(ncclSystemError, "%s : %s was never initialised by its creator",
-                              opname, c->shm_name);
-            }
-            sleep_ms(1);
-        }
-        size = (size_t)st.st_size;
-        w = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (w == MAP_FAILED) {
-            int e = errno;
-            close(fd);
-            return lb_err(ncclSystemError, "%s : mmap of %zu bytes failed: %s", opname, size,
-                          strerror(e));
-        }
-        while (__atomic_load_n(&w->magic, __ATOMIC_ACQUIRE) != LBW_MAGIC) {
-            if (lb_now_ns() > deadline) {
+    int fd = -1;
+    pid_t creator = 0; /* reached, but its memfd not (yet) found in /proc/<pid>/fd */
+    uint64_t deadline = lb_now_ns() + 30ULL * 1000000000ULL;
+    for (;;) {
+        int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (s < 0)
+            return lb_err(ncclSystemError, "%s : socket(AF_UNIX) failed: %s", opname,
+                          strerror(errno));
+        if (bind(s, (struct sockaddr *)&sa, salen) == 0) { /* first: the creator */
+            ncclResult_t r = create_world(c, opname, &fd, &w, &size);
+            if (r == ncclSuccess && listen(s, SOMAXCONN) != 0) {
+                r = lb_err(ncclSystemError, "%s : listen(@%s) failed: %s", opname,
+                           c->shm_name + 1, strerror(errno));
                 munmap(w, size);
                 close(fd);
-                return lb_err(ncclSystemError, "%s : %s was never initialised by its creator",
-                              opname, c->shm_name);
             }
-            sleep_ms(1);
+            if (r != ncclSuccess) {
+                close(s);
+                return r;
+            }
+            c->rv_fd = s;
+            c->seg_fd = fd;
+            break;
         }
+        int e = errno;
+        if (e == EADDRINUSE && connect(s, (struct sockaddr *)&sa, salen) == 0) {
+            struct ucred cred;
+            socklen_t cl = sizeof cred;
+            if (getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0) {
+                creator = cred.pid;
+                fd = open_creator_memfd(c, cred.pid);
+            }
+        } else if (e != EADDRINUSE) {
+            close(s);
+            return lb_err(ncclSystemError, "%s : bind(@%s) failed: %s", opname, c->shm_name + 1,
+                          strerror(e));
+        }
+        close(s);
+        if (fd >= 0) {
+            struct stat st;
+            if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(struct lbw_hdr)) {
+                close(fd);
+                return lb_err(ncclSystemError, "%s : the segment of %s is unusable", opname,
+                              c->shm_name + 1);
+            }
+            size = (size_t)st.st_size;
+            w = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (w == MAP_FAILED) {
+                e = errno;
+                close(fd);
+                return lb_err(ncclSystemError, "%s : mmap of %zu bytes failed: %s", opname, size,
+                              strerror(e));
+            }
+            close(fd);
+            fd = -1;
+            break;
+        }
+        /* the creator has bound but is not listening yet (or just died): try again */
+        if (lb_now_ns() > deadline && creator)
+            return lb_err(ncclSystemError,
+                          "%s : the creator of %s (pid %d) listens, but its segment cannot be "
+                          "opened through /proc/%d/fd (is /proc mounted with hidepid?)",
+                          opname, c->shm_name + 1, (int)creator, (int)creator);
+        if (lb_now_ns() > deadline)
+            return lb_err(ncclSystemError, "%s : could not reach the creator of %s", opname,
+                          c->shm_name + 1);
+        sleep_ms(1);
     }
-    close(fd);
     c->w = w;
     c->wsize = size;
-    if (w->layout != LBW_LAYOUT || w->size != size) {
+    if (__atomic_load_n(&w->magic, __ATOMIC_ACQUIRE) != LBW_MAGIC || w->layout != LBW_LAYOUT ||
+        w->size != size) {
         lbw_leave(c, LBR_FAILED);
         return lb_err(ncclInternalError, "%s : %s has an unexpected layout", opname, c->shm_name);
     }
@@ -390,6 +454,7 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
                   opname, c->rank, c->nranks, theirs);
         c->w = NULL;
         munmap(w, size);
+        lbw_rendezvous_close(c);
         return ncclInvalidUsage;
     }
     map_pointers(c);
@@ -399,6 +464,7 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
                                      __ATOMIC_SEQ_CST)) {
         c->w = NULL;
         munmap(w, size);
+        lbw_rendezvous_close(c);
         return lb_err(ncclInvalidUsage,
                       "%s : rank %d of this unique id was already taken (by pid %d); each rank "
                       "must join once",
@@ -407,13 +473,15 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
     me->device = c->dev;
     __atomic_store_n(&me->state, LBR_JOINED, __ATOMIC_RELEASE);
     uint32_t n = __atomic_add_fetch(&w->joined, 1, __ATOMIC_SEQ_CST);
-    if ((int)n == c->nranks) shm_unlink(c->shm_name); /* everyone has it mapped */
+    if ((int)n == c->nranks) lbw_rendezvous_close(c); /* a 1-rank world, or the last */
     lbw_notify(c);
     return ncclSuccess;
 }
 
 int lbw_all_joined(struct lb_comm *c) {
-    return (int)__atomic_load_n(&c->w->joined, __ATOMIC_ACQUIRE) >= c->nranks;
+    int all = (int)__atomic_load_n(&c->w->joined, __ATOMIC_ACQUIRE) >= c->nranks;
+    if (all && c->rv_fd >= 0) lbw_rendezvous_close(c); /* everyone has it mapped */
+    return all;
 }
 
 /* Once everyone joined: the checks NCCL makes after its bootstrap all-gather. */
@@ -421,12 +489,14 @@ static ncclResult_t joined_checks(struct lb_comm *c, const char *opname) {
     if (!c->strict) return ncclSuccess;
     for (int a = 0; a < c->nranks; a++) {
         for (int b = a + 1; b < c->nranks; b++) {
-            if (c->ranks[a].pid == c->ranks[b].pid && c->ranks[a].device == c->ranks[b].device) {
+            /* NCCL compares the busId: one device is one GPU whatever the process */
+            if (c->ranks[a].device == c->ranks[b].device) {
                 return lb_err(ncclInvalidUsage,
                               "%s : Duplicate GPU detected : rank %d and rank %d both on loopback "
-                              "device %d in process %d (call cudaSetDevice with a distinct device "
-                              "per rank, or set PYNCCL_LOOPBACK_STRICT=0)",
-                              opname, a, b, c->ranks[a].device, (int)c->ranks[a].pid);
+                              "device %d (processes %d and %d; call cudaSetDevice with a "
+                              "distinct device per rank, or set PYNCCL_LOOPBACK_STRICT=0)",
+                              opname, a, b, c->ranks[a].device, (int)c->ranks[a].pid,
+                              (int)c->ranks[b].pid);
             }
         }
     }
@@ -470,59 +540,26 @@ void lbw_leave(struct lb_comm *c, enum lbw_rank_state state) {
     if (!w) return;
     if (c->ranks) {
         __atomic_store_n(&c->ranks[c->rank].state, (uint32_t)state, __ATOMIC_RELEASE);
-        if (!lbw_all_joined(c)) shm_unlink(c->shm_name); /* init never completed */
         lbw_notify(c);
     }
+    lbw_rendezvous_close(c);
     munmap(w, c->wsize);
     c->w = NULL;
     c->ranks = NULL;
 }
 
-/* Segments whose creator and ranks are all dead (their processes died during init). */
-void lbw_reclaim_stale(void) {
-    static uint64_t last;
-    uint64_t now = lb_now_ns();
-    uint64_t prev = __atomic_load_n(&last, __ATOMIC_RELAXED);
-    if (prev && now - prev < 1000000000ULL) return;
-    if (!__atomic_compare_exchange_n(&last, &prev, now, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-        return;
-    DIR *d = opendir("/dev/shm");
-    if (!d) return;
-    struct dirent *de;
-    while ((de = readdir(d)) != NULL) {
-        if (strncmp(de->d_name, LBW_SHM_PREFIX, strlen(LBW_SHM_PREFIX)) != 0) continue;
-        char name[300];
-        snprintf(name, sizeof name, "/%s", de->d_name);
-        int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
-        if (fd < 0) continue;
-        struct stat st;
-        int stale = 0;
-        if (fstat(fd, &st) == 0) {
-            int old = (time(NULL) - st.st_mtime) > 30;
-            if ((size_t)st.st_size < sizeof(struct lbw_hdr)) {
-                stale = old;
-            } else {
-                struct lbw_hdr *w = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
-                if (w != MAP_FAILED) {
-                    if (__atomic_load_n(&w->magic, __ATOMIC_ACQUIRE) != LBW_MAGIC ||
-                        w->size != (uint64_t)st.st_size || w->nranks <= 0) {
-                        stale = old;
-                    } else {
-                        int alive = pid_alive(w->creator_pid);
-                        const struct lbw_rank *rk =
-                            (const struct lbw_rank *)((const char *)w + w->ranks_off);
-                        for (int s = 0; s < w->nranks && !alive; s++)
-                            alive = rk[s].pid && pid_alive(rk[s].pid);
-                        stale = !alive;
-                    }
-                    munmap(w, (size_t)st.st_size);
-                }
-            }
-        }
-        close(fd);
-        if (stale) shm_unlink(name);
+ncclResult_t lbw_wait_until(struct lb_comm *c, int (*ready)(struct lb_comm *, void *), void *arg,
+                            const char *what) {
+    int spins = 0;
+    for (;;) {
+        uint32_t e = __atomic_load_n(&c->w->epoch, __ATOMIC_SEQ_CST);
+        if (ready(c, arg)) return ncclSuccess;
+        int recheck;
+        ncclResult_t r = lbw_trouble(c, -1, &recheck);
+        if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "%s : communicator aborted or revoked", what);
+        if (r != ncclSuccess) return r;
+        lbw_backoff(c, e, &spins);
     }
-    closedir(d);
 }
 
 /* ---- split control ------------------------------------------------------------------ */

@@ -1,9 +1,9 @@
 /*
  * The part of nccl.h 2.32.3 the loopback does not implement: windows and one-sided
- * signals, shrink/grow/revoke, suspend/resume and memory statistics, the parameter
- * API and encryption. The symbols exist (with nccl.h's exact prototypes, from the
- * release that introduced each) so that bindings resolve them; each call returns
- * ncclInvalidUsage and says so in ncclGetLastError.
+ * signals, the parameter API and encryption (shrink/grow/revoke are in nccl_fault.c,
+ * suspend/resume and memory statistics in nccl_suspend.c). The symbols exist (with
+ * nccl.h's exact prototypes, from the release that introduced each) so that bindings
+ * resolve them; each call returns ncclInvalidUsage and says so in ncclGetLastError.
  */
 #include "nccl_lb_internal.h"
 
@@ -12,14 +12,6 @@ LBN_UNUSED static ncclResult_t unsupported(const char *fn) {
 }
 
 #if LB_AT_LEAST(2, 27, 3)
-ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount,
-                            ncclComm_t *newcomm, ncclConfig_t *config, int shrinkFlags) {
-    (void)comm, (void)excludeRanksList, (void)excludeRanksCount, (void)config, (void)shrinkFlags;
-    if (newcomm) *newcomm = NULL;
-    return unsupported("ncclCommShrink");
-}
-LB_ALIAS(ncclCommShrink)
-
 ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size, ncclWindow_t *win,
                                     int winFlags) {
     (void)comm, (void)buff, (void)size, (void)winFlags;
@@ -35,23 +27,7 @@ ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) {
 LB_ALIAS(ncclCommWindowDeregister)
 #endif
 
-#if LB_AT_LEAST(2, 28, 7)
-ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
-    (void)comm, (void)revokeFlags;
-    return unsupported("ncclCommRevoke");
-}
-LB_ALIAS(ncclCommRevoke)
-#endif
-
 #if LB_AT_LEAST(2, 29, 2)
-ncclResult_t ncclCommGrow(ncclComm_t comm, int nRanks, const ncclUniqueId *uniqueId, int rank,
-                          ncclComm_t *newcomm, ncclConfig_t *config) {
-    (void)comm, (void)nRanks, (void)uniqueId, (void)rank, (void)config;
-    if (newcomm) *newcomm = NULL;
-    return unsupported("ncclCommGrow");
-}
-LB_ALIAS(ncclCommGrow)
-
 ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUserPtr) {
     (void)comm, (void)win;
     if (outUserPtr) *outUserPtr = NULL;
@@ -81,27 +57,6 @@ ncclResult_t ncclWaitSignal(int nDesc, ncclWaitSignalDesc_t *signalDescs, ncclCo
     return unsupported("ncclWaitSignal");
 }
 LB_ALIAS(ncclWaitSignal)
-#endif
-
-#if LB_AT_LEAST(2, 29, 7)
-ncclResult_t ncclCommSuspend(ncclComm_t comm, int flags) {
-    (void)comm, (void)flags;
-    return unsupported("ncclCommSuspend");
-}
-LB_ALIAS(ncclCommSuspend)
-
-ncclResult_t ncclCommResume(ncclComm_t comm) {
-    (void)comm;
-    return unsupported("ncclCommResume");
-}
-LB_ALIAS(ncclCommResume)
-
-ncclResult_t ncclCommMemStats(ncclComm_t comm, ncclCommMemStat_t stat, uint64_t *value) {
-    (void)comm, (void)stat;
-    if (value) *value = 0;
-    return unsupported("ncclCommMemStats");
-}
-LB_ALIAS(ncclCommMemStats)
 #endif
 
 #if LB_AT_LEAST(2, 30, 3)
