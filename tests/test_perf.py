@@ -195,14 +195,13 @@ REFERENCE_CASES = [
     (op, dtype)
     for op in ("sum", "prod", "max", "min", "avg", "mulsum")
     for dtype in (DataType.FLOAT32, DataType.FLOAT16, DataType.INT32, DataType.UINT8)
-    if not (op == "avg" and dtype.is_integer)  # avg is for floating-point types
 ]
 
 
 @pytest.mark.parametrize(("op", "dtype"), REFERENCE_CASES)
-def test_reference_against_numpy(op: str, dtype: DataType) -> None:
+@pytest.mark.parametrize("n", [3, 20])  # 20: several rank groups
+def test_reference_against_numpy(op: str, dtype: DataType, n: int) -> None:
     np = pytest.importorskip("numpy")
-    n = 3
     data = perf._Data(np, dtype, op, n, rep=5)
     xs = np.stack([data.values(r, 0, 1000) for r in range(n)])
     assert xs.dtype == data.np_dtype
@@ -211,7 +210,12 @@ def test_reference_against_numpy(op: str, dtype: DataType) -> None:
     if dtype.is_integer:
         assert tol is None
         if op == "mulsum":
-            xs = xs * np.array([[1], [2], [1]], dtype=xs.dtype)
+            xs = xs * np.array([[1 + r % 2] for r in range(n)], dtype=xs.dtype)
+        if op == "avg":  # NCCL: the sum divided by nranks, truncated toward zero (not floor)
+            total = xs.astype(np.int64).sum(0)
+            assert np.array_equal(ref, np.trunc(total / n).astype(xs.dtype))
+            assert (total < 0).any() == (dtype is DataType.INT32)  # truncation was tested
+            return
         fold = {
             "sum": np.add,
             "mulsum": np.add,
@@ -224,7 +228,7 @@ def test_reference_against_numpy(op: str, dtype: DataType) -> None:
     else:
         x64 = xs.astype(np.float64)
         if op == "mulsum":
-            x64 = x64 * np.array([[1.0], [2.0], [1.0]])
+            x64 = x64 * np.array([[1.0 + r % 2] for r in range(n)])
         want = {
             "sum": x64.sum(0),
             "mulsum": x64.sum(0),

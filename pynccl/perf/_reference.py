@@ -3,6 +3,7 @@ receive, computed with numpy."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -29,19 +30,68 @@ _EXACT_INT = {
     DataType.FLOAT8_E4M3: 16,
     DataType.FLOAT8_E5M2: 8,
 }
-_M64 = (1 << 64) - 1
 _CHUNK = 1 << 22  # elements per host-side piece of a check (bounded host memory)
+
+
+_BASE_BUDGET = 1 << 27  # bytes of cached base indices (all groups), see _bases()
+_BASE_CAP = 1 << 26  # elements cached per group; beyond this they are hashed per call
+_BASES: OrderedDict[tuple[int, int], Any] = OrderedDict()
+
+
+def _hash_indices(np: Any, group: int, m: int, lo: int, hi: int) -> Any:
+    """Base indices in [0, m) of elements ``lo..hi`` of a rank group: a 32-bit integer
+    hash (lowbias32) of the element index, reduced to [0, m) by multiply-shift."""
+    dt = np.uint32
+    if hi <= 1 << 32:
+        z = np.arange(lo, hi, dtype=dt)
+    else:  # the index modulo 2**32 (a period no check can confuse with a real offset)
+        z = np.arange(lo, hi, dtype=np.uint64).astype(dt)
+    z *= dt(0x9E3779B1)
+    z += dt((0x85EBCA77 * (group + 1) + 0x165667B1) & 0xFFFFFFFF)
+    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+        z ^= z >> dt(shift)
+        z *= dt(mul)
+    z ^= z >> dt(16)
+    z >>= dt(16)
+    z *= dt(m)
+    z >>= dt(16)
+    return z.astype(np.uint8)
+
+
+def _bases(np: Any, group: int, m: int, lo: int, hi: int) -> Any:
+    """:func:`_hash_indices`, cached process-wide (one array per group and table size,
+    grown on demand up to ``_BASE_CAP`` elements, least recently used dropped first):
+    the hash is computed once per run, not once per check and rank."""
+    if hi > _BASE_CAP:
+        return _hash_indices(np, group, m, lo, hi)
+    key = (group, m)
+    have = _BASES.pop(key, None)
+    if have is None or len(have) < hi:
+        n = min(_BASE_CAP, max(hi, 2 * (0 if have is None else len(have)), 1 << 16))
+        start = 0 if have is None else len(have)
+        more = _hash_indices(np, group, m, start, n)
+        have = more if have is None else np.concatenate((have, more))
+    _BASES[key] = have
+    total = sum(len(a) for a in _BASES.values())
+    while total > _BASE_BUDGET and len(_BASES) > 1:
+        total -= len(_BASES.popitem(last=False)[1])
+    return have[lo:hi]
 
 
 class _Data:
     """Deterministic per-rank inputs and their numpy references.
 
-    Element ``i`` of rank ``r``'s send buffer is a hash of ``(r, i, rep)``, so any
-    slice of any rank's data can be produced on its own (a rank computes only what
-    it checks), and stale data from an earlier check never passes. Values are
-    small integers (powers of two for ``prod``), exact in every type, so float
-    results are exact wherever the sums stay within the type's integer range and
-    within a stated tolerance elsewhere (averages, fp8 across many ranks).
+    Element ``i`` of rank ``r``'s send buffer is ``table[(b_g(i) + o + rep) % m]``: ranks
+    come in groups ``g = r // size`` of ``size < m`` ranks (``o = r % size``), ``b_g`` is a
+    hash of ``(g, i)`` and ``rep`` numbers the check, so any slice of any rank's data
+    can be produced on its own (a rank computes only what it checks), stale data from
+    an earlier check never passes, and the reduction over the ranks is a function of
+    the group hashes alone: a table of ``m`` entries per group, looked up, instead of
+    every rank's data regenerated. The hashes are cached, so a check costs a few table
+    look-ups per element. Values are small integers (powers of two for ``prod``), exact
+    in every type, so float results are exact wherever the sums stay within the type's
+    integer range and within a stated tolerance elsewhere (averages, fp8 across many
+    ranks). Integer ``avg`` is NCCL's: the sum divided by the ranks, truncated toward 0.
     """
 
     def __init__(self, np: Any, dtype: DataType, op: str | None, nranks: int, rep: int) -> None:
@@ -51,7 +101,7 @@ class _Data:
         self.dtype = dtype
         self.op = op
         self.nranks = nranks
-        self.seed = (rep * 0x94D049BB133111EB + 0x2545F4914F6CDD1D) & _M64
+        self.rep = rep
         self.np_dtype = to_numpy_dtype(dtype)
         self.bits = np.dtype(f"u{dtype.itemsize}")
         scale_max = 2 if op == "mulsum" else 1
@@ -63,66 +113,76 @@ class _Data:
             k = 8
             if dtype.is_float and op in ("sum", "avg", "mulsum"):
                 k = max(1, min(8, _EXACT_INT[dtype] // (nranks * scale_max)))
+            if dtype.is_integer and op == "avg":  # no wrap-around before the division
+                top = (1 << (8 * dtype.itemsize - (0 if dtype in _UNSIGNED else 1))) - 1
+                k = max(1, min(8, top // nranks))
             low = 0 if dtype in _UNSIGNED else -k
             self.table = [float(v) for v in range(low, k + 1)]
+        self.m = len(self.table)
+        self.group = max(1, self.m // 2)  # < m ranks per group: the sums are not constant
         self.vmax = max(abs(v) for v in self.table) * scale_max
         self.values_table = np.array(self.table, dtype=np.float64).astype(self.np_dtype)
+        self._rolled: dict[int, Any] = {}
+        self._sums = [self._group_table(g) for g in range(-(-nranks // self.group))]
+
+    def _shift(self, rank: int) -> int:
+        return (rank % self.group + self.rep) % self.m
+
+    def _table(self, rank: int) -> Any:
+        """``T`` with ``T[b]`` = rank's value where its group's base index is ``b``."""
+        shift = self._shift(rank)
+        table = self._rolled.get(shift)
+        if table is None:
+            table = self._rolled[shift] = self.np.roll(self.values_table, -shift)
+        return table
+
+    def _group_table(self, g: int) -> Any:
+        """op over the ranks of group ``g``, for each base index ``b`` in [0, m): in the
+        element type for integers (wrapping as the hardware does), else in float64."""
+        np = self.np
+        acc = None
+        for r in range(g * self.group, min(self.nranks, (g + 1) * self.group)):
+            x = self._table(r)
+            x = x.copy() if self.dtype.is_integer else x.astype(np.float64)
+            if self.op == "mulsum":
+                x = x * np.array(_mulsum_scale(r), dtype=x.dtype)
+            acc = x if acc is None else self._fold(acc, x)
+        return acc
+
+    def _fold(self, acc: Any, x: Any) -> Any:
+        np = self.np
+        if self.op in ("sum", "avg", "mulsum"):
+            return np.add(acc, x, out=acc)
+        if self.op == "prod":
+            return np.multiply(acc, x, out=acc)
+        if self.op == "max":
+            return np.maximum(acc, x, out=acc)
+        return np.minimum(acc, x, out=acc)
 
     def values(self, rank: int, lo: int, hi: int) -> Any:
         """Elements ``lo..hi`` of ``rank``'s send buffer, in the element type."""
-        np = self.np
-        z = np.arange(lo, hi, dtype=np.uint64)
-        z *= np.uint64(0x9E3779B97F4A7C15)
-        z += np.uint64((self.seed + (rank + 1) * 0xD1B54A32D192ED03) & _M64)
-        z ^= z >> np.uint64(30)
-        z *= np.uint64(0xBF58476D1CE4E5B9)
-        z ^= z >> np.uint64(27)
-        z *= np.uint64(0x94D049BB133111EB)
-        z ^= z >> np.uint64(31)
-        return self.values_table[z % np.uint64(len(self.table))]
+        base = _bases(self.np, rank // self.group, self.m, lo, hi)
+        return self._table(rank).take(base)
 
     def reduce(self, lo: int, hi: int) -> tuple[Any, float | None]:
         """op over every rank of elements ``lo..hi``: (reference, tolerance or None if exact)."""
         np = self.np
+        acc = None
+        for g, sums in enumerate(self._sums):
+            part = sums.take(_bases(np, g, self.m, lo, hi))
+            acc = part if acc is None else self._fold(acc, part)
+        assert acc is not None
         n = self.nranks
         if self.dtype.is_integer:
-            acc = None
-            for r in range(n):
-                x = self.values(r, lo, hi)
-                if self.op == "mulsum":
-                    x = np.multiply(x, np.array(_mulsum_scale(r), dtype=self.np_dtype))
-                if acc is None:
-                    acc = x.copy()
-                elif self.op in ("sum", "mulsum"):
-                    np.add(acc, x, out=acc)
-                elif self.op == "prod":
-                    np.multiply(acc, x, out=acc)
-                elif self.op == "max":
-                    np.maximum(acc, x, out=acc)
-                else:
-                    np.minimum(acc, x, out=acc)
+            if self.op == "avg":  # NCCL's integer avg: truncated toward zero
+                wide = acc.astype(np.int64)
+                acc = (np.sign(wide) * (np.abs(wide) // n)).astype(self.np_dtype)
             return acc, None
-        acc64 = None
-        for r in range(n):
-            x = self.values(r, lo, hi).astype(np.float64)
-            if self.op == "mulsum":
-                x *= _mulsum_scale(r)
-            if acc64 is None:
-                acc64 = x
-            elif self.op in ("sum", "avg", "mulsum"):
-                acc64 += x
-            elif self.op == "prod":
-                acc64 *= x
-            elif self.op == "max":
-                np.maximum(acc64, x, out=acc64)
-            else:
-                np.minimum(acc64, x, out=acc64)
-        assert acc64 is not None
         if self.op == "avg":
-            acc64 /= n
+            acc = acc / n
         # Rounding of each partial result, in any reduction order.
         tol = _EPS[self.dtype] * (n + 2) * n * self.vmax
-        return acc64, tol
+        return acc, tol
 
     def compare(self, got: Any, expected: Any, tol: float | None) -> int:
         """Number of elements of ``got`` that differ from ``expected`` (beyond ``tol``)."""
