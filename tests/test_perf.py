@@ -307,7 +307,8 @@ def test_expected_results_per_collective() -> None:
         perf.COLLECTIVES["gather"], data, root, root, perf.COLLECTIVES["gather"].counts(48, 4, n)
     )
     assert gather_root is not None
-    assert np.array_equal(gather_root(0, 12, np.empty(12, np.int32))[0], np.concatenate([x[0][:4], x[1][:4], x[2][:4]]))
+    got = gather_root(0, 12, np.empty(12, np.int32))[0]
+    assert np.array_equal(got, np.concatenate([x[0][:4], x[1][:4], x[2][:4]]))
 
 
 # -- command line (parsing errors need no library) -------------------------------------

@@ -252,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(e, (NcclError, CudaError, NotSupportedError, ValueError, TypeError, OSError)):
             print(f"python -m pynccl perf: {type(e).__name__}: {e}", file=sys.stderr)
+            from ..info import LOOPBACK_HINT, no_gpu_error
+
+            if no_gpu_error(e):
+                print(LOOPBACK_HINT, file=sys.stderr)
         else:
             traceback.print_exc()
         return 1
