@@ -84,7 +84,7 @@ def _cell(result: dict[str, Any]) -> str:
     """nccl-tests' writeBenchmarkLineBody: time, algbw, busbw and #wrong (N/A: not checked)."""
     wrong = result["nwrong"]
     time_us = result["cpu_time"] if "cpu_time" in result else result["time"]
-    wrong_text = "   N/A" if wrong is None else f"{float(wrong):6g}"
+    wrong_text = "  N/A" if wrong is None else f"{float(wrong):6g}"  # "    N/A" in all
     return (
         f"  {_fmt(time_us, 7)}  {_fmt(result['alg_bw'], 6)}  "
         f"{_fmt(result['bus_bw'], 6)}  {wrong_text}"
