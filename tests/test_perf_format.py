@@ -34,7 +34,10 @@ def _formats() -> dict[str, str]:
 
 
 FMT = _formats()
-LOOPBACK_LINES = {*LOOPBACK_BANNER.splitlines(), "# (loopback: these figures are host memory, not NCCL)"}
+LOOPBACK_LINES = {
+    *LOOPBACK_BANNER.splitlines(),
+    "# (loopback: these figures are host memory, not NCCL)",
+}
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +150,9 @@ def _check_text(stdout: str, nranks: int, cputime: bool, timestamps: bool) -> li
     [
         (("all_reduce", "-g", "2", "-b", "8", "-e", "4K", "-f", "8"), 2),
         (("sendrecv", "-g", "2", "-b", "1K", "-e", "3K", "-f", "1", "-i", "1K", "-C", "1",
-          "-S", "1"), 2),  # fmt: skip
+          "-S", "1"), 2),
         (("broadcast", "-t", "3", "-g", "1", "-r", "all", "-d", "int8", "-z", "3", "-u", "1",
-          "-c", "0", "-b", "1M", "-e", "1M"), 3),  # fmt: skip
+          "-c", "0", "-b", "1M", "-e", "1M"), 3),
     ],
 )
 def test_text_matches_nccl_tests(args: tuple[str, ...], nranks: int, tmp_path: Path) -> None:
