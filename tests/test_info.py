@@ -245,9 +245,10 @@ def test_no_gpu_error_gets_the_loopback_hint(
     import importlib
 
     real = importlib.import_module
-    monkeypatch.setattr(
-        importlib, "import_module", lambda name, *a: Fails if name == "pynccl.launch" else real(name)
-    )
+    def fake_import(name: str, *args: Any) -> Any:
+        return Fails if name == "pynccl.launch" else real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
     assert cli.main(["launch", "-n", "2", "x.py"]) == 1
     monkeypatch.undo()
     err = capsys.readouterr().err
