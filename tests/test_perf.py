@@ -610,7 +610,7 @@ def test_inside_an_existing_launcher() -> None:
     rows = [
         line.split()[2:]
         for line in proc.stdout.splitlines()
-        if line.startswith("[rank 0] ") and not line.startswith("[rank 0] #")
+        if line.startswith("[rank 0] ") and not line.startswith("[rank 0] #") and line[9:]
     ]
     assert [r[0] for r in rows] == ["512", "1024", "2048"]
     assert all(r[4] == "1" and r[8] == "0" and r[12] == "0" for r in rows)
