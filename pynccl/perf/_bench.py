@@ -129,6 +129,11 @@ class _Bench:
         deadline = time.monotonic() + timeout
         pause = 1e-5
         while int(self.rt.cudaStreamQuery(self.s)) == _NOT_READY:
+            try:
+                self.comm.check()  # an asynchronous NCCL error ends the wait, as nccl-tests
+            except BaseException:
+                self.comm.abort()
+                raise
             if time.monotonic() > deadline:
                 self.comm.abort()
                 host = socket.gethostname().split(".")[0]
