@@ -346,6 +346,7 @@ def test_expected_results_per_collective() -> None:
         (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
         (["-J", "/nonexistent-dir/x.json"], "-J /nonexistent-dir/x.json: directory"),
         (["--plot", "/"], "--plot /: is a directory"),
+        (["-J", "out.txt"], "-J out.txt: nccl-tests writes JSON only, to a file named *.json"),
     ],
 )
 def test_usage_errors(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:

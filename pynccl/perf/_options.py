@@ -190,8 +190,8 @@ def _parser() -> argparse.ArgumentParser:
     add("-o", "--op", type=_parse_ops, default=["sum"],
         help="sum/prod/max/min/avg/mulsum, a comma-separated list, or all (default sum)")
     add("-d", "--datatype", type=_parse_types, default=["float"],
-        help="nccl-tests' type names (int8 ... float, double, bfloat16, f8e4m3), a "
-        "comma-separated list, or all (default float)")
+        help=f"nccl-tests' type names ({', '.join(_TYPES)}), a comma-separated list, or all "
+        "(default float)")
     add("-r", "--root", type=_root_arg, default=0,
         help="root rank of rooted collectives; all or -1: every rank in turn (default 0)")
     add("-z", "--blocking", type=_int_at_least(0, "-z"), default=0,
@@ -199,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         "3: wait and barrier after each iteration, time excludes the barrier")
     add("-y", "--stream_null", type=_int_at_least(0, "-y"), default=0,
         help="1: run on the default (NULL) stream instead of a created one")
-    add("-T", "--timeout", type=_timeout_arg, default=0.0,
+    add("-T", "--timeout", type=_timeout_arg, default=0.0, metavar="S",
         help="abort when one wait for the GPU takes over S seconds (0: never)")
     add("-G", "--cudagraph", type=_int_at_least(0, "-G"), default=0,
         help="capture -n iterations in a CUDA graph and launch it this many times")
@@ -214,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     add("-u", "--unalign", type=_int_at_least(0, "-u"), default=0,
         help="shift both buffers by this many elements (misalignment; default 0)")
     for short, long, default, _why in _UNSUPPORTED:
-        add(short, long, dest=f"unsupported{short[1]}", type=int, default=default,
+        add(short, long, dest=f"unsupported{short[1]}", type=int, default=default, metavar="N",
             help=f"nccl-tests' {long}: not supported (only {default} is accepted)")
     add("--json", metavar="FILE", help="write pynccl's JSON report (every row and the setup)")
     add("--plot", metavar="FILE.png", help="plot bus bandwidth against size (matplotlib)")
@@ -343,6 +343,11 @@ def _parse(argv: Sequence[str]) -> Options:
                 "--plot needs matplotlib, which is not installed: "
                 "pip install 'pynccl[plot]' (or pip install matplotlib)"
             ) from None
+    if opts.output_file is not None and not opts.output_file.lower().endswith(".json"):
+        raise PerfError(
+            f"-J {opts.output_file}: nccl-tests writes JSON only, to a file named *.json "
+            "(it ignores other names)"
+        )
     for flag, path in (("--json", opts.json), ("--plot", opts.plot), ("-J", opts.output_file)):
         if path is not None:
             _check_writable(flag, path)
