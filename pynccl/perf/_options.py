@@ -208,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     add("-S", "--report_timestamps", type=_int_at_least(0, "-S"), default=0,
         help="1: end each row with a timestamp")
     add("-J", "--output_file", metavar="FILE.json",
-        help="write nccl-tests' JSON report there (FILE.json.0, .1 ... if it exists)")
+        help="write nccl-tests' JSON report there (FILE.json.0, .1 ... if it exists); like "
+        "nccl-tests' it records the arguments and the whole environment")
     add("-a", "--average", type=_int_at_least(0, "-a"), default=1,
         help="time reported: 0 rank 0's, 1 mean (default), 2 min, 3 max over ranks")
     add("-u", "--unalign", type=_int_at_least(0, "-u"), default=0,
