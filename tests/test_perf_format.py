@@ -218,3 +218,55 @@ def test_json_file_that_exists_is_kept(tmp_path: Path) -> None:
     assert out.read_text() == "keep me"
     assert f"# Writing JSON output to {out}.0" in proc.stdout
     assert json.loads((tmp_path / "r.json.0").read_text())["version"] == 3
+
+
+def test_device_line_pieces() -> None:
+    from pynccl.perf import _report
+
+    # cudaDeviceGetPCIBusId's "dddd:BB:DD.F" as nccl-tests prints cudaDeviceProp's ids
+    assert _report._bus_hex("0000:1B:00.0") == "0000:1b:00"
+    assert _report._bus_hex("0001:C3:1F.0") == "0001:c3:1f"
+    assert _report._bus_hex("") == "????:??:??"
+    assert _report._version_code("2.32.3") == 23203
+    assert _report._version_code("2.19.4") == 21904
+    line = _report._device_line(
+        {"rank": 3, "pid": 4242, "hostname": "node7", "device": 1, "bus_id": "0000:1B:00.0",
+         "name": "NVIDIA H100 80GB HBM3"}
+    )  # fmt: skip
+    want = FMT["device"] % (3, 0, 4242, "node7", 1, 0, 0x1B, 0, "NVIDIA H100 80GB HBM3")
+    assert line == want
+
+
+def test_json_text_is_nccl_tests_own() -> None:
+    from pynccl.perf._report import _JsonText
+
+    text = _JsonText.dump({"a": 1.5, "b": True, "c": None, "d": [1, "x"], "e": float("nan")})
+    assert text == '{"a":1.500000,"b":"true","c":null,"d":[1,"x"],"e":"nan"}'
+    assert json.loads(text)["a"] == 1.5
+
+
+def test_gpu_name_read_from_device_properties(tmp_path: Path) -> None:
+    """The GPU name comes from cudaGetDeviceProperties(_v2)'s leading name field (a stub
+    runtime here: the loopback has no such function)."""
+    import shutil
+    import subprocess
+
+    from pynccl.perf._bench import _gpu_name
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "stub.c"
+    src.write_text(
+        '#include <stdio.h>\n'
+        "int cudaGetDeviceProperties_v2(char *prop, int dev) {\n"
+        "    if (dev > 1) return 101; /* cudaErrorInvalidDevice */\n"
+        '    snprintf(prop, 256, "Stub GPU %d", dev);\n'
+        "    return 0;\n"
+        "}\n"
+    )
+    lib = tmp_path / "libstubcudart.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    assert _gpu_name(str(lib), 1) == b"Stub GPU 1"
+    assert _gpu_name(str(lib), 5) == b""  # an error: no name, no exception
+    assert _gpu_name(str(tmp_path / "missing.so"), 0) == b""
