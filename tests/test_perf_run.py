@@ -92,11 +92,28 @@ def test_ngpus_in_the_header_follows_g() -> None:
 
 @pytest.mark.usefixtures("loopback_ready")
 def test_timeout_bounds_each_wait_not_the_run(tmp_path: Path) -> None:
-    # -T 1 on a run of several seconds: fine, no single wait takes a second.
+    # -T 2 on a sweep of over 3 s (both ranks pause 0.5 s on the host before each of its
+    # 6 rows, outside any wait): fine, no single wait takes that long.
+    slow = tmp_path / "slow" / "sitecustomize.py"
+    slow.parent.mkdir()
+    slow.write_text(
+        textwrap.dedent("""
+        import time
+        from pynccl.perf import _bench
+        _orig = _bench._Bench._row
+        def _row(self, *a, **k):
+            time.sleep(0.5)
+            return _orig(self, *a, **k)
+        _bench._Bench._row = _row
+    """)
+    )
+    env = {"PYTHONPATH": os.pathsep.join((str(slow.parent), str(ROOT)))}
     start = time.monotonic()
-    proc = run_perf("-g", "2", "-T", "1", "-b", "1K", "-e", "1M", "-f", "4", "-n", "3")
+    proc = run_perf("-g", "2", "-T", "2", "-b", "1K", "-e", "32K", "-f", "2", "-n", "2",
+                    extra_env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert time.monotonic() - start > 1
+    assert len(_rows(proc.stdout)) == 6
+    assert time.monotonic() - start > 3
     # A rank that stops answering: its peer's wait times out, as nccl-tests says it.
     hook = tmp_path / "hook" / "sitecustomize.py"
     hook.parent.mkdir()

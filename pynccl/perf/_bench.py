@@ -58,6 +58,7 @@ def _gpu_name(cudart_path: str, device: int) -> bytes:
 
 
 _NOT_READY = 600  # cudaErrorNotReady
+_STARTUP_TIMEOUT = 60.0  # seconds -T allows the first exchange (ranks start at their pace)
 
 
 class PerfTimeout(Exception):
@@ -119,10 +120,12 @@ class _Bench:
         if self.stream is not None:
             self.stream.close()
 
-    def sync(self) -> None:
+    def sync(self, at_least: float = 0.0) -> None:
         """Wait for the stream; with -T, abort and raise :class:`PerfTimeout` when one wait
-        takes longer (nccl-tests' testStreamSynchronize), also on an asynchronous error."""
-        timeout = self.opts.timeout
+        takes longer (nccl-tests' testStreamSynchronize), also on an asynchronous error.
+        ``at_least``: a longer bound for this wait (the ranks' first exchange, which
+        waits for the slowest rank to start)."""
+        timeout = max(self.opts.timeout, at_least) if self.opts.timeout else 0.0
         if not timeout:
             self.rt.cudaStreamSynchronize(self.s)
             return
@@ -138,7 +141,12 @@ class _Bench:
                 self.comm.abort()
                 host = socket.gethostname().split(".")[0]
                 print(f"{host}: Test timeout ({timeout:g}s) on rank {self.rank}", flush=True)
-                raise PerfTimeout(f"rank {self.rank}: a wait took longer than -T {timeout:g} s")
+                what = (
+                    f"a wait took longer than -T {timeout:g} s"
+                    if timeout == self.opts.timeout
+                    else f"the ranks' first exchange took longer than {timeout:g} s"
+                )
+                raise PerfTimeout(f"rank {self.rank}: {what}")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
 
@@ -190,7 +198,7 @@ class _Bench:
             tmp.ptr, tmp.ptr + size, count=size, dtype=DataType.UINT8, stream=self.s
         )
         self._copy(addressof(everyone), tmp.ptr + size, size * self.nranks, self._D2H)
-        self.sync()
+        self.sync(at_least=_STARTUP_TIMEOUT)
         out = []
         for r in range(self.nranks):
             pid, dev, hostname, busid, gpu = struct.unpack_from(fmt, everyone, r * size)
