@@ -1,26 +1,37 @@
-"""``python -m pynccl {info,perf,launch}``."""
+"""``python -m pynccl {info,perf,launch}`` and ``python -m pynccl --version``."""
 
 from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: python -m pynccl COMMAND [ARGS...]
+_USAGE = """usage: python -m pynccl [--version] COMMAND [ARGS...]
 
 commands:
-  info     what libnccl / libcudart were found, their versions, devices, NCCL_* settings
-  perf     nccl-tests-style bandwidth sweep (on the loopback libraries without a GPU)
-  launch   start N local ranks of a script with the rendezvous environment set
-"""
+  info     which libnccl / libcudart were found (path, rule, version), the devices or why
+           there are none, NCCL_* settings; --loopback: the same on the loopback libraries
+  perf     nccl-tests' bandwidth sweep (same flags, columns and -J JSON); without a GPU it
+           runs on pynccl's host-memory loopback libraries, and says so
+  launch   start N local ranks of a script (or -m module) with the rendezvous environment
+           set; --loopback runs them on the loopback libraries
 
+python -m pynccl COMMAND --help shows a command's options.
+"""
 
 _COMMANDS = ("info", "perf", "launch")
 
-
 def main(argv: list[str] | None = None) -> int:
-    """Dispatch to the subcommand's own ``main``."""
+    """Dispatch to the subcommand's own ``main``; returns the exit status (2: usage)."""
     args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:
+        print(_USAGE, end="", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(_USAGE, end="")
+        return 0
+    if args[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"pynccl {__version__}")
         return 0
     command, rest = args[0], args[1:]
     if command not in _COMMANDS:
@@ -29,7 +40,16 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
 
     module = importlib.import_module(f"pynccl.{command}")
-    return int(module.main(rest))
+    try:
+        return int(module.main(rest))
+    except Exception as e:
+        from .info import LOOPBACK_HINT, no_gpu_error
+
+        if no_gpu_error(e):
+            print(f"python -m pynccl {command}: {type(e).__name__}: {e}", file=sys.stderr)
+            print(LOOPBACK_HINT, file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

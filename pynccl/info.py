@@ -1,4 +1,5 @@
-"""``python -m pynccl info [--json]``: what pynccl found on this machine, for debugging.
+"""``python -m pynccl info [--json] [--loopback]``: what pynccl found on this machine, for
+debugging (``--loopback``: on pynccl's host-memory loopback libraries, built if needed).
 
 Reports the pynccl version, which libnccl and libcudart were loaded (path,
 discovery rule, version), every libnccl mapped in the process, the CUDA runtime
@@ -20,7 +21,25 @@ import sys
 from ctypes import POINTER, byref, c_char_p, c_int, create_string_buffer
 from typing import Any
 
-__all__ = ["collect", "format_text", "main"]
+__all__ = ["LOOPBACK_HINT", "collect", "format_text", "main", "no_gpu_error"]
+
+#: cudaError_t codes meaning "no usable GPU here" (initialization, stub library,
+#: insufficient driver, no device).
+_NO_GPU_CODES = frozenset({3, 34, 35, 100})
+
+#: What to try on a machine without a GPU (printed with such errors and in the report).
+LOOPBACK_HINT = (
+    "hint: there is no usable NVIDIA GPU or driver here; pynccl can run on its host-memory "
+    "loopback libraries instead: python -m pynccl launch --loopback ..., python -m pynccl "
+    "info --loopback, or pynccl.testing.loopback.use() in a script (perf does it on its own)"
+)
+
+
+def no_gpu_error(error: BaseException) -> bool:
+    """True for a :class:`~pynccl.errors.CudaError` that means "no usable GPU here"."""
+    from .errors import CudaError
+
+    return isinstance(error, CudaError) and error.code in _NO_GPU_CODES
 
 # Plain words for the CUDA errors that mean "no usable GPU".
 _NO_GPU_WHY = {
@@ -41,7 +60,8 @@ def _error_text(e: BaseException) -> str:
 
 def _is_loopback(path: str) -> bool:
     """True for pynccl's host-memory test stand-ins (pynccl.testing.loopback)."""
-    return os.path.basename(path).startswith("libpynccl_loopback")
+    base = os.path.basename(path)
+    return base.startswith("libpynccl_loopback") or "/pynccl/loopback/" in path.replace(os.sep, "/")
 
 
 def _nccl_section() -> tuple[dict[str, Any], Any]:
@@ -137,6 +157,11 @@ def _nccl_params(lib: Any) -> dict[str, Any]:
     """NCCL's parameter table (NCCL >= 2.30): key -> value, as strings."""
     if lib is None:
         return {"supported": False, "reason": "no libnccl loaded"}
+    if _is_loopback(lib.path):
+        return {
+            "supported": False,
+            "reason": "the loopback libnccl has no parameter API (NCCL's own has, from 2.30)",
+        }
     if not (lib.has("ncclParamGetAllParameterKeys") and lib.has("ncclParamGetParameter")):
         return {
             "supported": False,
@@ -177,6 +202,9 @@ def collect() -> dict[str, Any]:
     env = {
         k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "PYNCCL_", "CUDA_"))
     }
+    cuda = _cuda_section(rt)
+    if cuda["no_gpu_reason"]:
+        cuda["hint"] = LOOPBACK_HINT
     return {
         "pynccl": {"version": __version__, "path": os.path.dirname(os.path.abspath(__file__))},
         "python": {"version": sys.version.split()[0], "executable": sys.executable},
@@ -184,7 +212,7 @@ def collect() -> dict[str, Any]:
         "nccl_mapped": _loader.mapped_libraries("libnccl"),
         "nccl_duplicates": _loader.duplicate_libraries("libnccl"),
         "cudart": cudart,
-        "cuda": _cuda_section(rt),
+        "cuda": cuda,
         "environment": env,
         "nccl_parameters": _nccl_params(lib),
     }
@@ -227,6 +255,13 @@ def format_text(report: dict[str, Any]) -> str:
         ]
     else:
         lines.append(f"GPUs       {cuda['no_gpu_reason'] or 'none'}")
+        words, row = LOOPBACK_HINT.split(), ""
+        for word in words:  # wrapped to the report's width
+            if row and len(row) + len(word) > 78:
+                lines.append(f"{'':<11}{row}")
+                row = ""
+            row = f"{row} {word}" if row else word
+        lines.append(f"{'':<11}{row}")
     if cuda.get("error"):
         lines.append(f"{'':<11}error while asking CUDA: {cuda['error']}")
     env = report["environment"]
@@ -253,10 +288,30 @@ def main(argv: list[str] | None = None) -> int:
         "and NCCL's settings. Needs no GPU.",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--loopback",
+        action="store_true",
+        help="report on pynccl's host-memory loopback libraries (built with the C compiler "
+        "on first use), as launch --loopback and perf without a GPU use them",
+    )
     try:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # argparse exits on --help (0) and on usage errors (2)
         return int(e.code or 0)
+    if args.loopback:
+        try:
+            from .perf._report import _progress
+            from .testing import loopback
+
+            with _progress("preparing pynccl's loopback libraries (compiled on first use)"):
+                os.environ.update(loopback.env())
+        except Exception as e:
+            print(
+                f"python -m pynccl info: --loopback: could not prepare the loopback libraries: "
+                f"{_error_text(e)}",
+                file=sys.stderr,
+            )
+            return 1
     report = collect()
     if args.json:
         print(json.dumps(report, indent=2))

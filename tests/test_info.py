@@ -179,3 +179,110 @@ def test_loopback_devices_are_listed_and_flagged() -> None:
     assert cuda["no_gpu_reason"] is None
     text = run_info(PYNCCL_CUDART_LIBRARY=cudart).stdout
     assert "loopback stand-in" in text
+
+
+# -- python -m pynccl: the command dispatcher ---------------------------------------------
+
+
+def run_pynccl(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYNCCL_", "NCCL_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "pynccl", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(ROOT),
+    )
+
+
+def test_version() -> None:
+    import pynccl
+
+    for flag in ("--version", "-V"):
+        proc = run_pynccl(flag)
+        assert proc.returncode == 0 and proc.stdout == f"pynccl {pynccl.__version__}\n"
+
+
+def test_no_command_is_a_usage_error() -> None:
+    proc = run_pynccl()
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("usage: python -m pynccl") and "commands:" in proc.stderr
+    unknown = run_pynccl("bogus")
+    assert unknown.returncode == 2 and "unknown command 'bogus'" in unknown.stderr
+
+
+def test_help_lists_what_each_command_does() -> None:
+    proc = run_pynccl("--help")
+    assert proc.returncode == 0 and proc.stderr == ""
+    for command in ("info", "perf", "launch"):
+        assert f"\n  {command} " in proc.stdout
+    assert "--loopback" in proc.stdout and "-J JSON" in proc.stdout
+    info_help = run_info("--help")
+    assert info_help.returncode == 0
+    assert "--json" in info_help.stdout and "--loopback" in info_help.stdout
+
+
+def test_no_gpu_error_gets_the_loopback_hint(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pynccl.__main__ as cli
+    from pynccl.errors import CudaError
+    from pynccl.info import LOOPBACK_HINT, no_gpu_error
+
+    assert no_gpu_error(CudaError(35, "cudaGetDeviceCount", "cudaErrorInsufficientDriver"))
+    assert no_gpu_error(CudaError(100, "cudaSetDevice", "cudaErrorNoDevice"))
+    assert not no_gpu_error(CudaError(2, "cudaMalloc", "cudaErrorMemoryAllocation"))
+    assert not no_gpu_error(ValueError("x"))
+
+    class Fails:
+        @staticmethod
+        def main(_argv: list[str]) -> int:
+            raise CudaError(35, "cudaSetDevice", "cudaErrorInsufficientDriver", "no driver")
+
+    import importlib
+
+    real = importlib.import_module
+    def fake_import(name: str, *args: Any) -> Any:
+        return Fails if name == "pynccl.launch" else real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+    assert cli.main(["launch", "-n", "2", "x.py"]) == 1
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "pynccl launch: CudaError: cudaSetDevice: cudaErrorInsufficientDriver (35)" in err
+    assert LOOPBACK_HINT in err and "--loopback" in LOOPBACK_HINT
+
+
+@pytest.mark.skipif(HAS_DRIVER, reason="an NVIDIA driver is installed here")
+def test_report_without_a_gpu_hints_at_the_loopback() -> None:
+    proc = run_info()
+    assert proc.returncode == 0, proc.stderr
+    assert "hint: there is no usable NVIDIA GPU or driver here" in proc.stdout
+    assert "info --loopback" in proc.stdout
+    report = info_json()
+    assert "--loopback" in report["cuda"]["hint"]
+
+
+def test_info_on_the_loopback() -> None:
+    try:
+        from pynccl.testing import loopback
+
+        loopback.env()
+    except Exception as e:  # no C compiler
+        pytest.skip(f"no loopback: {e}")
+    proc = run_info("--loopback", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["nccl"]["loopback"] is True and report["cudart"]["loopback"] is True
+    assert report["cuda"]["device_count"] >= 1 and "hint" not in report["cuda"]
+    params = report["nccl_parameters"]
+    assert params == {
+        "supported": False,
+        "reason": "the loopback libnccl has no parameter API (NCCL's own has, from 2.30)",
+    }
+    text = run_info("--loopback").stdout
+    assert "parameters the loopback libnccl has no parameter API" in text
+    assert "error" not in text.split("parameters", 1)[1]

@@ -195,14 +195,13 @@ REFERENCE_CASES = [
     (op, dtype)
     for op in ("sum", "prod", "max", "min", "avg", "mulsum")
     for dtype in (DataType.FLOAT32, DataType.FLOAT16, DataType.INT32, DataType.UINT8)
-    if not (op == "avg" and dtype.is_integer)  # avg is for floating-point types
 ]
 
 
 @pytest.mark.parametrize(("op", "dtype"), REFERENCE_CASES)
-def test_reference_against_numpy(op: str, dtype: DataType) -> None:
+@pytest.mark.parametrize("n", [3, 20])  # 20: several rank groups
+def test_reference_against_numpy(op: str, dtype: DataType, n: int) -> None:
     np = pytest.importorskip("numpy")
-    n = 3
     data = perf._Data(np, dtype, op, n, rep=5)
     xs = np.stack([data.values(r, 0, 1000) for r in range(n)])
     assert xs.dtype == data.np_dtype
@@ -211,7 +210,12 @@ def test_reference_against_numpy(op: str, dtype: DataType) -> None:
     if dtype.is_integer:
         assert tol is None
         if op == "mulsum":
-            xs = xs * np.array([[1], [2], [1]], dtype=xs.dtype)
+            xs = xs * np.array([[1 + r % 2] for r in range(n)], dtype=xs.dtype)
+        if op == "avg":  # NCCL: the sum divided by nranks, truncated toward zero (not floor)
+            total = xs.astype(np.int64).sum(0)
+            assert np.array_equal(ref, np.trunc(total / n).astype(xs.dtype))
+            assert (total < 0).any() == (dtype is DataType.INT32)  # truncation was tested
+            return
         fold = {
             "sum": np.add,
             "mulsum": np.add,
@@ -224,7 +228,7 @@ def test_reference_against_numpy(op: str, dtype: DataType) -> None:
     else:
         x64 = xs.astype(np.float64)
         if op == "mulsum":
-            x64 = x64 * np.array([[1.0], [2.0], [1.0]])
+            x64 = x64 * np.array([[1.0 + r % 2] for r in range(n)])
         want = {
             "sum": x64.sum(0),
             "mulsum": x64.sum(0),
@@ -233,8 +237,12 @@ def test_reference_against_numpy(op: str, dtype: DataType) -> None:
             "min": x64.min(0),
             "avg": x64.mean(0),
         }[op]
-        assert np.allclose(ref, want, rtol=0, atol=1e-9)
-        assert tol is not None and tol > 0
+        assert np.allclose(ref.astype(np.float64), want, rtol=0, atol=1e-9)
+        if op == "avg":  # not exact in binary: a tolerance
+            assert tol is not None and tol > 0
+        else:  # small integers, exact in any order: compared bit for bit, in the type
+            assert tol is None and ref.dtype == data.np_dtype
+            assert np.array_equal(ref, want.astype(data.np_dtype))
 
 
 def test_slices_are_consistent_and_reps_differ() -> None:
@@ -275,11 +283,14 @@ def test_expected_results_per_collective() -> None:
         fn = perf._expected(coll, data, rank, root, c)
         if fn is None:
             return None
-        whole, tol = fn(0, c.recv)
+        def fn_new(lo: int, hi: int) -> Any:  # into a fresh buffer each time
+            return fn(lo, hi, np.empty(hi - lo, dtype=data.np_dtype))
+
+        whole, tol = fn_new(0, c.recv)
         assert tol is None
         # any split into pieces gives the same (results are checked a chunk at a time)
         for cut in range(1, c.recv):
-            parts = np.concatenate([fn(0, cut)[0], fn(cut, c.recv)[0]])
+            parts = np.concatenate([fn_new(0, cut)[0], fn_new(cut, c.recv)[0]])
             assert np.array_equal(parts, whole)
         return whole
 
@@ -296,7 +307,8 @@ def test_expected_results_per_collective() -> None:
         perf.COLLECTIVES["gather"], data, root, root, perf.COLLECTIVES["gather"].counts(48, 4, n)
     )
     assert gather_root is not None
-    assert np.array_equal(gather_root(0, 12)[0], np.concatenate([x[0][:4], x[1][:4], x[2][:4]]))
+    got = gather_root(0, 12, np.empty(12, np.int32))[0]
+    assert np.array_equal(got, np.concatenate([x[0][:4], x[1][:4], x[2][:4]]))
 
 
 # -- command line (parsing errors need no library) -------------------------------------
@@ -314,12 +326,27 @@ def test_expected_results_per_collective() -> None:
         (["all_reducer"], "unknown collective 'all_reducer'"),
         (["-d", "complex64"], "unknown data type 'complex64'"),
         (["-o", "xor"], "unknown reduction op 'xor'"),
-        (["-o", "avg", "-d", "int32"], "avg is defined for floating-point types only"),
         (["all_gather", "-o", "max"], "all_gather takes no reduction op"),
         (["all_reduce", "-r", "1"], "all_reduce has no root"),
         (["-a", "7"], "-a 7"),
         (["-T", "-3"], "timeout must be >= 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        # nccl-tests' flags are flags, never a collective's name
+        (["-t", "x"], "-t must be an integer, got 'x'"),
+        (["-m", "0"], "-m must be >= 1"),
+        (["-z", "4"], "-z 4: expected 0, 1, 2 or 3"),
+        (["-p", "2"], "-p 2: expected 0 or 1"),
+        (["-z", "1", "-G", "2"], "-z 1 with -G: a wait between operations cannot be captured"),
+        (["-y", "1", "-G", "2"], "-y 1 with -G: the default (NULL) stream cannot be captured"),
+        (["-R", "1"], "flag -R (--local_register) is not supported: registered buffers"),
+        (["-I", "1"], "flag -I (--per_iter_timing) is not supported"),
+        (["-D", "1"], "flag -D (--device_implementation) is not supported"),
+        (["-M", "1"], "flag -M (--memory) is not supported"),
+        (["-r", "some"], "-r must be an integer, got 'some'"),
+        (["--json", "/nonexistent-dir/x.json"], "directory /nonexistent-dir does not exist"),
+        (["-J", "/nonexistent-dir/x.json"], "-J /nonexistent-dir/x.json: directory"),
+        (["--plot", "/"], "--plot /: is a directory"),
+        (["-J", "out.txt"], "-J out.txt: nccl-tests writes JSON only, to a file named *.json"),
     ],
 )
 def test_usage_errors(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -333,6 +360,19 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert perf.main(["--help"]) == 0
     out = capsys.readouterr().out
     for flag in (
+        "-t",
+        "-m",
+        "-N",
+        "-p",
+        "-z",
+        "-y",
+        "-T",
+        "-C",
+        "-S",
+        "-J",
+        "-a",
+        "-u",
+        "-R",
         "-b",
         "-e",
         "-f",
@@ -445,8 +485,8 @@ def test_sweep_checks_every_collective(coll: str, tmp_path: Path) -> None:
     for row in rows:
         assert row["out_of_place"]["nwrong"] == 0
         assert row["out_of_place"]["time"] > 0
-        if coll in ("all_to_all", "sendrecv"):
-            assert row["in_place"] is None
+        if coll in ("all_to_all", "sendrecv"):  # timed in place too, as nccl-tests, unchecked
+            assert row["in_place"]["nwrong"] is None and row["in_place"]["time"] > 0
         else:
             assert row["in_place"]["nwrong"] == 0
         if extra:
@@ -526,7 +566,7 @@ def test_graphs_on_the_loopback(args: tuple[str, ...]) -> None:
 def test_single_rank_runs_in_process() -> None:
     proc = run_perf("reduce_scatter", "-g", "1", "-b", "256", "-e", "1K", "-n", "2", "-f", "2")
     assert proc.returncode == 0, proc.stderr
-    assert "on 1 rank(s)" in proc.stdout and "LOOPBACK" in proc.stdout
+    assert "# nThread 1 nGpus 1 " in proc.stdout and "LOOPBACK" in proc.stdout
     rows = _rows(proc.stdout)
     assert [r[0] for r in rows] == ["256", "512", "1024"]
     # one rank: the bus factor (n-1)/n is 0
@@ -571,7 +611,7 @@ def test_inside_an_existing_launcher() -> None:
     rows = [
         line.split()[2:]
         for line in proc.stdout.splitlines()
-        if line.startswith("[rank 0] ") and not line.startswith("[rank 0] #")
+        if line.startswith("[rank 0] ") and not line.startswith("[rank 0] #") and line[9:]
     ]
     assert [r[0] for r in rows] == ["512", "1024", "2048"]
     assert all(r[4] == "1" and r[8] == "0" and r[12] == "0" for r in rows)
@@ -588,7 +628,7 @@ def test_ngpus_must_match_the_launcher() -> None:
         timeout=120,
     )
     assert proc.returncode == 2
-    assert "-g 3, but the pynccl launcher started 2 rank(s)" in proc.stderr
+    assert "-g 3, but the pynccl launcher started 2 ranks" in proc.stderr
 
 
 @pytest.mark.usefixtures("loopback_ready")

@@ -2,28 +2,39 @@
 
 Usage::
 
-    python -m pynccl perf [COLLECTIVE] [-b MIN] [-e MAX] [-f FACTOR | -i STEP] [-g NRANKS]
-                          [-n ITERS] [-w WARMUP] [-c CHECK] [-o OP] [-d TYPE] [-r ROOT]
-                          [-G GRAPH_LAUNCHES] [-a AVERAGE] [-T TIMEOUT]
-                          [--json FILE] [--plot FILE.png]
+    python -m pynccl perf [COLLECTIVE] [nccl-tests' flags] [--json FILE] [--plot FILE.png]
 
 COLLECTIVE is one of all_reduce (default), all_gather, reduce_scatter, broadcast,
-reduce, gather, scatter, all_to_all, sendrecv. The flags mean what they mean for
-nccl-tests' ``*_perf`` binaries (``-g`` is the number of ranks, one GPU and one
-process each), and so do the columns: per size, the time of one operation (µs),
-the algorithm bandwidth (bytes / time, GB/s = 1e9 B/s) and the bus bandwidth
-(algorithm bandwidth times nccl-tests' factor: 2(n-1)/n for all-reduce; (n-1)/n
-for all-gather, reduce-scatter, gather, scatter and all-to-all; 1 for broadcast,
-reduce and send/recv), out of place and in place, and with ``-c`` the number of
-wrong elements against a numpy reference computed on the host. Sizes and counts
-follow nccl-tests too (per-rank counts of the gather/scatter family are rounded
-down to 16 bytes), so the rows compare line by line with theirs.
+reduce, gather, scatter, all_to_all, sendrecv. Every flag of nccl-tests' ``*_perf``
+binaries means what it means there (``python -m pynccl perf --help`` lists them):
+``-b``/``-e`` sizes, ``-f`` factor or ``-i`` linear step, ``-g`` GPUs and ``-t``
+threads (here every rank is one process with one GPU, so ``-t T -g G`` runs T*G
+ranks), ``-n``/``-w``/``-m``/``-N`` iterations, warm-up, aggregation in a group and
+cycles, ``-c`` checks, ``-o``/``-d`` op and type (names, lists or ``all``), ``-r`` root
+(``all``/``-1``: every rank), ``-z`` blocking, ``-y`` NULL stream, ``-T`` timeout of each
+wait, ``-G`` CUDA graphs, ``-C`` cputime, ``-S`` timestamps, ``-J`` JSON, ``-a`` averaging,
+``-u`` unalign. Flags it lacks (``-R`` registered buffers, ``-x``, ``-D``, ``-V``, ``-M``,
+``-I``, ``-K``) are refused by name, except with their default value.
+
+The output is nccl-tests 2.19's, line for line (a golden test holds it to formats
+captured from nccl-tests' source): version, "Collective test starting", the
+parameters, device lines (GPU name, ``[dddd:bb:dd]`` bus id), the table, the footer and
+"Collective test concluded"; ``-J`` writes its JSON (file version 3). Columns: per
+size, the time of one operation (µs), the algorithm bandwidth (bytes / time, GB/s = 1e9
+B/s) and the bus bandwidth (times nccl-tests' factor: 2(n-1)/n for all-reduce; (n-1)/n
+for all-gather, reduce-scatter, gather, scatter and all-to-all; 1 for broadcast, reduce
+and send/recv), out of place and in place (all-to-all and send/recv in place are timed,
+not checked: ``N/A``), and with ``-c`` the wrong elements against a numpy reference.
+Sizes and counts follow nccl-tests too (per-rank counts of the gather/scatter family
+are rounded down to 16 bytes). The loopback banner is pynccl's own. ``--json`` writes
+pynccl's own report (library paths, every row).
 
 Where it runs:
 
-* Started by hand it launches ``-g`` ranks itself (through ``python -m pynccl
-  launch``, which also enforces ``-T``), one per GPU; ``-g 1`` without ``-T``
-  runs in this process. Rank 0's lines are shown without the launcher's prefix.
+* Started by hand it launches the ranks itself (through ``python -m pynccl launch``),
+  one per GPU; one rank runs in this process. Rank 0's lines are shown without the
+  launcher's prefix, each row as soon as it is done; on a terminal a status line on
+  stderr shows progress (also while the loopback compiles on first use).
 * Started by a launcher (torchrun, ``python -m pynccl launch``, mpirun, srun:
   whatever :func:`pynccl.bootstrap.detect_launch_env` recognises) each process is
   one rank and joins through :func:`pynccl.bootstrap.from_env`.
@@ -34,18 +45,17 @@ Where it runs:
 Defaults: on a GPU nccl-tests' own (``-b 32M -e 32M -i 1M -n 20 -w 1 -c 1``) with
 ``-g`` = every visible GPU; on the loopback ``-g 2 -b 8 -e 32M -f 2`` (a few
 seconds). ``-c`` defaults to 0, with a note, where numpy is not installed: the
-sweep itself needs nothing but the standard library. ``-d``/``-o`` take
-nccl-tests' names (``float``, ``half``, ``bfloat16``, ``f8e4m3``...; ``sum``...
-``mulsum``), comma-separated lists or ``all``; ``-r -1`` runs every root.
-``mulsum`` is NCCL's PreMulSum with each rank scaling its own input by its own
-scalar (1 on even ranks, 2 on odd ones).
+sweep itself needs nothing but the standard library. ``mulsum`` is NCCL's PreMulSum
+with each rank scaling its own input by its own scalar (1 on even ranks, 2 on odd
+ones); integer ``avg`` is NCCL's, the sum divided by the ranks truncated toward zero.
+Output paths (``-J``, ``--json``, ``--plot``) are checked before anything starts.
 
 Timing follows nccl-tests: a host clock around ``-n`` back-to-back operations and
 a stream synchronize (or around ``-G`` replays of a CUDA graph holding them),
 averaged over the ranks (``-a``); the same method on the loopback and on a GPU.
 
-Exit status: 0 when every check passed, 1 when results were wrong or a rank
-failed, 2 for a usage error (a bad flag or flag combination).
+Exit status: 0 when every check passed, 1 when results were wrong, a rank failed or
+a wait timed out (-T), 2 for a usage error (a bad flag or flag combination).
 """
 
 # The old single module's other public names, and the private helpers the tests reach

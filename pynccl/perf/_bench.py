@@ -15,7 +15,18 @@ from typing import TYPE_CHECKING, Any
 from ..enums import DataType, RedOp
 from ._options import _REDOP, _TYPES, Options, _cases, _resolve_check
 from ._reference import _CHUNK, _Data, _expected, _mulsum_scale
-from ._report import _Backend, _Console, _header, _Result, _row_text, _write_json, _write_plot
+from ._report import (
+    _Backend,
+    _claim_output_file,
+    _Console,
+    _footer,
+    _header,
+    _Result,
+    _row_text,
+    _write_json,
+    _write_plot,
+    _write_tests_json,
+)
 from ._sweep import Counts, PerfError, _doubling
 
 if TYPE_CHECKING:
@@ -24,6 +35,34 @@ if TYPE_CHECKING:
 
 # --------------------------------------------------------------------------------------
 # One rank
+
+
+def _gpu_name(cudart_path: str, device: int) -> bytes:
+    """``cudaDeviceProp.name`` (its first member, 256 chars) of ``device``, or b"" where
+    the runtime cannot say. pynccl's prototype table has no cudaGetDeviceProperties (its
+    struct changes between CUDA releases); only the leading name is read here, into a
+    buffer larger than any release's struct."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(cudart_path)
+        fn = getattr(lib, "cudaGetDeviceProperties_v2", None) or lib.cudaGetDeviceProperties
+    except (OSError, AttributeError):
+        return b""
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    prop = ctypes.create_string_buffer(16384)
+    if fn(prop, device) != 0:
+        return b""
+    return prop.raw[:256].split(b"\0", 1)[0]
+
+
+_NOT_READY = 600  # cudaErrorNotReady
+_STARTUP_TIMEOUT = 60.0  # seconds -T allows the first exchange (ranks start at their pace)
+
+
+class PerfTimeout(Exception):
+    """-T: one wait for the GPU took longer than the timeout (the communicator is aborted)."""
 
 
 class _Bench:
@@ -43,23 +82,26 @@ class _Bench:
         self.console = console
         self.rt = library.cudart()
         self.coll = opts.collective
-        self.stream = Stream(non_blocking=True)
-        self.s = self.stream.handle
+        # -y 1: the legacy default stream, as nccl-tests' stream_null
+        self.stream = None if opts.stream_null else Stream(non_blocking=True)
+        self.s = 0 if self.stream is None else self.stream.handle
         self.bufs: list[Any] = []
         assert opts.maxbytes is not None
-        # Every layout keeps both sides within maxbytes (per-rank blocks are count/n).
-        nbytes = max(opts.maxbytes, 64)
+        # Every layout keeps both sides within maxbytes (per-rank blocks are count/n);
+        # -u shifts both buffers by up to 8 bytes per element of misalignment.
+        nbytes = max(opts.maxbytes, 64) + 8 * opts.unalign
         try:
             self.send = self._alloc(DeviceBuffer, nbytes)
             self.recv = self._alloc(DeviceBuffer, nbytes)
             self.scratch = self._alloc(DeviceBuffer, 64)
             for buf in (self.send, self.recv):
                 buf.fill_zero(self.s)  # timed runs without -c still see defined data
-            self.stream.synchronize()
+            self.sync()
         except BaseException:
             self.close()
             raise
         self.rep = 0
+        self.staging: list[Any] = []
         self.np: Any = None
         if opts.check:
             import numpy
@@ -75,7 +117,38 @@ class _Bench:
         for buf in self.bufs:
             buf.close()
         self.bufs.clear()
-        self.stream.close()
+        if self.stream is not None:
+            self.stream.close()
+
+    def sync(self, at_least: float = 0.0) -> None:
+        """Wait for the stream; with -T, abort and raise :class:`PerfTimeout` when one wait
+        takes longer (nccl-tests' testStreamSynchronize), also on an asynchronous error.
+        ``at_least``: a longer bound for this wait (the ranks' first exchange, which
+        waits for the slowest rank to start)."""
+        timeout = max(self.opts.timeout, at_least) if self.opts.timeout else 0.0
+        if not timeout:
+            self.rt.cudaStreamSynchronize(self.s)
+            return
+        deadline = time.monotonic() + timeout
+        pause = 1e-5
+        while int(self.rt.cudaStreamQuery(self.s)) == _NOT_READY:
+            try:
+                self.comm.check()  # an asynchronous NCCL error ends the wait, as nccl-tests
+            except BaseException:
+                self.comm.abort()
+                raise
+            if time.monotonic() > deadline:
+                self.comm.abort()
+                host = socket.gethostname().split(".")[0]
+                print(f"{host}: Test timeout ({timeout:g}s) on rank {self.rank}", flush=True)
+                what = (
+                    f"a wait took longer than -T {timeout:g} s"
+                    if timeout == self.opts.timeout
+                    else f"the ranks' first exchange took longer than {timeout:g} s"
+                )
+                raise PerfTimeout(f"rank {self.rank}: {what}")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
     # -- small collectives between the ranks --------------------------------------------
 
@@ -94,25 +167,28 @@ class _Bench:
         else:
             self.comm.all_reduce(ptr, ptr, op, count=1, dtype=dtype, stream=self.s)
         self._copy(addressof(host), ptr, 8, self._D2H)
-        self.stream.synchronize()
+        self.sync()
         return float(struct.unpack(fmt, host.raw)[0])
 
     def barrier(self) -> None:
         """Every rank has reached this point (a one-element all-reduce, waited for)."""
         self._scalar(0, DataType.INT64, RedOp.SUM)
 
-    def devices(self) -> list[dict[str, Any]]:
-        """Every rank's pid, host, device and PCI bus id (an all-gather of fixed records)."""
+    def devices(self, loopback: bool) -> list[dict[str, Any]]:
+        """Every rank's pid, host, device, PCI bus id and GPU name (an all-gather of
+        fixed records)."""
         from ..cuda import DeviceBuffer
 
         device = int(self.comm.device)
         bus = create_string_buffer(32)
         try:
             self.rt.cudaDeviceGetPCIBusId(bus, 32, device)
-        except Exception:  # the loopback or an old runtime: the bus id is decoration
+        except Exception:  # an old runtime: the bus id is decoration
             bus.value = b""
-        host = socket.gethostname().encode()[:48]
-        record = struct.pack("<qq48s32s", os.getpid(), device, host, bus.value[:32])
+        name = b"pynccl loopback (host memory)" if loopback else _gpu_name(self.rt.path, device)
+        host = socket.gethostname().split(".")[0].encode()[:48]  # as nccl-tests' getHostName
+        fmt = "<qq48s32s96s"
+        record = struct.pack(fmt, os.getpid(), device, host, bus.value[:32], name[:96])
         size = len(record)
         mine = create_string_buffer(record, size)
         everyone = create_string_buffer(size * self.nranks)
@@ -122,10 +198,10 @@ class _Bench:
             tmp.ptr, tmp.ptr + size, count=size, dtype=DataType.UINT8, stream=self.s
         )
         self._copy(addressof(everyone), tmp.ptr + size, size * self.nranks, self._D2H)
-        self.stream.synchronize()
+        self.sync(at_least=_STARTUP_TIMEOUT)
         out = []
         for r in range(self.nranks):
-            pid, dev, hostname, busid = struct.unpack_from("<qq48s32s", everyone, r * size)
+            pid, dev, hostname, busid, gpu = struct.unpack_from(fmt, everyone, r * size)
             out.append(
                 {
                     "rank": r,
@@ -133,6 +209,7 @@ class _Bench:
                     "hostname": hostname.rstrip(b"\0").decode(errors="replace"),
                     "device": dev,
                     "bus_id": busid.rstrip(b"\0").decode(errors="replace"),
+                    "name": gpu.rstrip(b"\0").decode(errors="replace"),
                 }
             )
         return out
@@ -147,10 +224,14 @@ class _Bench:
             )
         return _REDOP[op]
 
+    def _base(self, buf: Any, itemsize: int) -> int:
+        """A buffer's address shifted by -u elements (nccl-tests' unalign)."""
+        return int(buf.ptr) + self.opts.unalign * itemsize
+
     def _pointers(self, c: Counts, itemsize: int, in_place: bool) -> tuple[int, int]:
         if not in_place:
-            return self.send.ptr, self.recv.ptr
-        base = self.recv.ptr
+            return self._base(self.send, itemsize), self._base(self.recv, itemsize)
+        base = self._base(self.recv, itemsize)
         return (
             base + c.send_offset * self.rank * itemsize,
             base + c.recv_offset * self.rank * itemsize,
@@ -205,28 +286,57 @@ class _Bench:
 
     # -- timing and checking ---------------------------------------------------------------
 
-    def _time(self, run: Callable[[], None]) -> float:
-        """Seconds per operation, this rank's view (nccl-tests' BenchTime)."""
-        iters = self.opts.iters
+    def _issue(self, run: Callable[[], None]) -> None:
+        """One iteration: -m operations (in one group when more than one), then what -z 1
+        and -z 2 ask for after it."""
+        agg = self.opts.agg_iters
+        if agg > 1:
+            from ..groups import group
+
+            with group():
+                for _ in range(agg):
+                    run()
+        else:
+            run()
+        if self.opts.blocking in (1, 2):
+            self.sync()
+            if self.opts.blocking == 1:
+                self.barrier()
+
+    def _time(self, run: Callable[[], None]) -> tuple[float, float]:
+        """(seconds per operation, host seconds per operation to issue it), this rank's
+        view (nccl-tests' BenchTime)."""
+        opts = self.opts
+        iters = opts.iters
         assert iters is not None
+        ops = iters * opts.agg_iters
         run()  # one untimed call, then line the ranks up
-        self.stream.synchronize()
+        self.sync()
         self.barrier()
-        launches = self.opts.cudagraph
+        launches = opts.cudagraph
         if launches:
-            with self._capture(run, iters) as graph:
+            with self._capture(lambda: self._issue(run), iters) as graph:
                 self.barrier()
                 start = time.perf_counter()
                 for _ in range(launches):
                     graph.replay()
-                self.stream.synchronize()
+                issued = time.perf_counter() - start
+                self.sync()
                 elapsed = time.perf_counter() - start
-            return elapsed / (iters * launches)
+            return elapsed / (ops * launches), issued / (ops * launches)
+        busy = 0.0  # -z 3: the time of the operations alone, barriers left out
         start = time.perf_counter()
         for _ in range(iters):
-            run()
-        self.stream.synchronize()
-        return (time.perf_counter() - start) / iters
+            t0 = time.perf_counter()
+            self._issue(run)
+            if opts.blocking == 3:
+                self.sync()
+                busy += time.perf_counter() - t0
+                self.barrier()
+        issued = time.perf_counter() - start
+        self.sync()
+        elapsed = busy if opts.blocking == 3 else time.perf_counter() - start
+        return elapsed / ops, (busy if opts.blocking == 3 else issued) / ops
 
     def _across_ranks(self, seconds: float) -> float:
         mode = self.opts.average
@@ -235,6 +345,13 @@ class _Bench:
         op = {1: RedOp.SUM, 2: RedOp.MIN, 3: RedOp.MAX}[mode]
         value = self._scalar(seconds, DataType.FLOAT64, op)
         return value / self.nranks if mode == 1 else value
+
+    def _host(self, which: int, count: int, np_dtype: Any) -> Any:
+        """Host staging buffer ``which`` (0: inputs, 1: results, 2: references) as ``count``
+        elements: allocated once, so checks do not pay for fresh pages every time."""
+        if not self.staging:
+            self.staging = [self.np.empty(_CHUNK * 8, dtype=self.np.uint8) for _ in range(3)]
+        return self.staging[which][: count * self.np.dtype(np_dtype).itemsize].view(np_dtype)
 
     def _check_once(
         self,
@@ -263,28 +380,37 @@ class _Bench:
                 c.send * size + c.send_offset * self.rank * size,
             )
         if region:
-            self.rt.cudaMemsetAsync(self.recv.ptr, 0, region, self.s)
+            self.rt.cudaMemsetAsync(self._base(self.recv, size), 0, region, self.s)
         for lo in range(0, c.send, _CHUNK):
-            chunk = np.ascontiguousarray(data.values(self.rank, lo, min(c.send, lo + _CHUNK)))
+            hi = min(c.send, lo + _CHUNK)
+            chunk = data.values(self.rank, lo, hi, self._host(0, hi - lo, data.np_dtype))
             self._copy(sp + lo * size, chunk.ctypes.data, chunk.nbytes, self._H2D)
-            self.stream.synchronize()  # before the host array goes
+            self.sync()  # before the host buffer is written again
+        expect = _expected(self.coll, data, self.rank, root, c)
         if self.opts.cudagraph:
             with self._capture(run, 1) as graph:
                 graph.replay()
-                self.stream.synchronize()
+                self.sync()
         else:
             run()
-        self.stream.synchronize()
-        expect = _expected(self.coll, data, self.rank, root, c)
+        # The first chunk's reference is computed while the operation runs.
+        first = None
+        if expect is not None and c.recv:
+            hi = min(c.recv, _CHUNK)
+            first = expect(0, hi, self._host(2, hi, data.np_dtype))
+        self.sync()
         if expect is None:
             return 0
         wrong = 0
         for lo in range(0, c.recv, _CHUNK):
             hi = min(c.recv, lo + _CHUNK)
-            want, tol = expect(lo, hi)
-            got = np.empty(hi - lo, dtype=data.np_dtype)
+            if lo == 0 and first is not None:
+                want, tol = first
+            else:
+                want, tol = expect(lo, hi, self._host(2, hi - lo, data.np_dtype))
+            got = self._host(1, hi - lo, data.np_dtype)
             self._copy(got.ctypes.data, rp + lo * size, got.nbytes, self._D2H)
-            self.stream.synchronize()
+            self.sync()
             wrong += data.compare(got, want, tol)
         return wrong
 
@@ -292,10 +418,12 @@ class _Bench:
         self, c: Counts, dtype: DataType, op_name: str | None, op: Any, root: int, in_place: bool
     ) -> dict[str, Any]:
         run = self._runner(c, dtype, op, root, in_place)
-        seconds = self._across_ranks(self._time(run))
+        seconds, issued = self._time(run)
+        seconds = self._across_ranks(seconds)
         algbw, busbw = self.coll.bandwidths(c.param, dtype.itemsize, seconds, self.nranks)
         wrong: int | None = None
-        if self.opts.check:
+        # nccl-tests runs all-to-all and send/recv in place too, but checks only out of place
+        if self.opts.check and (self.coll.in_place or not in_place):
             self.barrier()
             total = 0
             for _ in range(self.opts.check):
@@ -304,12 +432,15 @@ class _Bench:
                 if total:
                     break
             wrong = total
-        return {"time": seconds * 1e6, "alg_bw": algbw, "bus_bw": busbw, "nwrong": wrong}
+        cell = {"time": seconds * 1e6, "alg_bw": algbw, "bus_bw": busbw, "nwrong": wrong}
+        if self.opts.report_cputime:  # -C: the host time to issue them, as nccl-tests
+            cell["cpu_time"] = self._across_ranks(issued) * 1e6
+        return cell
 
     # -- the sweep ------------------------------------------------------------------------
 
     def run_case(self, dtype_name: str, op_name: str | None, root: int, out: _Result) -> None:
-        """nccl-tests' TimeTest: warm up, then one row per size."""
+        """nccl-tests' TimeTest: warm up, then one row per size (-N times)."""
         dtype = _TYPES[dtype_name]
         opts = self.opts
         assert opts.minbytes is not None and opts.maxbytes is not None
@@ -320,31 +451,53 @@ class _Bench:
             run = self._runner(c, dtype, op, root, False)
             for _ in range(opts.warmup_iters or 0):
                 run()
-            self.stream.synchronize()
-        for size in opts.sizes:
-            c = self.coll.counts(size, dtype.itemsize, self.nranks)
-            row: dict[str, Any] = {
-                "size": max(c.send, c.recv) * dtype.itemsize,
-                "count": c.param,
-                "type": dtype_name,
-                "redop": op_name if op_name is not None else "none",
-                "root": root if self.coll.rooted else -1,
-            }
-            row["out_of_place"] = self._bench(c, dtype, op_name, op, root, False)
-            row["in_place"] = (
-                self._bench(c, dtype, op_name, op, root, True) if self.coll.in_place else None
-            )
-            for key in ("out_of_place", "in_place"):
-                cell = row[key]
-                if cell is not None:
-                    out.busbw_sum += cell["bus_bw"]
-                    out.busbw_count += 1
-                    out.wrong += cell["nwrong"] or 0
-                    out.errors += 1 if cell["nwrong"] else 0
-            out.rows.append(row)
-            self.console.line(_row_text(row))
+            self.sync()
+        cycle = 0
+        while True:
+            for size in opts.sizes:
+                self._row(size, dtype, dtype_name, op_name, op, root, out)
+            cycle += 1
+            if opts.run_cycles and cycle >= opts.run_cycles:  # -N 0: forever
+                break
         if op_name == "mulsum":  # (after an error the communicator is aborted anyway)
             self.comm.destroy_op(op)
+
+    def _row(
+        self,
+        size: int,
+        dtype: DataType,
+        dtype_name: str,
+        op_name: str | None,
+        op: Any,
+        root: int,
+        out: _Result,
+    ) -> None:
+        c = self.coll.counts(size, dtype.itemsize, self.nranks)
+        row: dict[str, Any] = {
+            "size": max(c.send, c.recv) * dtype.itemsize,
+            "count": c.param,
+            "type": dtype_name,
+            "redop": op_name if op_name is not None else "none",
+            "root": root if self.coll.rooted else -1,
+        }
+        row["out_of_place"] = self._bench(c, dtype, op_name, op, root, False)
+        row["in_place"] = self._bench(c, dtype, op_name, op, root, True)
+        if self.opts.report_timestamps:
+            row["timestamp"] = time.strftime("%Y-%m-%d %H:%M:%S")
+        for key in ("out_of_place", "in_place"):
+            cell = row[key]
+            out.busbw_sum += cell["bus_bw"]
+            out.busbw_count += 1
+            out.wrong += cell["nwrong"] or 0
+            out.errors += 1 if cell["nwrong"] else 0
+        out.rows.append(row)
+        self.console.line(_row_text(row))
+
+
+#: Set by the coordinator for the ranks it launches: the -J file it created, and the
+#: nGpus nccl-tests would show (-g, or its default).
+_ENV_J_PATH = "PYNCCL_PERF_J_PATH"
+_ENV_NGPUS = "PYNCCL_PERF_NGPUS"
 
 
 def _run_rank(opts: Options, comm: Any, backend: _Backend) -> int:
@@ -363,25 +516,33 @@ def _run_rank(opts: Options, comm: Any, backend: _Backend) -> int:
             import numpy  # noqa: F401  (create_premul_sum packs the scalar with it)
         except ImportError:
             raise PerfError("-o mulsum needs numpy (pip install numpy)") from None
-    console = _Console(sys.stdout if lead else None, len(cases) * len(opts.sizes))
+    shape = (opts.nthreads, opts.ngpus or int(os.environ.get(_ENV_NGPUS, "1")))
+    tests_json = None
+    if lead and opts.output_file:
+        tests_json = os.environ.get(_ENV_J_PATH) or _claim_output_file(opts.output_file)
+    total = None if opts.run_cycles == 0 else len(cases) * len(opts.sizes) * opts.run_cycles
+    console = _Console(sys.stdout if lead else None, total)
     started = time.monotonic()
+    start_time = time.strftime("%Y-%m-%d %H:%M:%S")
     ok = False
     bench = None
     try:
+        if tests_json is not None:
+            console.line(f"# Writing JSON output to {tests_json}")
         bench = _Bench(opts, comm, console)
-        devices = bench.devices()
-        for text in _header(opts, nranks, backend, devices, notes):
+        devices = bench.devices(backend.loopback)
+        for text in _header(opts, shape, backend, devices, notes):
             console.line(text)
         result = _Result()
         for dtype_name, op_name, root in cases:
             bench.run_case(dtype_name, op_name, root, result)
         avg = result.busbw_sum / result.busbw_count if result.busbw_count else 0.0
-        verdict = "FAILED" if result.errors else "OK"
-        console.line(f"# {'Out of bounds values':<20} : {result.errors} {verdict}")
-        console.line(f"# {'Avg bus bandwidth':<20} : {avg:g}")
-        console.line("#")
+        for text in _footer(result.errors, avg, opts.collective.tests_binary):
+            console.line(text)
         if backend.loopback:
             console.line("# (loopback: these figures are host memory, not NCCL)")
+        if tests_json is not None:
+            _write_tests_json(tests_json, opts, shape, backend, devices, result, avg, start_time)
         if lead and opts.json:
             elapsed = time.monotonic() - started
             _write_json(opts.json, opts, nranks, backend, devices, result, avg, elapsed)

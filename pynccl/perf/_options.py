@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..enums import DataType, RedOp
@@ -127,14 +128,36 @@ class _Parser(argparse.ArgumentParser):
         raise PerfError(message)
 
 
+def _root_arg(text: str) -> int:
+    """``-r``: a rank, or ``all``/``-1`` for every rank in turn."""
+    if text.strip().lower() == "all":
+        return -1
+    return _int_at_least(-1, "-r")(text)
+
+
+#: nccl-tests flags pynccl does not implement: (short, long, default, why). The default
+#: value is accepted (it asks for nothing); any other value is refused by name.
+_UNSUPPORTED = (
+    ("-R", "--local_register", 0, "registered buffers are not in pynccl's object API yet"),
+    ("-x", "--cta_policy", -1, "pynccl's Config does not pass a CTA policy to perf's ranks"),
+    ("-D", "--device_implementation", 0, "device-API kernels need CUDA code, not ctypes"),
+    ("-V", "--device_cta_count", 16, "device-API kernels need CUDA code, not ctypes"),
+    ("-M", "--memory", 0, "pynccl has no binding for cudaMemGetInfo"),
+    ("-I", "--per_iter_timing", 0, "per-iteration CUDA event timing is not implemented"),
+    ("-K", "--per_iter_skip", 0, "per-iteration CUDA event timing is not implemented"),
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m pynccl perf",
-        description="Bandwidth sweep of an NCCL collective, with nccl-tests' flags and columns. "
-        "Without a GPU it runs on pynccl's host-memory loopback libraries (and says so).",
+        description="Bandwidth sweep of an NCCL collective, with nccl-tests' flags, columns and "
+        "-J JSON. Without a GPU it runs on pynccl's host-memory loopback libraries (and says so).",
         epilog="Defaults on a GPU are nccl-tests' (-b 32M -e 32M -i 1M -n 20 -w 1 -c 1) with -g "
         "= every visible GPU; on the loopback -g 2 -b 8 -e 32M -f 2. Sizes take K/M/G suffixes "
-        "(powers of 1024).",
+        "(powers of 1024). Every rank is one process with one GPU: -t T -g G runs T*G ranks. "
+        "nccl-tests flags pynccl lacks (" + ", ".join(u[0] for u in _UNSUPPORTED) + ") are "
+        "refused by name unless given their default value.",
     )
     p.add_argument(
         "collective",
@@ -143,36 +166,59 @@ def _parser() -> argparse.ArgumentParser:
         type=_collective_arg,
         help=f"one of {', '.join(COLLECTIVES)} (default all_reduce)",
     )
-    p.add_argument("-b", "--minbytes", type=_size_arg, help="smallest size in bytes")
-    p.add_argument("-e", "--maxbytes", type=_size_arg, help="largest size in bytes")
-    p.add_argument("-f", "--stepfactor", type=_int_at_least(1, "-f"), help="multiply the size by")
-    p.add_argument("-i", "--stepbytes", type=_size_arg, help="add to the size (when -f is 1)")
-    p.add_argument("-g", "--ngpus", type=_int_at_least(1, "-g"), help="number of ranks (GPUs)")
-    p.add_argument("-n", "--iters", type=_int_at_least(1, "-n"), help="timed iterations")
-    p.add_argument("-w", "--warmup_iters", type=_int_at_least(0, "-w"), help="warm-up iterations")
-    p.add_argument("-c", "--check", type=_int_at_least(0, "-c"), help="check results N times")
-    p.add_argument("-o", "--op", type=_parse_ops, default=["sum"], help="reduction op(s)")
-    p.add_argument("-d", "--datatype", type=_parse_types, default=["float"], help="data type(s)")
-    p.add_argument(
-        "-r", "--root", type=_int_at_least(-1, "-r"), default=0, help="root rank (-1: every rank)"
-    )
-    p.add_argument(
-        "-G", "--cudagraph", type=_int_at_least(0, "-G"), default=0, help="CUDA graph launches"
-    )
-    p.add_argument(
-        "-a",
-        "--average",
-        type=_int_at_least(0, "-a"),
-        default=1,
-        help="time reported: 0 rank 0's, 1 mean (default), 2 min, 3 max over ranks",
-    )
-    p.add_argument(
-        "-T", "--timeout", type=_timeout_arg, default=0.0, help="stop after S seconds (0: never)"
-    )
-    p.add_argument("--json", metavar="FILE", help="write every row and the run's setup as JSON")
-    p.add_argument(
-        "--plot", metavar="FILE.png", help="plot bus bandwidth against size (matplotlib)"
-    )
+    add = p.add_argument
+    add("-t", "--nthreads", type=_int_at_least(1, "-t"), default=1,
+        help="threads per process in nccl-tests; here ranks = t * g (default 1)")
+    add("-g", "--ngpus", type=_int_at_least(1, "-g"),
+        help="GPUs (ranks) per thread (default: every visible GPU; 2 on the loopback)")
+    add("-b", "--minbytes", type=_size_arg, help="smallest size in bytes (K/M/G suffixes)")
+    add("-e", "--maxbytes", type=_size_arg, help="largest size in bytes (K/M/G suffixes)")
+    add("-i", "--stepbytes", type=_size_arg,
+        help="add this to the size at each step when -f is 1 (default 1M)")
+    add("-f", "--stepfactor", type=_int_at_least(1, "-f"),
+        help="multiply the size by this at each step (1: add -i instead)")
+    add("-n", "--iters", type=_int_at_least(1, "-n"), help="timed iterations (default 20)")
+    add("-m", "--agg_iters", type=_int_at_least(1, "-m"), default=1,
+        help="operations aggregated in one group per iteration (default 1)")
+    add("-w", "--warmup_iters", type=_int_at_least(0, "-w"), help="warm-up iterations (default 1)")
+    add("-N", "--run_cycles", type=_int_at_least(0, "-N"), default=1,
+        help="run and print the sweep this many times (0: forever; default 1)")
+    add("-p", "--parallel_init", type=_int_at_least(0, "-p"), default=0,
+        help="0/1; every rank is its own process, so inits always run in parallel")
+    add("-c", "--check", type=_int_at_least(0, "-c"),
+        help="check results against numpy N times per size (default 1; 0 without numpy)")
+    add("-o", "--op", type=_parse_ops, default=["sum"],
+        help="sum/prod/max/min/avg/mulsum, a comma-separated list, or all (default sum)")
+    add("-d", "--datatype", type=_parse_types, default=["float"],
+        help=f"nccl-tests' type names ({', '.join(_TYPES)}), a comma-separated list, or all "
+        "(default float)")
+    add("-r", "--root", type=_root_arg, default=0,
+        help="root rank of rooted collectives; all or -1: every rank in turn (default 0)")
+    add("-z", "--blocking", type=_int_at_least(0, "-z"), default=0,
+        help="0: none; 1: wait and barrier after each operation; 2: wait, no barrier; "
+        "3: wait and barrier after each iteration, time excludes the barrier")
+    add("-y", "--stream_null", type=_int_at_least(0, "-y"), default=0,
+        help="1: run on the default (NULL) stream instead of a created one")
+    add("-T", "--timeout", type=_timeout_arg, default=0.0, metavar="S",
+        help="abort when one wait for the GPU takes over S seconds (0: never)")
+    add("-G", "--cudagraph", type=_int_at_least(0, "-G"), default=0,
+        help="capture -n iterations in a CUDA graph and launch it this many times")
+    add("-C", "--report_cputime", type=_int_at_least(0, "-C"), default=0,
+        help="1: report the host time to issue the operations (cputime column)")
+    add("-S", "--report_timestamps", type=_int_at_least(0, "-S"), default=0,
+        help="1: end each row with a timestamp")
+    add("-J", "--output_file", metavar="FILE.json",
+        help="write nccl-tests' JSON report there (FILE.json.0, .1 ... if it exists); like "
+        "nccl-tests' it records the arguments and the whole environment")
+    add("-a", "--average", type=_int_at_least(0, "-a"), default=1,
+        help="time reported: 0 rank 0's, 1 mean (default), 2 min, 3 max over ranks")
+    add("-u", "--unalign", type=_int_at_least(0, "-u"), default=0,
+        help="shift both buffers by this many elements (misalignment; default 0)")
+    for short, long, default, _why in _UNSUPPORTED:
+        add(short, long, dest=f"unsupported{short[1]}", type=int, default=default, metavar="N",
+            help=f"nccl-tests' {long}: not supported (only {default} is accepted)")
+    add("--json", metavar="FILE", help="write pynccl's JSON report (every row and the setup)")
+    add("--plot", metavar="FILE.png", help="plot bus bandwidth against size (matplotlib)")
     return p
 
 
@@ -181,22 +227,34 @@ class Options:
     """The parsed command line; ``None`` fields take the defaults of the chosen backend."""
 
     collective: Collective
+    nthreads: int
     minbytes: int | None
     maxbytes: int | None
     stepfactor: int | None
     stepbytes: int | None
     ngpus: int | None
     iters: int | None
+    agg_iters: int
     warmup_iters: int | None
+    run_cycles: int
+    parallel_init: int
     check: int | None
     op: list[str]
     datatype: list[str]
     root: int
-    cudagraph: int
-    average: int
+    blocking: int
+    stream_null: int
     timeout: float
+    cudagraph: int
+    report_cputime: int
+    report_timestamps: int
+    output_file: str | None
+    average: int
+    unalign: int
     json: str | None
     plot: str | None
+    #: The arguments as given (for -J's "args").
+    argv: list[str] = field(default_factory=list)
 
     def resolve(self, loopback: bool) -> None:
         """Fill the defaults: nccl-tests' on a GPU, a short sweep on the loopback."""
@@ -244,14 +302,36 @@ class Options:
             "root": self.root,
             "cudagraph": self.cudagraph,
             "average": self.average,
+            "nthreads": self.nthreads,
+            "agg_iters": self.agg_iters,
+            "run_cycles": self.run_cycles,
+            "blocking": self.blocking,
+            "stream_null": self.stream_null,
+            "unalign": self.unalign,
         }
 
 
 def _parse(argv: Sequence[str]) -> Options:
-    ns = _parser().parse_args(list(argv))
-    opts = Options(**vars(ns))
+    ns = vars(_parser().parse_args(list(argv)))
+    for short, long, default, why in _UNSUPPORTED:
+        value = ns.pop(f"unsupported{short[1]}")
+        if value != default:
+            raise PerfError(f"flag {short} ({long}) is not supported: {why}")
+    opts = Options(**ns, argv=list(argv))
     if opts.average > 3:
         raise PerfError(f"-a {opts.average}: expected 0 (rank 0), 1 (mean), 2 (min) or 3 (max)")
+    if opts.blocking > 3:
+        raise PerfError(f"-z {opts.blocking}: expected 0, 1, 2 or 3")
+    for flag, value in (("-p", opts.parallel_init), ("-y", opts.stream_null),
+                        ("-C", opts.report_cputime), ("-S", opts.report_timestamps)):  # fmt: skip
+        if value > 1:
+            raise PerfError(f"{flag} {value}: expected 0 or 1")
+    if opts.stream_null and opts.cudagraph:
+        raise PerfError("-y 1 with -G: the default (NULL) stream cannot be captured in a graph")
+    if opts.blocking and opts.cudagraph:  # (nccl-tests drops -z 3 here, and -z 1/2 fail)
+        raise PerfError(
+            f"-z {opts.blocking} with -G: a wait between operations cannot be captured in a graph"
+        )
     if not opts.collective.reduces and opts.op != ["sum"]:
         raise PerfError(f"-o: {opts.collective.name} takes no reduction op")
     if opts.root != 0 and not opts.collective.rooted:
@@ -264,19 +344,30 @@ def _parse(argv: Sequence[str]) -> Options:
                 "--plot needs matplotlib, which is not installed: "
                 "pip install 'pynccl[plot]' (or pip install matplotlib)"
             ) from None
+    if opts.output_file is not None and not opts.output_file.lower().endswith(".json"):
+        raise PerfError(
+            f"-J {opts.output_file}: nccl-tests writes JSON only, to a file named *.json "
+            "(it ignores other names)"
+        )
+    for flag, path in (("--json", opts.json), ("--plot", opts.plot), ("-J", opts.output_file)):
+        if path is not None:
+            _check_writable(flag, path)
     return opts
 
 
-def _check_combination(coll: Collective, dtypes: list[str], ops: list[str]) -> None:
-    """Refuse op/type pairs that cannot run, before any rank starts."""
-    if not coll.reduces or "all" in dtypes:
-        return
-    if "avg" in ops:
-        ints = [d for d in dtypes if _TYPES[d].is_integer]
-        if ints:
-            raise PerfError(
-                f"-o avg is defined for floating-point types only, not {', '.join(ints)}"
-            )
+def _check_writable(flag: str, path: str) -> None:
+    """Refuse an output path that cannot be written, before any rank starts (nothing is
+    created: a failed run leaves no empty file behind)."""
+    where = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise PerfError(f"{flag} {path}: is a directory, expected a file name")
+    if not os.path.isdir(where):
+        raise PerfError(f"{flag} {path}: directory {where} does not exist")
+    if os.path.exists(path) and flag != "-J":  # -J picks FILE.json.0, .1 ... instead
+        if not os.access(path, os.W_OK):
+            raise PerfError(f"{flag} {path}: the file exists and is not writable")
+    elif not os.access(where, os.W_OK | os.X_OK):
+        raise PerfError(f"{flag} {path}: directory {where} is not writable")
 
 
 # --------------------------------------------------------------------------------------
@@ -308,8 +399,6 @@ def _cases(
     out = []
     for t in types:
         for o in ops:
-            if o == "avg" and _TYPES[t].is_integer:
-                continue  # avg is for floating-point types (an explicit request was refused)
             for r in roots:
                 out.append((t, o, r))
     return out

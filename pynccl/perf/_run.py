@@ -13,9 +13,9 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from ._bench import _run_rank
-from ._options import Options, _check_combination, _parse, _parser
-from ._report import _Backend, _Console
+from ._bench import _ENV_J_PATH, _ENV_NGPUS, PerfTimeout, _run_rank
+from ._options import Options, _parse, _parser
+from ._report import _Backend, _claim_output_file, _Console, _progress
 from ._sweep import PerfError
 
 _LOOPBACK_DEVICES = 8  # the loopback libcudart's default device count
@@ -75,7 +75,8 @@ def _use_loopback(nranks: int) -> None:
     try:
         from ..testing import loopback
 
-        loopback.use()
+        with _progress("preparing pynccl's loopback libraries (compiled on first use)"):
+            loopback.use()
     except Exception as e:
         raise PerfError(
             f"there is no GPU here and the loopback libraries could not be prepared: "
@@ -88,7 +89,8 @@ def _loopback_env() -> dict[str, str]:
     try:
         from ..testing import loopback
 
-        return dict(loopback.env())
+        with _progress("preparing pynccl's loopback libraries (compiled on first use)"):
+            return dict(loopback.env())
     except Exception as e:
         raise PerfError(
             f"there is no GPU here and the loopback libraries could not be prepared: "
@@ -101,10 +103,13 @@ def _worker(opts: Options) -> int:
     from ..bootstrap import detect_launch_env, from_env
 
     env = detect_launch_env()
-    if opts.ngpus is not None and opts.ngpus != env.world_size:
+    asked = opts.nthreads * (opts.ngpus or 1)
+    if (opts.ngpus is not None or opts.nthreads > 1) and asked != env.world_size:
+        flags = f"-t {opts.nthreads} -g {opts.ngpus or 1}" if opts.nthreads > 1 else f"-g {asked}"
+        started = f"{env.world_size} rank" + ("" if env.world_size == 1 else "s")
         raise PerfError(
-            f"-g {opts.ngpus}, but the {env.launcher} launcher started {env.world_size} rank(s): "
-            "drop -g inside a launcher, or start that many ranks"
+            f"{flags}, but the {env.launcher} launcher started {started}: "
+            "drop -g (and -t) inside a launcher, or start that many ranks"
         )
     gpus, loop = _gpu_count()
     if gpus == 0:
@@ -130,21 +135,33 @@ def _coordinate(opts: Options, argv: Sequence[str]) -> int:
     """Started by hand: pick the backend and run -g ranks."""
     gpus, loop_configured = _gpu_count()
     loop = gpus == 0 or loop_configured
-    nranks = opts.ngpus if opts.ngpus is not None else (2 if loop else gpus)
+    per_thread = opts.ngpus if opts.ngpus is not None else (2 if loop else gpus)
+    nranks = opts.nthreads * per_thread
     if not loop and nranks > gpus:
-        raise PerfError(f"-g {nranks}: only {gpus} GPU(s) visible")
+        flags = f"-t {opts.nthreads} -g {per_thread}" if opts.nthreads > 1 else f"-g {nranks}"
+        raise PerfError(f"{flags} needs {nranks} GPUs: only {gpus} visible")
     opts.resolve(loop)
     sizes = opts.sizes  # validate before starting anything
     if opts.collective.rooted and opts.root >= nranks:
         raise PerfError(f"-r {opts.root}: the root must be below the {nranks} ranks")
-    if nranks == 1 and not opts.timeout:  # -T needs the launcher's watch: see below
+    os.environ[_ENV_NGPUS] = str(per_thread)  # the nGpus of the header (ranks inherit it)
+    if nranks == 1:
         from ..comm import Communicator, UniqueId
 
         if gpus == 0:
             _use_loopback(1)
         comm = Communicator(1, UniqueId(), 0, device=0)
         return _finish(opts, comm)
-    return _launch(opts, argv, nranks, loopback_build=gpus == 0, rows=len(sizes))
+    claimed = None
+    if opts.output_file:  # -J: one name for the whole run, taken before it starts
+        claimed = os.environ[_ENV_J_PATH] = _claim_output_file(opts.output_file)
+    try:
+        return _launch(opts, argv, nranks, loopback_build=gpus == 0, rows=len(sizes))
+    finally:
+        if claimed is not None:
+            del os.environ[_ENV_J_PATH]
+            if os.path.exists(claimed) and os.path.getsize(claimed) == 0:
+                os.unlink(claimed)  # the run failed before writing it: leave nothing behind
 
 
 _PREFIX = re.compile(rb"^\[rank (\d+)\] ")
@@ -159,9 +176,8 @@ def _launch(
     with the ``[rank 0] `` prefix taken off rank 0's lines so the table reads as
     nccl-tests' does (other ranks' lines, and everything on stderr, keep theirs).
     """
+    # No --timeout for the launcher: -T bounds each wait inside the ranks, as nccl-tests.
     cmd = [sys.executable, "-m", "pynccl", "launch", "-n", str(nranks)]
-    if opts.timeout:
-        cmd += ["--timeout", f"{opts.timeout:g}"]
     cmd += ["-m", "pynccl", "perf", *argv]
     env = dict(os.environ)
     if loopback_build:
@@ -173,7 +189,8 @@ def _launch(
     if loopback_build and nranks > _LOOPBACK_DEVICES:
         env.setdefault("PYNCCL_LOOPBACK_DEVICES", str(nranks))
     known = opts.datatype != ["all"] and opts.op != ["all"] and opts.root != -1
-    console = _Console(sys.stdout, rows * len(opts.datatype) * len(opts.op) if known else None)
+    total = rows * len(opts.datatype) * len(opts.op) * opts.run_cycles
+    console = _Console(sys.stdout, total if known and opts.run_cycles else None)
     # Its own session: a terminal's Ctrl-C reaches it once, through the forwarding below.
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True
@@ -218,13 +235,15 @@ def main(argv: list[str] | None = None) -> int:
             _parser().print_help()
             return 0
         opts = _parse(args)
-        _check_combination(opts.collective, opts.datatype, opts.op)
         if _in_launcher():
             return _worker(opts)
         return _coordinate(opts, args)
     except PerfError as e:
         print(f"python -m pynccl perf: error: {e}", file=sys.stderr)
         return 2
+    except PerfTimeout as e:
+        print(f"python -m pynccl perf: timeout: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("python -m pynccl perf: interrupted", file=sys.stderr)
         return 130
@@ -233,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(e, (NcclError, CudaError, NotSupportedError, ValueError, TypeError, OSError)):
             print(f"python -m pynccl perf: {type(e).__name__}: {e}", file=sys.stderr)
+            from ..info import LOOPBACK_HINT, no_gpu_error
+
+            if no_gpu_error(e):
+                print(LOOPBACK_HINT, file=sys.stderr)
         else:
             traceback.print_exc()
         return 1

@@ -46,7 +46,8 @@ class Collective:
     bus: str
     reduces: bool = False
     rooted: bool = False
-    #: False where NCCL defines no in-place form (all-to-all, send/recv).
+    #: False where NCCL defines no in-place form (all-to-all, send/recv): nccl-tests
+    #: still times them with one buffer, but checks nothing there (``N/A``).
     in_place: bool = True
 
     @property
@@ -84,6 +85,9 @@ class Collective:
         return algbw, algbw * self.bus_factor(nranks)
 
 
+# perf's own list of the benchmarked operations (nccl-tests' count and bandwidth rules),
+# the one place to swap for the object API's spec table (pynccl.comm._spec.COLLECTIVES)
+# once it exists; _bench._Bench._runner and _reference._expected dispatch on these names.
 COLLECTIVES: dict[str, Collective] = {
     c.name: c
     for c in (
