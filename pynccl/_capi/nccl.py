@@ -38,6 +38,7 @@ from typing import Any
 from ..enums import DataType, RedOp, Release, Result, release_str
 from ..errors import NcclError, NotSupportedError
 from ._binding import BoundLibrary, Prototype
+from .nccl_device import DEVICE_PROTOTYPES, VALUE_RESULTS
 from .structs import (
     ncclCollConfig_t,
     ncclConfig_t,
@@ -655,7 +656,8 @@ class NcclLibrary(BoundLibrary):
     tells whether the library exports it.
     """
 
-    PROTOTYPES = PROTOTYPES
+    PROTOTYPES = {**PROTOTYPES, **DEVICE_PROTOTYPES}  # nccl.h, then nccl_device/host.h
+    VALUE_RESULTS = VALUE_RESULTS
     OK = Result.SUCCESS
     KIND = "NCCL"
     ENUM_ARGS = {"datatype": (DataType, C_DATATYPE), "op": (RedOp, C_REDOP)}
