@@ -377,5 +377,8 @@ _Static_assert(offsetof(ncclCollConfig_t, userProfilerTag) == 56, "userProfilerT
 _Static_assert(sizeof(ncclSimInfo_t) == 24, "ncclSimInfo_t size");
 _Static_assert(sizeof(ncclEncryptionConfig_t) == 32, "ncclEncryptionConfig_t size");
 _Static_assert(sizeof(ncclWaitSignalDesc_t) == 16, "ncclWaitSignalDesc_t size");
+_Static_assert(sizeof(ncclCommProperties_t) == 152, "ncclCommProperties_t size");
+_Static_assert(offsetof(ncclCommProperties_t, commHash) == 56, "commHash offset");
+_Static_assert(offsetof(ncclCommProperties_t, cftCountedSupport) == 146, "cftCountedSupport offset");
 
 #endif /* PYNCCL_LB_NCCL_H */

@@ -7,6 +7,10 @@
  *                     failure detection, the collective algorithms and the p2p rings
  *   nccl.c            communicators: init, split, config, teardown, errors, versions
  *   nccl_enqueue.c    argument checks, groups, and tasks on the loopback streams
+ *   nccl_window.c     ncclMemAlloc (shareable memory), windows and their peer pointers
+ *   nccl_signal.c     one-sided put/signal/wait (stream tasks over the world's counts)
+ *   nccl_props.c      ncclCommQueryProperties, teams (nccl_device/host.h)
+ *   nccl_param.c      the parameter API; nccl_crypto.c: ncclSetEncryption
  *   nccl_unsupported.c the API the loopback does not implement
  *
  * Locking: a communicator's mu guards its task counters, refs, user ops and
@@ -345,6 +349,9 @@ struct lb_win *lb_win_find(struct lb_comm *c, const void *p, size_t bytes, int f
  * of the peer's window in this process (NULL if unreachable). */
 int lb_win_lookup(struct lb_comm *c, ncclWindow_t win, void **user, size_t *size, int peer,
                   void **peer_base);
+/* Any live window by handle (no comm needed): 1 with its rank count and, for a valid
+ * peer, the peer's window base in this process and its size. */
+int lb_win_peer(ncclWindow_t window, int peer, int *nranks, char **base, size_t *size);
 /* nccl_signal.c: numRmaCtx/numRmaSig from the parsed config (before joining the world),
  * waiting out running signal tasks of a halted comm, and freeing at comm_free. */
 ncclResult_t lb_rma_setup(struct lb_comm *c, const ncclConfig_t *cfg, const char *opname);

@@ -1,6 +1,6 @@
 /*
- * The communicator queries of nccl_device/host.h in the loopback libnccl:
- * ncclCommQueryProperties and the team functions.
+ * The host functions of nccl_device/host.h in the loopback libnccl:
+ * ncclCommQueryProperties, the team functions and the window pointer queries.
  *
  * Every rank of a loopback communicator can load and store every other rank's window
  * (nccl_window.c), so the LSA team is the whole world and there is one rail of one
@@ -104,4 +104,82 @@ ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t *prop
 }
 LB_ALIAS(ncclCommQueryProperties)
 #undef LB_PUT
+#endif
+
+#if LB_AT_LEAST(2, 29, 2)
+/* ---- window pointers ------------------------------------------------------------------------ */
+
+/* Checks shared by the pointer queries; *nranks, *base and *size describe `peer`'s window. */
+static ncclResult_t window_of(ncclWindow_t window, void **outPtr, int peer, const char *opname,
+                              int *nranks, char **base, size_t *size) {
+    if (window == NULL) return lb_err(ncclInvalidArgument, "%s : window argument is NULL", opname);
+    if (outPtr == NULL) return lb_err(ncclInvalidArgument, "%s : outPtr argument is NULL", opname);
+    if (!lb_win_peer(window, peer, nranks, base, size))
+        return lb_err(ncclInvalidArgument, "%s : Could not find communicator matching window %p",
+                      opname, (void *)window);
+    return ncclSuccess;
+}
+
+static ncclResult_t peer_pointer(ncclWindow_t window, size_t offset, int peer, void **outPtr,
+                                 const char *opname, int lsa) {
+    int nranks = 0;
+    char *base = NULL;
+    size_t size = 0;
+    ncclResult_t r = window_of(window, outPtr, peer, opname, &nranks, &base, &size);
+    if (r != ncclSuccess) return r;
+    if (peer < 0 || peer >= nranks) {
+        if (lsa)
+            return lb_err(ncclInvalidArgument,
+                          "%s : The provided lsaRank %d is not in the valid lsaSize of [0,%d] for "
+                          "the provided window %p.",
+                          opname, peer, nranks, (void *)window);
+        return lb_err(ncclInvalidArgument, "%s : peer %d is not within valid range of ranks %d.",
+                      opname, peer, nranks);
+    }
+    if (offset >= size)
+        return lb_err(ncclInvalidArgument, "%s : offset %zu is beyond rank %d's window of %zu bytes",
+                      opname, offset, peer, size);
+    *outPtr = base + offset;
+    return ncclSuccess;
+}
+
+/* Every rank can load/store every other rank's window here: the LSA team is the world. */
+ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsaRank, void **outPtr) {
+    return peer_pointer(window, offset, lsaRank, outPtr, "ncclGetLsaDevicePointer", 1);
+}
+LB_ALIAS(ncclGetLsaDevicePointer)
+
+ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t window, size_t offset, int peer, void **outPtr) {
+    return peer_pointer(window, offset, peer, outPtr, "ncclGetPeerDevicePointer", 0);
+}
+LB_ALIAS(ncclGetPeerDevicePointer)
+
+/* No multicast (NVLS) in the loopback: NCCL answers NULL then. */
+ncclResult_t ncclGetLsaMultimemDevicePointer(ncclWindow_t window, size_t offset, void **outPtr) {
+    int n;
+    char *b;
+    size_t s;
+    (void)offset;
+    ncclResult_t r = window_of(window, outPtr, -1, "ncclGetLsaMultimemDevicePointer", &n, &b, &s);
+    if (r == ncclSuccess) *outPtr = NULL;
+    return r;
+}
+LB_ALIAS(ncclGetLsaMultimemDevicePointer)
+
+ncclResult_t ncclGetMultimemDevicePointer(ncclWindow_t window, size_t offset,
+                                          ncclMultimemHandle_t multimem, void **outPtr) {
+    const char *opname = "ncclGetMultimemDevicePointer";
+    int n;
+    char *b;
+    size_t s;
+    (void)offset;
+    ncclResult_t r = window_of(window, outPtr, -1, opname, &n, &b, &s);
+    if (r != ncclSuccess) return r;
+    if (multimem.mcBasePtr == NULL)
+        return lb_err(ncclInvalidArgument, "%s : MCBasePtr %p needs to be valid.", opname,
+                      multimem.mcBasePtr);
+    *outPtr = NULL;
+    return ncclSuccess;
+}
+LB_ALIAS(ncclGetMultimemDevicePointer)
 #endif

@@ -1,7 +1,7 @@
 /*
  * NCCL memory and windows in the loopback libnccl: ncclMemAlloc/ncclMemFree,
- * ncclCommWindowRegister/Deregister, ncclWinGetUserPtr and the window pointer functions
- * of nccl_device/host.h.
+ * ncclCommWindowRegister/Deregister and ncclWinGetUserPtr (the window pointer functions
+ * of nccl_device/host.h are in nccl_props.c).
  *
  * ncclMemAlloc memory is a loopback device allocation (so every buffer check accepts
  * it) whose pages are a memfd mapped over the allocation's page-aligned middle. Peers
@@ -209,6 +209,24 @@ int lb_win_lookup(struct lb_comm *c, ncclWindow_t win, void **user, size_t *size
         return 1;
     }
     return 0;
+}
+
+int lb_win_peer(ncclWindow_t window, int peer, int *nranks, char **base, size_t *size) {
+    int found = 0;
+    pthread_mutex_lock(&g_win_mu);
+    for (struct lb_win *w = g_wins; w; w = w->gnext) {
+        if ((void *)w == (void *)window && w->magic == LB_WIN_MAGIC) {
+            *nranks = w->nranks;
+            if (peer >= 0 && peer < w->nranks) {
+                *base = w->peer[peer];
+                *size = w->psize[peer];
+            }
+            found = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_win_mu);
+    return found;
 }
 
 #if LB_AT_LEAST(2, 27, 3)
@@ -540,96 +558,4 @@ ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUser
 }
 LB_ALIAS(ncclWinGetUserPtr)
 
-/* ---- nccl_device/host.h: window pointers --------------------------------------------------- */
-
-/* The live window behind a handle, copied under the lock (NULL: unknown). */
-static int win_snapshot(ncclWindow_t window, const char *opname, struct lb_win **out, int peer,
-                        char **peer_base, size_t *peer_size) {
-    int found = 0;
-    pthread_mutex_lock(&g_win_mu);
-    for (struct lb_win *w = g_wins; w; w = w->gnext) {
-        if ((void *)w == (void *)window && w->magic == LB_WIN_MAGIC) {
-            *out = w;
-            if (peer >= 0 && peer < w->nranks) {
-                *peer_base = w->peer[peer];
-                *peer_size = w->psize[peer];
-            }
-            found = 1;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&g_win_mu);
-    if (!found)
-        return lb_err(ncclInvalidArgument, "%s : Could not find communicator matching window %p",
-                      opname, (void *)window), 0;
-    return 1;
-}
-
-static ncclResult_t peer_pointer(ncclWindow_t window, size_t offset, int peer, void **outPtr,
-                                 const char *opname, const char *what) {
-    if (window == NULL) return lb_err(ncclInvalidArgument, "%s : window argument is NULL", opname);
-    if (outPtr == NULL) return lb_err(ncclInvalidArgument, "%s : outPtr argument is NULL", opname);
-    struct lb_win *w;
-    char *base = NULL;
-    size_t psize = 0;
-    if (!win_snapshot(window, opname, &w, peer, &base, &psize)) return ncclInvalidArgument;
-    if (peer < 0 || peer >= w->nranks) {
-        if (what[0] == 'l')
-            return lb_err(ncclInvalidArgument,
-                          "%s : The provided lsaRank %d is not in the valid lsaSize of [0,%d] for "
-                          "the provided window %p.",
-                          opname, peer, w->nranks, (void *)window);
-        return lb_err(ncclInvalidArgument, "%s : peer %d is not within valid range of ranks %d.",
-                      opname, peer, w->nranks);
-    }
-    if (offset >= psize)
-        return lb_err(ncclInvalidArgument, "%s : offset %zu is beyond rank %d's window of %zu bytes",
-                      opname, offset, peer, psize);
-    *outPtr = base + offset;
-    return ncclSuccess;
-}
-
-/* Every rank can load/store every other rank's window here: the LSA team is the world. */
-ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsaRank, void **outPtr) {
-    return peer_pointer(window, offset, lsaRank, outPtr, "ncclGetLsaDevicePointer", "lsa");
-}
-LB_ALIAS(ncclGetLsaDevicePointer)
-
-ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t window, size_t offset, int peer, void **outPtr) {
-    return peer_pointer(window, offset, peer, outPtr, "ncclGetPeerDevicePointer", "peer");
-}
-LB_ALIAS(ncclGetPeerDevicePointer)
-
-/* No multicast (NVLS) in the loopback: NCCL answers NULL then. */
-ncclResult_t ncclGetLsaMultimemDevicePointer(ncclWindow_t window, size_t offset, void **outPtr) {
-    const char *opname = "ncclGetLsaMultimemDevicePointer";
-    (void)offset;
-    if (window == NULL) return lb_err(ncclInvalidArgument, "%s : window argument is NULL", opname);
-    if (outPtr == NULL) return lb_err(ncclInvalidArgument, "%s : outPtr argument is NULL", opname);
-    struct lb_win *w;
-    char *b;
-    size_t s;
-    if (!win_snapshot(window, opname, &w, -1, &b, &s)) return ncclInvalidArgument;
-    *outPtr = NULL;
-    return ncclSuccess;
-}
-LB_ALIAS(ncclGetLsaMultimemDevicePointer)
-
-ncclResult_t ncclGetMultimemDevicePointer(ncclWindow_t window, size_t offset,
-                                          ncclMultimemHandle_t multimem, void **outPtr) {
-    const char *opname = "ncclGetMultimemDevicePointer";
-    (void)offset;
-    if (window == NULL) return lb_err(ncclInvalidArgument, "%s : window argument is NULL", opname);
-    if (outPtr == NULL) return lb_err(ncclInvalidArgument, "%s : outPtr argument is NULL", opname);
-    if (multimem.mcBasePtr == NULL)
-        return lb_err(ncclInvalidArgument, "%s : MCBasePtr %p needs to be valid.", opname,
-                      multimem.mcBasePtr);
-    struct lb_win *w;
-    char *b;
-    size_t s;
-    if (!win_snapshot(window, opname, &w, -1, &b, &s)) return ncclInvalidArgument;
-    *outPtr = NULL;
-    return ncclSuccess;
-}
-LB_ALIAS(ncclGetMultimemDevicePointer)
 #endif /* 2.29.2 */
