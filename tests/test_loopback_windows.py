@@ -125,6 +125,11 @@ def test_bad_peer_pointer_words_nccls_message(lib: Lib) -> None:
         assert r.peer_pointer(win, 0, 2, lsa=True)[0] == INVALID_ARG
         assert "lsaRank 2 is not in the valid lsaSize" in lib.last_error()
         assert lib.ncclGetPeerDevicePointer(None, 0, 0, byref(c_void_p())) == INVALID_ARG
+        mm = c_void_p(1)  # multimem: no NVLS here, so NULL for a valid handle (struct by value)
+        assert lib.ncclGetMultimemDevicePointer(win, 0, ncclMultimemHandle_t(16), byref(mm)) == 0
+        assert mm.value is None
+        assert lib.ncclGetMultimemDevicePointer(win, 0, ncclMultimemHandle_t(None), byref(mm)) == 4
+        assert "MCBasePtr (nil) needs to be valid." in lib.last_error()
         assert lib.ncclWinGetUserPtr(r.comm, win, None) == INVALID_ARG
         assert lib.ncclCommWindowRegister(r.comm, None, 16, byref(c_void_p()), 0) == INVALID_ARG
         assert "invalid pointer" in lib.last_error()

@@ -428,19 +428,26 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
     return ncclSuccess;
 }
 
+/* Like the executor's waits, with a sweep clock of its own: these waits run beside the
+ * executor (window rounds on the caller's thread, signal waits on their streams). */
 ncclResult_t lbw_wait_for(struct lb_comm *c, lbw_ready_fn ready, void *arg, const char *what) {
     int spins = 0;
+    uint64_t last_sweep = lb_now_ns();
     for (;;) {
         uint32_t e = __atomic_load_n(&c->w->epoch, __ATOMIC_SEQ_CST);
         int blocker = -1;
         if (ready(c, arg, &blocker)) return ncclSuccess;
-        int recheck;
-        ncclResult_t r = lbw_trouble(c, blocker, &recheck);
-        if (recheck) {
-            if (ready(c, arg, &blocker)) return ncclSuccess;
-            return lbw_gone(c, blocker, what);
-        }
+        if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) return LB_ABORTED;
+        ncclResult_t r = lbw_broken(c);
         if (r != ncclSuccess) return r;
+        if (blocker >= 0 && blocker != c->rank) {
+            uint32_t st = __atomic_load_n(&c->ranks[blocker].state, __ATOMIC_ACQUIRE);
+            if (st == LBR_LEFT || st == LBR_FAILED) {
+                if (ready(c, arg, &blocker)) return ncclSuccess;
+                return lbw_gone(c, blocker, what);
+            }
+        }
+        if ((r = lbw_peer_sweep(c, &last_sweep)) != ncclSuccess) return r;
         lbw_backoff(c, e, &spins);
     }
 }
