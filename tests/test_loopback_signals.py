@@ -282,3 +282,55 @@ def test_versions_export_their_releases_functions(version: str) -> None:
         assert r.signal(0) == 0 and r.wait((1, 0, 0, 0)) == 0 and r.sync() == 0
     finally:
         r.close()
+
+
+def test_pynccl_graph_captures_signals_through_pynccl_lib(lb: Any) -> None:
+    """The same through pynccl's own layers: Communicator handles, pynccl.lib()'s checked
+    wrappers, pynccl.cuda.Stream and pynccl.cuda.Graph."""
+    import threading
+
+    from pynccl import cuda, library
+    from pynccl.comm import Communicator, UniqueId
+
+    n, count = 2, 256
+    uid = UniqueId()
+    barrier = threading.Barrier(n)
+
+    def rank(me: int) -> list[np.ndarray]:
+        L, rt = library.lib(), library.cudart()
+        comm = Communicator(n, uid, me, device=me)
+        cuda.set_device(me)
+        s = cuda.Stream(non_blocking=True)
+        src, dst, win_s, win_d = c_void_p(), c_void_p(), c_void_p(), c_void_p()
+        L.ncclMemAlloc(byref(src), count * 4)
+        L.ncclMemAlloc(byref(dst), count * 4)
+        L.ncclCommWindowRegister(comm.handle, src, count * 4, byref(win_s), 1)
+        L.ncclCommWindowRegister(comm.handle, dst, count * 4, byref(win_d), 1)
+        peer = 1 - me
+        desc = waits((1, peer, 0, 0))
+        g = cuda.Graph()
+        with g.capture(s, "relaxed"):
+            L.ncclPutSignal(src, count, 7, peer, win_d, 0, 0, 0, 0, comm.handle, s.handle)
+            L.ncclWaitSignal(1, desc, comm.handle, s.handle)
+        seen = []
+        host = np.empty(count, np.float32)
+        for k in range(3):
+            data = pattern(me, count, k)
+            rt.cudaMemcpy(src, data.ctypes.data, count * 4, 1)  # cudaMemcpyHostToDevice
+            g.replay()
+            s.synchronize()
+            rt.cudaMemcpy(host.ctypes.data, dst, count * 4, 2)  # cudaMemcpyDeviceToHost
+            seen.append(host.copy())
+            barrier.wait()  # both read before the next replay writes
+        g.close()
+        L.ncclCommWindowDeregister(comm.handle, win_s)
+        L.ncclCommWindowDeregister(comm.handle, win_d)
+        comm.destroy()
+        s.close()
+        L.ncclMemFree(src)
+        L.ncclMemFree(dst)
+        return seen
+
+    for me, seen in enumerate(threads(n, rank)):
+        for k, got in enumerate(seen):
+            np.testing.assert_array_equal(got, pattern(1 - me, count, k))
