@@ -21,7 +21,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _lb_nccl import Lib  # noqa: E402
+from _lb_nccl import GroupWorld, Lib  # noqa: E402
 from _lb_rma import (  # noqa: E402
     INVALID_ARG,
     INVALID_USAGE,
@@ -31,6 +31,7 @@ from _lb_rma import (  # noqa: E402
     read_f32,
     spawn_job,
     threads,
+    waits,
     write_f32,
 )
 
@@ -136,12 +137,72 @@ def test_bad_peer_pointer_words_nccls_message(lib: Lib) -> None:
         assert lib.ncclCommWindowRegister(r.comm, buf, 64, None, 0) == INVALID_ARG
         assert lib.ncclCommWindowDeregister(r.comm, buf) == INVALID_ARG  # not a window
         assert lib.ncclCommWindowDeregister(r.comm, None) == 0
-        assert lib.ncclGroupStart() == 0
-        rc, _ = r.register(buf, 64)
-        assert lib.ncclGroupEnd() == 0
-        assert rc == INVALID_USAGE and "outside a group" in lib.last_error()
     finally:
         r.close()
+
+
+def test_one_thread_drives_every_rank_inside_groups(lib: Lib) -> None:
+    """ncclCommInitAll's world: registrations queued in a group run at its end."""
+    n, count = 3, 1000
+    size = (n + 1) * count * 4  # slots 0..n-1 receive from rank `slot`; slot n is the source
+    w = GroupWorld(lib, n)
+    bufs, wins = [], []
+    try:
+        for r in range(n):
+            lib.set_device(r)
+            p = c_void_p()
+            assert lib.ncclMemAlloc(byref(p), size) == 0
+            bufs.append(int(p.value or 0))
+            lib.upload(bufs[r], np.full(n * count, -1.0, np.float32))
+            lib.upload(bufs[r] + n * count * 4, pattern(r, count))
+        handles = [c_void_p() for _ in range(n)]
+        assert lib.ncclGroupStart() == 0
+        for r in range(n):
+            rc = lib.ncclCommWindowRegister(w.comms[r], bufs[r], size, byref(handles[r]), 1)
+            assert rc == 0 and handles[r].value is None  # not before the group ends
+        assert lib.ncclGroupEnd() == 0, lib.last_error()
+        wins = [int(h.value or 0) for h in handles]
+        assert all(wins)
+        for r in range(n):
+            src = bufs[r] + n * count * 4
+            for p in range(n):
+                if p != r:
+                    rc = lib.ncclPutSignal(
+                        src, count, 7, p, wins[r], r * count * 4, 0, 0, 0, w.comms[r], w.streams[r]
+                    )
+                    assert rc == 0, lib.last_error()
+        for r in range(n):
+            descs = waits(*[(1, p, 0, 0) for p in range(n) if p != r])
+            assert lib.ncclWaitSignal(n - 1, descs, w.comms[r], w.streams[r]) == 0
+        for r in range(n):
+            assert lib.sync(w.streams[r]) == 0
+            want = np.concatenate(
+                [
+                    pattern(p, count) if p != r else np.full(count, -1.0, np.float32)
+                    for p in range(n)
+                ]
+                + [pattern(r, count)]
+            )
+            np.testing.assert_array_equal(lib.download(bufs[r], np.float32, (n + 1) * count), want)
+        # a failed group drops its window calls on every rank alike
+        assert lib.ncclGroupStart() == 0
+        extra = [c_void_p() for _ in range(n)]
+        for r in range(n):
+            assert lib.ncclCommWindowRegister(w.comms[r], bufs[r], 4096, byref(extra[r]), 0) == 0
+        assert (
+            lib.ncclAllReduce(bufs[0], bufs[0], 4, 12, 0, w.comms[0], w.streams[0]) == INVALID_ARG
+        )
+        assert lib.ncclGroupEnd() == INVALID_ARG
+        assert all(e.value is None for e in extra)
+        assert lib.ncclGroupStart() == 0
+        for r in range(n):
+            assert lib.ncclCommWindowDeregister(w.comms[r], wins[r]) == 0
+        assert lib.ncclGroupEnd() == 0, lib.last_error()
+        assert lib.ncclGetPeerDevicePointer(wins[0], 0, 0, byref(c_void_p())) == INVALID_ARG
+    finally:
+        w.close()
+        for p in bufs:
+            assert lib.ncclMemFree(p) == 0
 
 
 @pytest.mark.parametrize(

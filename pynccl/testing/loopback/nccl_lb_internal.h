@@ -7,7 +7,8 @@
  *                     failure detection, the collective algorithms and the p2p rings
  *   nccl.c            communicators: init, split, config, teardown, errors, versions
  *   nccl_enqueue.c    argument checks, groups, and tasks on the loopback streams
- *   nccl_window.c     ncclMemAlloc (shareable memory), windows and their peer pointers
+ *   nccl_window.c     ncclMemAlloc (shareable memory), the window objects
+ *   nccl_winreg.c     collective window registration / deregistration (also in groups)
  *   nccl_signal.c     one-sided put/signal/wait (stream tasks over the world's counts)
  *   nccl_props.c      ncclCommQueryProperties, teams (nccl_device/host.h)
  *   nccl_param.c      the parameter API; nccl_crypto.c: ncclSetEncryption
@@ -341,8 +342,32 @@ ncclResult_t lbw_wait_for(struct lb_comm *c, lbw_ready_fn ready, void *arg, cons
 
 /* ---- windows, signals, properties, encryption ------------------------------------ */
 
-/* nccl_window.c: a comm's windows are released at teardown. */
+/* nccl_window.c: ncclMemAlloc memory and the window objects. */
+#define LB_WIN_MAGIC 0x4e49574c42434e50ULL
+struct lb_win { /* an ncclWindow_t */
+    uint64_t magic;
+    struct lb_win *next;  /* the comm's list (c->mu) */
+    struct lb_win *gnext; /* every live window (g_win_mu) */
+    struct lb_comm *c;
+    char *user;
+    size_t size;
+    int flags, nranks;
+    char **peer;     /* each rank's window as addressed from this process */
+    size_t *psize;   /* each rank's window size */
+    void **maps;     /* mappings of peers' memfds (NULL where the peer is in-process) */
+    size_t *maplens;
+};
+
+/* The memfd and offset backing [p, p + bytes), if it lies in one ncclMemAlloc block. */
+int lb_mem_find(const void *p, size_t bytes, int *fd, size_t *off);
+void lb_win_free(struct lb_win *w); /* unmaps the peers; w must be unlinked */
+void lb_win_publish(struct lb_comm *c, struct lb_win *w);
+void lb_win_unlink(struct lb_comm *c, struct lb_win *w);
+/* A comm's windows are released at teardown. */
 void lb_win_release_all(struct lb_comm *c);
+/* nccl_winreg.c: window calls queued in the calling thread's group run at its outermost
+ * end (discard: the group failed, drop them). */
+ncclResult_t lb_win_group_end(int discard);
 /* The window containing [p, p+bytes) among c's windows with all `flags`, or NULL (mu). */
 struct lb_win *lb_win_find(struct lb_comm *c, const void *p, size_t bytes, int flags);
 /* 1 if win is a live window of c; then its user pointer/size and, for peer, the address
