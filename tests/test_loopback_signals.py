@@ -284,9 +284,18 @@ def test_versions_export_their_releases_functions(version: str) -> None:
         r.close()
 
 
-def test_pynccl_graph_captures_signals_through_pynccl_lib(lb: Any) -> None:
+def test_pynccl_graph_captures_signals_through_pynccl_lib(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same through pynccl's own layers: Communicator handles, pynccl.lib()'s checked
     wrappers, pynccl.cuda.Stream and pynccl.cuda.Graph."""
+    from _worlds import use_loopback
+
+    if _asan_loaded():  # the builds this module's other tests loaded
+        monkeypatch.setenv("PYNCCL_TEST_SANITIZE", "1")
+    with use_loopback():
+        _graph_through_pynccl()
+
+
+def _graph_through_pynccl() -> None:
     import threading
 
     from pynccl import cuda, library
