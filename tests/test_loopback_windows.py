@@ -297,3 +297,17 @@ def test_windows_still_registered_go_with_their_communicator(lib: Lib) -> None:
     assert r.peer_pointer(win, 0, 0)[0] == INVALID_ARG  # gone with its communicator
     r.wins = []
     r.close(destroy=False)
+
+
+def test_a_communicator_destroyed_inside_the_group_fails_its_queued_window(lib: Lib) -> None:
+    r = Rank(lib, lib.unique_id(), 1, 0)
+    buf = r.mem_alloc(4096)
+    win = c_void_p()
+    assert lib.ncclGroupStart() == 0
+    assert lib.ncclCommWindowRegister(r.comm, buf, 4096, byref(win), 0) == 0
+    assert lib.ncclCommAbort(r.comm) == 0
+    assert lib.ncclGroupEnd() == INVALID_USAGE
+    assert "destroyed or aborted before the group ended" in lib.last_error()
+    assert win.value is None
+    r.comm = 0
+    r.close(destroy=False)

@@ -653,7 +653,8 @@ class NcclLibrary(BoundLibrary):
     communicator) and raises the :class:`~pynccl.NcclError` subclass for any
     other result. ``const char*`` functions return ``str``; ``void`` ones
     ``None``. ``L.raw(name)`` is the bare ctypes function, unchecked; ``L.has(name)``
-    tells whether the library exports it.
+    tells whether the library exports it. The host functions of ``nccl_device/host.h``
+    (:mod:`pynccl._capi.nccl_device`) are bound the same way.
     """
 
     PROTOTYPES = {**PROTOTYPES, **DEVICE_PROTOTYPES}  # nccl.h, then nccl_device/host.h

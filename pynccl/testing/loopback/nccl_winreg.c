@@ -237,6 +237,14 @@ static ncclResult_t map_peers(struct lb_comm *c, struct lb_win *w, const char *o
 /* ---- the two rounds of a wave ---------------------------------------------------------------- */
 
 static void first_post(struct lb_wop *o) {
+    struct lb_comm *c = o->c;
+    if (!c->w || __atomic_load_n(&c->halt, __ATOMIC_ACQUIRE)) { /* destroyed in the group */
+        o->r = lb_err(ncclInvalidUsage,
+                      "%s : the communicator was destroyed or aborted before the group ended",
+                      o->opname);
+        o->seq = 0;
+        return;
+    }
     struct lbw_winpost p;
     memset(&p, 0, sizeof p);
     p.kind = o->kind;
