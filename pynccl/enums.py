@@ -8,7 +8,21 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["DataType", "RedOp", "Result", "ScalarResidence", "release_str"]
+__all__ = [
+    "WIN_REQUIRED_ALIGNMENT",
+    "CTAPolicy",
+    "DataType",
+    "EncryptionMode",
+    "MemStat",
+    "RedOp",
+    "Result",
+    "RevokeFlag",
+    "ScalarResidence",
+    "ShrinkFlag",
+    "SuspendFlag",
+    "WinFlag",
+    "release_str",
+]
 
 Release = tuple[int, int, int]
 
@@ -152,3 +166,60 @@ class ScalarResidence(IntEnum):
 
     DEVICE = 0
     HOST_IMMEDIATE = 1
+
+
+class WinFlag(IntEnum):
+    """``NCCL_WIN_*`` flags of ``ncclCommWindowRegister`` (NCCL >= 2.27.3; bits, OR them)."""
+
+    DEFAULT = 0x00
+    COLL_SYMMETRIC = 0x01
+    STRICT_ORDERING = 0x02
+    GIN_ONLY = 0x04  # nccl.h 2.32.3
+    CFT_COUNTED = 0x08  # nccl.h 2.32.3
+
+
+#: ``NCCL_WIN_REQUIRED_ALIGNMENT``: symmetric windows start on this many bytes.
+WIN_REQUIRED_ALIGNMENT = 4096
+
+
+class CTAPolicy(IntEnum):
+    """``NCCL_CTA_POLICY_*`` for ``ncclConfig_t.CTAPolicy`` / ``ncclCollConfig_t.CTAPolicy``."""
+
+    DEFAULT = 0x00
+    EFFICIENCY = 0x01
+    ZERO = 0x02
+
+
+class ShrinkFlag(IntEnum):
+    """``NCCL_SHRINK_*`` flags of ``ncclCommShrink`` (NCCL >= 2.27.3)."""
+
+    DEFAULT = 0x00
+    ABORT = 0x01  # terminate the parent's ongoing operations first
+
+
+class RevokeFlag(IntEnum):
+    """``NCCL_REVOKE_*`` flags of ``ncclCommRevoke`` (NCCL >= 2.28.7; must be 0)."""
+
+    DEFAULT = 0x00
+
+
+class SuspendFlag(IntEnum):
+    """``NCCL_SUSPEND_*`` flags of ``ncclCommSuspend`` (NCCL >= 2.29.7)."""
+
+    MEM = 0x01  # release dynamic GPU memory allocations
+
+
+class MemStat(IntEnum):
+    """``ncclCommMemStat_t`` ids of ``ncclCommMemStats`` (NCCL >= 2.29.7)."""
+
+    GPU_MEM_SUSPEND = 0  # suspendable GPU memory (bytes)
+    GPU_MEM_SUSPENDED = 1  # 1 while suspended
+    GPU_MEM_PERSIST = 2  # GPU memory that cannot be suspended (bytes)
+    GPU_MEM_TOTAL = 3  # all GPU memory NCCL tracks (bytes)
+
+
+class EncryptionMode(IntEnum):
+    """``ncclEncryptionMode_t`` of ``ncclEncryptionConfig_t`` (NCCL >= 2.32.3)."""
+
+    NONE = 0
+    PSK = 1

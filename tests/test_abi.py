@@ -27,7 +27,28 @@ import pytest
 from pynccl._capi import structs
 from pynccl._capi.cudart import CUDART_PROTOTYPES
 from pynccl._capi.nccl import PROTOTYPES
-from pynccl.enums import DataType, RedOp, Result, ScalarResidence
+from pynccl._capi.nccl_device import (
+    DEVICE_PROTOTYPES,
+    VALUE_RESULTS,
+    make_comm_properties,
+    ncclCommProperties_t,
+    ncclMultimemHandle_t,
+    ncclTeam_t,
+)
+from pynccl.enums import (
+    WIN_REQUIRED_ALIGNMENT,
+    CTAPolicy,
+    DataType,
+    EncryptionMode,
+    MemStat,
+    RedOp,
+    Result,
+    RevokeFlag,
+    ScalarResidence,
+    ShrinkFlag,
+    SuspendFlag,
+    WinFlag,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -586,3 +607,186 @@ def test_initializers(probe: dict[str, Any], macro: str) -> None:
             assert float(value) == probe["init"][key], path
         checked += 1
     assert checked == len([f for f in struct_fields(getattr(structs, py)) if "[" not in f[0]])
+
+
+# --- nccl_device/host.h: the host functions libnccl exports --------------------------------
+
+# Device-side structs the table passes as opaque pointers, and host.h's other type names.
+_DEVICE_OPAQUE = {
+    "ncclDevComm_t",
+    "ncclDevComm",
+    "ncclDevCommRequirements_t",
+    "ncclDevResourceRequirements_t",
+    "ncclDevResourceRequirements",
+    "ncclLsaBarrierHandle_t",
+    "ncclGinBarrierHandle_t",
+    "ncclCftBarrierHandle_t",
+    "ncclLLA2AHandle_t",
+    "ncclGinOutboxHandle",
+    "ncclGinInboxA2AHandle",
+}
+_DEVICE_ALIASES = {"ncclTeam": "ncclTeam_t", "ncclMultimemHandle": "ncclMultimemHandle_t"}
+#: Declared by host.h 2.32.3 but not exported by its libnccl.
+_DEVICE_NOT_EXPORTED = {"ncclCftBarrierCreateRequirement"}
+
+
+def _device_shape(text: str) -> Shape:
+    words = [
+        _DEVICE_ALIASES.get(w, w)
+        for w in re.sub(r"[*&]", " ", text).split()
+        if w not in ("const", "struct")
+    ]
+    base, depth = " ".join(words), text.count("*")
+    if base in _DEVICE_OPAQUE:
+        return ("opaque", depth)
+    if base == "ncclCftLeId":
+        return (("uint", 32), depth)
+    if base in ("ncclCftTeamMode_t", "ncclGinType_t", "ncclGinConnectionType_t"):
+        return (("int", 32), depth)
+    if base in ("ncclTeam_t", "ncclMultimemHandle_t", "ncclCommProperties_t"):
+        return (f"struct {base}", depth)
+    return CTypes({"ncclComm_t", "ncclWindow_t"}, {"ncclResult_t"}, set()).shape(text)
+
+
+@pytest.fixture(scope="module")
+def host_h() -> dict[str, tuple[str, list[str]]]:
+    if NCCL_INCLUDE is None or not (NCCL_INCLUDE / "nccl_device" / "host.h").exists():
+        pytest.skip("no nccl_device/host.h (nvidia-nccl wheel)")
+    text = strip_c((NCCL_INCLUDE / "nccl_device" / "host.h").read_text())
+    text = text.replace("NCCL_EXTERN_C", " ")
+    text = re.sub(r"\s*=\s*NCCL_CFT_TEAM_FLAT", "", text)  # the C++ default argument
+    return parse_prototypes(text, "nccl")
+
+
+def test_device_table_covers_host_h(host_h: dict[str, tuple[str, list[str]]]) -> None:
+    assert sorted(set(host_h) - _DEVICE_NOT_EXPORTED) == sorted(DEVICE_PROTOTYPES)
+    assert not set(DEVICE_PROTOTYPES) & set(PROTOTYPES)
+
+
+def test_every_device_prototype_matches_host_h(host_h: dict[str, tuple[str, list[str]]]) -> None:
+    problems = []
+    for name, proto in DEVICE_PROTOTYPES.items():
+        ret, args = host_h[name]
+        if not shapes_match(ctypes_shape(proto.restype), _device_shape(ret)):
+            problems.append(f"{name}: returns {ret}, table has {proto.restype}")
+        if (proto.restype is ctypes.c_int and ret == "int") != (name in VALUE_RESULTS):
+            problems.append(f"{name}: an int result must be listed in VALUE_RESULTS")
+        if len(args) != len(proto.args):
+            problems.append(f"{name}: {len(args)} arguments in host.h, {len(proto.args)} in table")
+            continue
+        for i, (c_text, (arg_name, ours)) in enumerate(zip(args, proto.args)):
+            if not shapes_match(ctypes_shape(ours), _device_shape(c_text)):
+                problems.append(f"{name} argument {i} ({arg_name}): C {c_text!r}, table {ours}")
+    assert problems == []
+
+
+def test_device_first_releases_vs_shared_table() -> None:
+    path = _shared_tsv("nccl-first-release.tsv")
+    if path is None:
+        pytest.skip("shared/docs/nccl-first-release.tsv not beside this checkout")
+    expected = {}
+    for line in path.read_text().splitlines():
+        cols = line.split("\t")
+        m = re.match(r"v?(\d+)\.(\d+)\.(\d+)", cols[1]) if len(cols) > 1 else None
+        if m:
+            expected[cols[0]] = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    assert {n: expected.get(n) for n in DEVICE_PROTOTYPES} == {
+        n: p.first for n, p in DEVICE_PROTOTYPES.items()
+    }
+
+
+def test_real_library_exports_the_device_table() -> None:
+    if NCCL_INCLUDE is None:
+        pytest.skip("no nvidia-nccl wheel")
+    lib = NCCL_INCLUDE.parent / "lib" / "libnccl.so.2"
+    code = (
+        "import ctypes, json, sys\n"
+        f"L = ctypes.CDLL({str(lib)!r})\n"
+        "print(json.dumps([n for n in json.loads(sys.argv[1]) if hasattr(L, n) != "
+        "(n in json.loads(sys.argv[2]))]))\n"
+    )
+    names = sorted({*DEVICE_PROTOTYPES, *_DEVICE_NOT_EXPORTED})
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(names), json.dumps(sorted(DEVICE_PROTOTYPES))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == []
+
+
+@needs_cc
+def test_device_struct_layouts_and_initializer(tmp_path: Path) -> None:
+    if NCCL_INCLUDE is None or CUDA_INCLUDE is None:
+        pytest.skip("needs the wheel's headers and the CUDA headers")
+    lines = [
+        "#include <nccl.h>",
+        "#include <nccl_device/host.h>",
+        "#include <stddef.h>",
+        "#include <stdio.h>",
+        "int main(void) {",
+        "  ncclCommProperties_t init = NCCL_COMM_PROPERTIES_INITIALIZER;",
+        '  printf("init %zu %u %u\\n", init.size, init.magic, init.version);',
+    ]
+    for cls in (ncclCommProperties_t, ncclTeam_t, ncclMultimemHandle_t):
+        c = cls.__name__
+        lines.append(f'  printf("size {c} %zu %zu\\n", sizeof({c}), _Alignof({c}));')
+        for path, _off, _size, _t in struct_fields(cls):
+            lines.append(
+                f'  printf("field {c} {path} %zu %zu\\n", offsetof({c}, {path}),'
+                f" sizeof((({c}*)0)->{path}));"
+            )
+    lines += ["  return 0;", "}"]
+    src, exe = tmp_path / "device_probe.c", tmp_path / "device_probe"
+    src.write_text("\n".join(lines) + "\n")
+    cc = subprocess.run(
+        [CC, "-std=gnu11", f"-I{NCCL_INCLUDE}", f"-I{CUDA_INCLUDE}", str(src), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cc.returncode == 0, cc.stderr
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        kind, *rest = line.split()
+        if kind == "init":
+            ours = make_comm_properties()
+            assert [ours.size, ours.magic, ours.version] == [int(x) for x in rest]
+        elif kind == "size":
+            cls = {"ncclCommProperties_t": ncclCommProperties_t, "ncclTeam_t": ncclTeam_t}.get(
+                rest[0], ncclMultimemHandle_t
+            )
+            assert (ctypes.sizeof(cls), ctypes.alignment(cls)) == (int(rest[1]), int(rest[2]))
+        else:
+            c, path, offset, size = rest
+            cls = {"ncclCommProperties_t": ncclCommProperties_t, "ncclTeam_t": ncclTeam_t}.get(
+                c, ncclMultimemHandle_t
+            )
+            desc = getattr(cls, path)
+            assert (desc.offset, desc.size) == (int(offset), int(size)), f"{c}.{path}"
+
+
+def test_named_constants_match_nccl_h(nccl_h_raw: str) -> None:
+    defines = dict(re.findall(r"#define\s+(NCCL_\w+)\s+(0x[0-9a-fA-F]+|\d+)\b", nccl_h_raw))
+    expected = {
+        **{f"NCCL_WIN_{m.name}": int(m) for m in WinFlag},
+        "NCCL_WIN_REQUIRED_ALIGNMENT": WIN_REQUIRED_ALIGNMENT,
+        **{f"NCCL_CTA_POLICY_{m.name}": int(m) for m in CTAPolicy},
+        **{f"NCCL_SHRINK_{m.name}": int(m) for m in ShrinkFlag},
+        **{f"NCCL_REVOKE_{m.name}": int(m) for m in RevokeFlag},
+        **{f"NCCL_SUSPEND_{m.name}": int(m) for m in SuspendFlag},
+    }
+    assert {k: int(defines[k], 0) for k in expected} == expected
+    stats = dict(re.findall(r"ncclStat(\w+)\s*=\s*(\d+)", nccl_h_raw))
+    camel = {m: "".join(p.capitalize() for p in m.name.split("_")) for m in MemStat}
+    assert {m: int(stats[camel[m]]) for m in MemStat} == {m: int(m) for m in MemStat}
+    modes = dict(re.findall(r"NCCL_ENCRYPTION_MODE_(\w+)\s*=\s*(\d+)", nccl_h_raw))
+    assert {m.name: int(m) for m in EncryptionMode} == {k: int(v) for k, v in modes.items()}
+
+
+@pytest.fixture(scope="module")
+def nccl_h_raw() -> str:
+    if NCCL_INCLUDE is None:
+        pytest.skip("no nccl.h (nvidia-nccl wheel)")
+    return (NCCL_INCLUDE / "nccl.h").read_text()

@@ -35,6 +35,7 @@ def _generate(
     ok: Any,
     doc: str,
     enum_args: dict[str, tuple[type, dict[Any, Any]]],
+    value_result: bool = False,
 ) -> Any:
     params = ", ".join(arg for arg, _ in proto.args)
     namespace: dict[str, Any] = {"_cfunc": cfunc, "_fail": fail, "_ok": ok}
@@ -45,7 +46,7 @@ def _generate(
         if ctype is c_int and arg in enum_args:
             namespace[f"_E_{arg}"], namespace[f"_C_{arg}"] = enum_args[arg]
             prologue += f"    if type({arg}) is _E_{arg}:\n        {arg} = _C_{arg}[{arg}]\n"
-    if proto.restype is c_int:
+    if proto.restype is c_int and not value_result:
         # A nonzero code goes to _fail, which raises (or returns a non-error such as
         # ncclInProgress / cudaErrorNotReady).
         body = f"    rc = _cfunc({params})\n    if rc:\n        return _fail(rc, {name!r})\n    return _ok\n"
@@ -54,8 +55,8 @@ def _generate(
             f"    text = _cfunc({params})\n"
             "    return '' if text is None else text.decode('utf-8', 'replace')\n"
         )
-    else:
-        body = f"    _cfunc({params})\n"
+    else:  # void (None), or a value the C function returns (VALUE_RESULTS)
+        body = f"    return _cfunc({params})\n"
     exec(f"def {name}({params}):\n{prologue}{body}", namespace)
     wrapper = namespace[name]
     wrapper.__doc__ = doc
@@ -73,6 +74,8 @@ class BoundLibrary:
     KIND: ClassVar[str] = "library"
     #: ``{C parameter name: (enum class, {member: c_int})}`` for C int parameters.
     ENUM_ARGS: ClassVar[dict[str, tuple[type, dict[Any, Any]]]] = {}
+    #: Functions whose C ``int`` return is a value, returned as is (not a result code).
+    VALUE_RESULTS: ClassVar[frozenset[str]] = frozenset()
 
     version: Release | None
 
@@ -137,7 +140,9 @@ class BoundLibrary:
             unsupported.__name__ = unsupported.__qualname__ = name
             return unsupported
         doc = f"{name} (since {self.KIND} {release_str(proto.first)}); checked call."
-        return _generate(name, proto, cfunc, self._fail, self.OK, doc, self.ENUM_ARGS)
+        return _generate(
+            name, proto, cfunc, self._fail, self.OK, doc, self.ENUM_ARGS, name in self.VALUE_RESULTS
+        )
 
     def _fail(self, code: int, function: str) -> Any:
         raise NotImplementedError

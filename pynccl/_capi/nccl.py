@@ -38,6 +38,7 @@ from typing import Any
 from ..enums import DataType, RedOp, Release, Result, release_str
 from ..errors import NcclError, NotSupportedError
 from ._binding import BoundLibrary, Prototype
+from .nccl_device import DEVICE_PROTOTYPES, VALUE_RESULTS
 from .structs import (
     ncclCollConfig_t,
     ncclConfig_t,
@@ -652,10 +653,12 @@ class NcclLibrary(BoundLibrary):
     communicator) and raises the :class:`~pynccl.NcclError` subclass for any
     other result. ``const char*`` functions return ``str``; ``void`` ones
     ``None``. ``L.raw(name)`` is the bare ctypes function, unchecked; ``L.has(name)``
-    tells whether the library exports it.
+    tells whether the library exports it. The host functions of ``nccl_device/host.h``
+    (:mod:`pynccl._capi.nccl_device`) are bound the same way.
     """
 
-    PROTOTYPES = PROTOTYPES
+    PROTOTYPES = {**PROTOTYPES, **DEVICE_PROTOTYPES}  # nccl.h, then nccl_device/host.h
+    VALUE_RESULTS = VALUE_RESULTS
     OK = Result.SUCCESS
     KIND = "NCCL"
     ENUM_ARGS = {"datatype": (DataType, C_DATATYPE), "op": (RedOp, C_REDOP)}

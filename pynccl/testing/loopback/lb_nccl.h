@@ -315,6 +315,55 @@ void ncclParamDumpAll(void);
 
 #endif /* LB_USE_REAL_HEADERS */
 
+/* The host functions of nccl_device/host.h the loopback exports (not in nccl.h, so
+ * declared here in both modes; layouts from the 2.32.3 headers). */
+typedef struct ncclTeam {
+    int nRanks, rank, stride;
+} ncclTeam_t;
+
+typedef struct ncclMultimemHandle {
+    void *mcBasePtr;
+} ncclMultimemHandle_t;
+
+/* ncclCommProperties_t, 2.32.3 layout; the ginType fields are 4-byte enums. */
+typedef struct ncclCommProperties {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int rank;
+    int nRanks;
+    int cudaDev;
+    int nvmlDev;
+    _Bool deviceApiSupport;
+    _Bool multimemSupport;
+    int ginType;
+    int nLsaTeams;
+    _Bool hostRmaSupport;
+    int railedGinType;
+    uint64_t commHash;
+    int ginMinStride;
+    int ginConnectionType;
+    _Bool ginSupport[64];
+    size_t devCommRuntimeVersionSize;
+    _Bool cftSupport;
+    _Bool cftMulticastSupport;
+    _Bool cftCountedSupport;
+} ncclCommProperties_t;
+
+#pragma GCC visibility push(default)
+ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t *props);
+ncclResult_t ncclGetLsaMultimemDevicePointer(ncclWindow_t window, size_t offset, void **outPtr);
+ncclResult_t ncclGetMultimemDevicePointer(ncclWindow_t window, size_t offset,
+                                          ncclMultimemHandle_t multimem, void **outPtr);
+ncclResult_t ncclGetLsaDevicePointer(ncclWindow_t window, size_t offset, int lsaRank, void **outPtr);
+ncclResult_t ncclGetPeerDevicePointer(ncclWindow_t window, size_t offset, int peer, void **outPtr);
+ncclTeam_t ncclTeamWorld(ncclComm_t comm);
+ncclTeam_t ncclTeamLsa(ncclComm_t comm);
+ncclTeam_t ncclTeamRail(ncclComm_t comm);
+int ncclTeamRankToWorld(ncclComm_t comm, ncclTeam_t team, int rank);
+int ncclTeamRankToLsa(ncclComm_t comm, ncclTeam_t team, int rank);
+#pragma GCC visibility pop
+
 /* Layouts pynccl's ctypes structures assume (LP64); checked in both modes. */
 _Static_assert(sizeof(ncclUniqueId) == 128, "ncclUniqueId size");
 _Static_assert(sizeof(ncclConfig_t) == 120, "ncclConfig_t size");
@@ -326,5 +375,10 @@ _Static_assert(sizeof(ncclCollConfig_t) == 72, "ncclCollConfig_t size");
 _Static_assert(offsetof(ncclCollConfig_t, forceAlgSelection) == 48, "forceAlgSelection offset");
 _Static_assert(offsetof(ncclCollConfig_t, userProfilerTag) == 56, "userProfilerTag offset");
 _Static_assert(sizeof(ncclSimInfo_t) == 24, "ncclSimInfo_t size");
+_Static_assert(sizeof(ncclEncryptionConfig_t) == 32, "ncclEncryptionConfig_t size");
+_Static_assert(sizeof(ncclWaitSignalDesc_t) == 16, "ncclWaitSignalDesc_t size");
+_Static_assert(sizeof(ncclCommProperties_t) == 152, "ncclCommProperties_t size");
+_Static_assert(offsetof(ncclCommProperties_t, commHash) == 56, "commHash offset");
+_Static_assert(offsetof(ncclCommProperties_t, cftCountedSupport) == 146, "cftCountedSupport offset");
 
 #endif /* PYNCCL_LB_NCCL_H */

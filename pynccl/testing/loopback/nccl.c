@@ -308,6 +308,7 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
 }
 
 static void comm_free(struct lb_comm *c) {
+    lb_rma_free(c);
     if (c->w) lbw_leave(c, LBR_LEFT);
     while (c->regs) {
         struct lb_reg *r = c->regs;
@@ -417,6 +418,7 @@ static void drop_splits_of(struct lb_comm *parent);
 /* Tear down after the comm's tasks stopped: leave the world, kill the handle. */
 static void comm_teardown(struct lb_comm *c, enum lbw_rank_state state) {
     lb_comm_halt(c);
+    lb_rma_quiesce(c); /* signal tasks leave the world before it is unmapped */
     drop_splits_of(c);
     handle_kill(c);
     lbw_leave(c, state);
@@ -603,6 +605,12 @@ void lb_config_of(const struct lb_comm *c, ncclConfig_t *cfg) {
     cfg->blocking = c->blocking;
     cfg->splitShare = c->split_share;
     cfg->commName = c->comm_name;
+#if LB_AT_LEAST(2, 29, 0)
+    cfg->numRmaCtx = c->rma_ctx;
+#endif
+#if LB_AT_LEAST(2, 31, 0)
+    cfg->numRmaSig = c->rma_sig;
+#endif
 }
 
 /* ---- init ------------------------------------------------------------------------------ */
@@ -625,7 +633,12 @@ static ncclResult_t comm_create(const unsigned char *uid, int nranks, int rank, 
     for (int i = 0; i < NCCL_UNIQUE_ID_BYTES; i++) h = (h ^ c->uid[i]) * 0x100000001b3ULL;
     c->hash = h;
     apply_config(c, cfg);
-    ncclResult_t r = lbw_join(c, opname);
+    ncclResult_t r = lb_rma_setup(c, cfg, opname);
+    if (r != ncclSuccess) {
+        comm_free(c);
+        return r;
+    }
+    r = lbw_join(c, opname);
     if (r != ncclSuccess) {
         comm_free(c);
         return r;
@@ -1095,27 +1108,7 @@ LB_ALIAS(ncclCommAbort)
 /* ---- memory ------------------------------------------------------------------------------ */
 
 #if LB_AT_LEAST(2, 19, 1)
-ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
-    if (ptr == NULL || size == 0)
-        return lb_err(ncclInvalidArgument, "ncclMemAlloc : invalid arguments ptr %p size %zu",
-                      (void *)ptr, size);
-    int e = pynccl_lb_malloc(ptr, size, pynccl_lb_current_device());
-    if (e != 0)
-        return lb_err(ncclUnhandledCudaError, "ncclMemAlloc : Cuda failure %d '%s' allocating %zu bytes",
-                      e, cudaGetErrorString((cudaError_t)e), size);
-    return ncclSuccess;
-}
-LB_ALIAS(ncclMemAlloc)
-
-ncclResult_t ncclMemFree(void *ptr) {
-    if (ptr == NULL) return ncclSuccess;
-    int e = pynccl_lb_free(ptr);
-    if (e != 0)
-        return lb_err(ncclUnhandledCudaError, "ncclMemFree : Cuda failure %d '%s' freeing %p", e,
-                      cudaGetErrorString((cudaError_t)e), ptr);
-    return ncclSuccess;
-}
-LB_ALIAS(ncclMemFree)
+/* ncclMemAlloc / ncclMemFree: nccl_window.c */
 
 ncclResult_t ncclCommRegister(const ncclComm_t comm, void *buff, size_t size, void **handle) {
     const char *opname = "ncclCommRegister";

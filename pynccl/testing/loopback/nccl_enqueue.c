@@ -419,6 +419,11 @@ ncclResult_t ncclGroupEnd(void) {
         r = (ncclResult_t)t_err;
         t_err = ncclSuccess;
         release_items(items, n);
+        lb_win_group_end(1);
+        return r;
+    }
+    if ((r = lb_win_group_end(0)) != ncclSuccess) { /* window calls first, as in NCCL */
+        release_items(items, n);
         return r;
     }
     return group_launch(items, n, blocking, 0);
@@ -434,6 +439,11 @@ ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t *simInfo) {
     if (t_err != ncclSuccess) {
         r = (ncclResult_t)t_err;
         t_err = ncclSuccess;
+        release_items(items, n);
+        lb_win_group_end(1);
+        return r;
+    }
+    if ((r = lb_win_group_end(0)) != ncclSuccess) {
         release_items(items, n);
         return r;
     }

@@ -9,7 +9,11 @@
  *   nccl_enqueue.c    argument checks, groups, and tasks on the loopback streams
  *   nccl_fault.c      revoke, shrink, grow (on top of communicators)
  *   nccl_suspend.c    suspend/resume and memory statistics
- *   nccl_unsupported.c the API the loopback does not implement
+ *   nccl_window.c     ncclMemAlloc (shareable memory), the window objects
+ *   nccl_winreg.c     collective window registration / deregistration (also in groups)
+ *   nccl_signal.c     one-sided put/signal/wait (stream tasks over the world's counts)
+ *   nccl_props.c      ncclCommQueryProperties, teams (nccl_device/host.h)
+ *   nccl_param.c      the parameter API; nccl_crypto.c: ncclSetEncryption
  *
  * Locking: a communicator's mu guards its task counters, refs, user ops and
  * registrations; it is never held while waiting on other ranks. The executor state
@@ -116,6 +120,14 @@ struct lbw_desc {
     uint64_t scalar;     /* PreMulSum: this rank's scalar, as raw bits of the op's type */
 };
 
+/* A rank's post for window registration round `seq` (nccl_window.c). */
+struct lbw_winpost {
+    uint64_t seq;  /* round posted, 1-based */
+    uint64_t read; /* last round this rank has read everyone's post of */
+    uint64_t addr, size, fdoff;
+    int32_t fd, flags, kind, status; /* kind 1 register, 2 deregister; status: local error */
+};
+
 struct lbw_rank {
     int32_t pid;
     int32_t device;
@@ -126,6 +138,8 @@ struct lbw_rank {
     uint64_t split_read; /* last split this rank has read everyone's post of */
     uint64_t cstep __attribute__((aligned(LB_CACHELINE))); /* collective phase counter */
     struct lbw_desc desc[2] __attribute__((aligned(LB_CACHELINE)));
+    struct lbw_winpost win __attribute__((aligned(LB_CACHELINE))); /* nccl_window.c */
+    uint64_t enc_hash; /* ncclSetEncryption key digest (nccl_crypto.c), 0 = none */
 };
 
 /* One direction of a p2p channel: bytes written by the sender and consumed by the
@@ -144,6 +158,9 @@ struct lbw_hdr {
     uint64_t ranks_off, rings_off, slots_off, ringdata_off;
     int32_t creator_pid;
     int32_t lib_version;
+    /* one-sided signals (nccl_signal.c): uint64 counts [receiver][ctx][sig][sender] */
+    uint64_t sig_off;
+    int32_t rma_nctx, rma_nsig;
     uint32_t joined __attribute__((aligned(LB_CACHELINE)));
     uint32_t epoch __attribute__((aligned(LB_CACHELINE))); /* futex word: bumped on progress */
     uint32_t waiters;
@@ -245,6 +262,14 @@ struct lb_comm {
     uint64_t nshrinks, ngrows;
     int grow_pending; /* an id from ncclCommGetUniqueId not yet consumed by ncclCommGrow */
     unsigned char grow_uid[NCCL_UNIQUE_ID_BYTES];
+
+    /* windows and signals (nccl_window.c, nccl_signal.c) */
+    int rma_ctx, rma_sig;    /* numRmaCtx / numRmaSig of the config (world sizes) */
+    uint64_t *sig;           /* the world's signal counts */
+    uint64_t *sig_waited;    /* [ctx][sig][sender]: counts already consumed by waits */
+    struct lb_win *wins;     /* registered windows (mu) */
+    int rma_running;         /* signal tasks executing (mu) */
+    uint64_t win_rounds;     /* registration rounds done */
 
     /* splits of this comm as a parent */
     uint64_t nsplits;
@@ -352,6 +377,57 @@ void lbw_rendezvous_close(struct lb_comm *c);
 ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op);
 ncclResult_t lbx_exec_p2p(struct lb_comm *c, const struct lb_op *ops, int n);
 ncclResult_t lbx_hang(struct lb_comm *c);
+
+/* Wait until ready(c, arg, &blocker) returns nonzero, watching for aborts, broken worlds
+ * and a blocker rank (set by ready, or -1) that left. Returns ncclSuccess, LB_ABORTED,
+ * or an error already recorded as the last error. */
+typedef int (*lbw_ready_fn)(struct lb_comm *c, void *arg, int *blocker);
+ncclResult_t lbw_wait_for(struct lb_comm *c, lbw_ready_fn ready, void *arg, const char *what);
+
+/* ---- windows, signals, properties, encryption ------------------------------------ */
+
+/* nccl_window.c: ncclMemAlloc memory and the window objects. */
+#define LB_WIN_MAGIC 0x4e49574c42434e50ULL
+struct lb_win { /* an ncclWindow_t */
+    uint64_t magic;
+    struct lb_win *next;  /* the comm's list (c->mu) */
+    struct lb_win *gnext; /* every live window (g_win_mu) */
+    struct lb_comm *c;
+    char *user;
+    size_t size;
+    int flags, nranks;
+    char **peer;     /* each rank's window as addressed from this process */
+    size_t *psize;   /* each rank's window size */
+    void **maps;     /* mappings of peers' memfds (NULL where the peer is in-process) */
+    size_t *maplens;
+};
+
+/* The memfd and offset backing [p, p + bytes), if it lies in one ncclMemAlloc block. */
+int lb_mem_find(const void *p, size_t bytes, int *fd, size_t *off);
+void lb_win_free(struct lb_win *w); /* unmaps the peers; w must be unlinked */
+void lb_win_publish(struct lb_comm *c, struct lb_win *w);
+void lb_win_unlink(struct lb_comm *c, struct lb_win *w);
+/* A comm's windows are released at teardown. */
+void lb_win_release_all(struct lb_comm *c);
+/* nccl_winreg.c: window calls queued in the calling thread's group run at its outermost
+ * end (discard: the group failed, drop them). */
+ncclResult_t lb_win_group_end(int discard);
+/* The window containing [p, p+bytes) among c's windows with all `flags`, or NULL (mu). */
+struct lb_win *lb_win_find(struct lb_comm *c, const void *p, size_t bytes, int flags);
+/* 1 if win is a live window of c; then its user pointer/size and, for peer, the address
+ * of the peer's window in this process (NULL if unreachable). */
+int lb_win_lookup(struct lb_comm *c, ncclWindow_t win, void **user, size_t *size, int peer,
+                  void **peer_base);
+/* Any live window by handle (no comm needed): 1 with its rank count and, for a valid
+ * peer, the peer's window base in this process and its size. */
+int lb_win_peer(ncclWindow_t window, int peer, int *nranks, char **base, size_t *size);
+/* nccl_signal.c: numRmaCtx/numRmaSig from the parsed config (before joining the world),
+ * waiting out running signal tasks of a halted comm, and freeing at comm_free. */
+ncclResult_t lb_rma_setup(struct lb_comm *c, const ncclConfig_t *cfg, const char *opname);
+void lb_rma_quiesce(struct lb_comm *c);
+void lb_rma_free(struct lb_comm *c);
+/* nccl_crypto.c: digest of the process's encryption key (0: none). */
+uint64_t lb_encryption_hash(void);
 
 /* ---- operations and groups (nccl_enqueue.c) ------------------------------------- */
 

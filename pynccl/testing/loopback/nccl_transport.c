@@ -240,7 +240,7 @@ static void shm_name_of(const unsigned char *uid, char *out, size_t n) {
 
 static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-static void layout(struct lbw_hdr *h, int nranks) {
+static void layout(struct lbw_hdr *h, int nranks, int nctx, int nsig) {
     size_t R = (size_t)nranks;
     long long slot = lb_env_ll("PYNCCL_LOOPBACK_CHUNK_BYTES", 0);
     long long ring = lb_env_ll("PYNCCL_LOOPBACK_RING_BYTES", 0);
@@ -271,6 +271,10 @@ static void layout(struct lbw_hdr *h, int nranks) {
     off = align_up(off + 2 * R * (size_t)slot, 4096);
     h->ringdata_off = off;
     off = align_up(off + R * R * (size_t)ring, 4096);
+    h->sig_off = off; /* one-sided signal counts (nccl_signal.c) */
+    h->rma_nctx = nctx;
+    h->rma_nsig = nsig;
+    off = align_up(off + R * R * (size_t)nctx * (size_t)nsig * sizeof(uint64_t), 4096);
     h->size = off;
 }
 
@@ -280,6 +284,7 @@ static void map_pointers(struct lb_comm *c) {
     c->rings = (struct lbw_ring *)((char *)w + w->rings_off);
     c->slots = (char *)w + w->slots_off;
     c->ringdata = (char *)w + w->ringdata_off;
+    c->sig = (uint64_t *)((char *)w + w->sig_off);
     c->slot_bytes = w->slot_bytes;
     c->ring_bytes = w->ring_bytes;
 }
@@ -335,7 +340,7 @@ static ncclResult_t create_world(struct lb_comm *c, const char *opname, int *fd_
                       c->shm_name + 1, strerror(errno));
     struct lbw_hdr h;
     memset(&h, 0, sizeof h);
-    layout(&h, c->nranks);
+    layout(&h, c->nranks, c->rma_ctx, c->rma_sig);
     size_t size = h.size;
     /* Reserve the pages now: exhausted shared memory then fails init cleanly instead of
      * raising SIGBUS in the middle of a collective. */
@@ -457,6 +462,16 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
         lbw_rendezvous_close(c);
         return ncclInvalidUsage;
     }
+    if (w->rma_nctx != c->rma_ctx || w->rma_nsig != c->rma_sig) {
+        int tc = w->rma_nctx, ts = w->rma_nsig;
+        lbw_break(c, ncclInvalidUsage, 1,
+                  "%s : rank %d has numRmaCtx=%d numRmaSig=%d, but the communicator of this "
+                  "unique id was created with numRmaCtx=%d numRmaSig=%d",
+                  opname, c->rank, c->rma_ctx, c->rma_sig, tc, ts);
+        c->w = NULL;
+        munmap(w, size);
+        return ncclInvalidUsage;
+    }
     map_pointers(c);
     struct lbw_rank *me = &c->ranks[c->rank];
     int32_t expected = 0;
@@ -471,11 +486,36 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
                       opname, c->rank, (int)expected);
     }
     me->device = c->dev;
+    me->enc_hash = lb_encryption_hash();
     __atomic_store_n(&me->state, LBR_JOINED, __ATOMIC_RELEASE);
     uint32_t n = __atomic_add_fetch(&w->joined, 1, __ATOMIC_SEQ_CST);
     if ((int)n == c->nranks) lbw_rendezvous_close(c); /* a 1-rank world, or the last */
     lbw_notify(c);
     return ncclSuccess;
+}
+
+/* Like the executor's waits, with a sweep clock of its own: these waits run beside the
+ * executor (window rounds on the caller's thread, signal waits on their streams). */
+ncclResult_t lbw_wait_for(struct lb_comm *c, lbw_ready_fn ready, void *arg, const char *what) {
+    int spins = 0;
+    uint64_t last_sweep = lb_now_ns();
+    for (;;) {
+        uint32_t e = __atomic_load_n(&c->w->epoch, __ATOMIC_SEQ_CST);
+        int blocker = -1;
+        if (ready(c, arg, &blocker)) return ncclSuccess;
+        if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) return LB_ABORTED;
+        ncclResult_t r = lbw_broken(c);
+        if (r != ncclSuccess) return r;
+        if (blocker >= 0 && blocker != c->rank) {
+            uint32_t st = __atomic_load_n(&c->ranks[blocker].state, __ATOMIC_ACQUIRE);
+            if (st == LBR_LEFT || st == LBR_FAILED) {
+                if (ready(c, arg, &blocker)) return ncclSuccess;
+                return lbw_gone(c, blocker, what);
+            }
+        }
+        if ((r = lbw_peer_sweep(c, &last_sweep)) != ncclSuccess) return r;
+        lbw_backoff(c, e, &spins);
+    }
 }
 
 int lbw_all_joined(struct lb_comm *c) {
@@ -486,6 +526,13 @@ int lbw_all_joined(struct lb_comm *c) {
 
 /* Once everyone joined: the checks NCCL makes after its bootstrap all-gather. */
 static ncclResult_t joined_checks(struct lb_comm *c, const char *opname) {
+    for (int a = 1; a < c->nranks; a++) {
+        if (c->ranks[a].enc_hash != c->ranks[0].enc_hash)
+            return lb_err(ncclSystemError,
+                          "%s : rank %d and rank %d use different encryption settings "
+                          "(ncclSetEncryption): the connection handshake fails",
+                          opname, 0, a);
+    }
     if (!c->strict) return ncclSuccess;
     for (int a = 0; a < c->nranks; a++) {
         for (int b = a + 1; b < c->nranks; b++) {

@@ -1,0 +1,247 @@
+/*
+ * NCCL memory and windows in the loopback libnccl: ncclMemAlloc/ncclMemFree, the window
+ * objects and their lookups, ncclWinGetUserPtr. Registration and deregistration are in
+ * nccl_winreg.c, the window pointer functions of nccl_device/host.h in nccl_props.c.
+ *
+ * ncclMemAlloc memory is a loopback device allocation (so every buffer check accepts
+ * it) whose pages are a memfd mapped over the allocation's page-aligned middle. Peers
+ * reach it directly: in a thread world a peer's window is the peer's own address; in a
+ * process world each rank maps the peer's memfd (opened as /proc/<pid>/fd/<fd>) when
+ * the window is registered, so the peer pointers read and write the peer's bytes.
+ */
+#include "nccl_lb_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#define LB_PAGE 4096
+
+LBN_UNUSED static size_t page_up(size_t v) { return (v + LB_PAGE - 1) / LB_PAGE * LB_PAGE; }
+
+/* ---- ncclMemAlloc --------------------------------------------------------------------- */
+
+struct lb_mem {
+    struct lb_mem *next;
+    char *user;   /* what ncclMemAlloc returned (page aligned) */
+    void *base;   /* the loopback allocation around it */
+    size_t size, maplen;
+    int fd;       /* memfd backing [user, user + maplen) */
+};
+
+static pthread_mutex_t g_mem_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct lb_mem *g_mem;
+
+int lb_mem_find(const void *p, size_t bytes, int *fd, size_t *off) {
+    int found = 0;
+    pthread_mutex_lock(&g_mem_mu);
+    for (struct lb_mem *m = g_mem; m; m = m->next) {
+        const char *q = p;
+        if (q >= m->user && q <= m->user + m->size && bytes <= (size_t)(m->user + m->size - q)) {
+            *fd = m->fd;
+            *off = (size_t)(q - m->user);
+            found = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_mem_mu);
+    return found;
+}
+
+#if LB_AT_LEAST(2, 19, 1)
+ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
+    if (ptr == NULL || size == 0)
+        return lb_err(ncclInvalidArgument, "ncclMemAlloc : invalid arguments ptr %p size %zu",
+                      (void *)ptr, size);
+    size_t maplen = page_up(size);
+    if (maplen < size || maplen + LB_PAGE < maplen)
+        return lb_err(ncclInvalidArgument, "ncclMemAlloc : size %zu is too large", size);
+    struct lb_mem *m = calloc(1, sizeof *m);
+    if (!m) return lb_err(ncclSystemError, "ncclMemAlloc : out of memory");
+    int e = pynccl_lb_malloc(&m->base, maplen + LB_PAGE, pynccl_lb_current_device());
+    if (e != 0) {
+        free(m);
+        return lb_err(ncclUnhandledCudaError, "ncclMemAlloc : Cuda failure %d '%s' allocating %zu bytes",
+                      e, cudaGetErrorString((cudaError_t)e), size);
+    }
+    m->user = (char *)(((uintptr_t)m->base + LB_PAGE - 1) & ~(uintptr_t)(LB_PAGE - 1));
+    m->size = size;
+    m->maplen = maplen;
+    m->fd = memfd_create("pynccl-lb-ncclMemAlloc", MFD_CLOEXEC);
+    int err = m->fd < 0 ? errno : 0;
+    if (!err && ftruncate(m->fd, (off_t)maplen) != 0) err = errno;
+    if (!err && mmap(m->user, maplen, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, m->fd, 0) ==
+                    MAP_FAILED)
+        err = errno;
+    if (err) {
+        if (m->fd >= 0) close(m->fd);
+        pynccl_lb_free(m->base);
+        free(m);
+        return lb_err(ncclSystemError, "ncclMemAlloc : cannot map %zu bytes of shareable memory: %s",
+                      size, strerror(err));
+    }
+    pthread_mutex_lock(&g_mem_mu);
+    m->next = g_mem;
+    g_mem = m;
+    pthread_mutex_unlock(&g_mem_mu);
+    *ptr = m->user;
+    return ncclSuccess;
+}
+LB_ALIAS(ncclMemAlloc)
+
+ncclResult_t ncclMemFree(void *ptr) {
+    if (ptr == NULL) return ncclSuccess;
+    struct lb_mem *m = NULL;
+    pthread_mutex_lock(&g_mem_mu);
+    for (struct lb_mem **pp = &g_mem; *pp; pp = &(*pp)->next) {
+        if ((*pp)->user == ptr) {
+            m = *pp;
+            *pp = m->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_mem_mu);
+    void *base = ptr;
+    if (m) {
+        /* give the allocator its private pages back (peers keep the memfd they mapped) */
+        mmap(m->user, m->maplen, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+             -1, 0);
+        close(m->fd);
+        base = m->base;
+        free(m);
+    }
+    int e = pynccl_lb_free(base);
+    if (e != 0)
+        return lb_err(ncclUnhandledCudaError, "ncclMemFree : Cuda failure %d '%s' freeing %p", e,
+                      cudaGetErrorString((cudaError_t)e), ptr);
+    return ncclSuccess;
+}
+LB_ALIAS(ncclMemFree)
+#endif
+
+/* ---- window objects --------------------------------------------------------------------- */
+
+static pthread_mutex_t g_win_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct lb_win *g_wins;
+
+void lb_win_free(struct lb_win *w) {
+    if (!w) return;
+    for (int p = 0; w->maps && p < w->nranks; p++)
+        if (w->maps[p]) munmap(w->maps[p], w->maplens[p]);
+    w->magic = 0;
+    free(w->peer);
+    free(w->psize);
+    free(w->maps);
+    free(w->maplens);
+    free(w);
+}
+
+/* Remove w from the global list (the comm's list is the caller's business). */
+static void win_unpublish(struct lb_win *w) {
+    pthread_mutex_lock(&g_win_mu);
+    for (struct lb_win **pp = &g_wins; *pp; pp = &(*pp)->gnext) {
+        if (*pp == w) {
+            *pp = w->gnext;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_win_mu);
+}
+
+void lb_win_release_all(struct lb_comm *c) {
+    pthread_mutex_lock(&c->mu);
+    struct lb_win *w = c->wins;
+    c->wins = NULL;
+    pthread_mutex_unlock(&c->mu);
+    while (w) {
+        struct lb_win *n = w->next;
+        win_unpublish(w);
+        lb_win_free(w);
+        w = n;
+    }
+}
+
+void lb_win_publish(struct lb_comm *c, struct lb_win *w) {
+    w->magic = LB_WIN_MAGIC;
+    pthread_mutex_lock(&c->mu);
+    w->next = c->wins;
+    c->wins = w;
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_lock(&g_win_mu);
+    w->gnext = g_wins;
+    g_wins = w;
+    pthread_mutex_unlock(&g_win_mu);
+}
+
+void lb_win_unlink(struct lb_comm *c, struct lb_win *w) {
+    pthread_mutex_lock(&c->mu);
+    for (struct lb_win **pp = &c->wins; *pp; pp = &(*pp)->next) {
+        if (*pp == w) {
+            *pp = w->next;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&c->mu);
+    win_unpublish(w);
+}
+
+struct lb_win *lb_win_find(struct lb_comm *c, const void *p, size_t bytes, int flags) {
+    const char *q = p;
+    for (struct lb_win *w = c->wins; w; w = w->next)
+        if ((w->flags & flags) == flags && q >= w->user && q <= w->user + w->size &&
+            bytes <= (size_t)(w->user + w->size - q))
+            return w;
+    return NULL;
+}
+
+int lb_win_lookup(struct lb_comm *c, ncclWindow_t win, void **user, size_t *size, int peer,
+                  void **peer_base) {
+    for (struct lb_win *w = c->wins; w; w = w->next) {
+        if ((void *)w != (void *)win) continue;
+        if (user) *user = w->user;
+        if (size) *size = peer >= 0 && peer < w->nranks ? w->psize[peer] : w->size;
+        if (peer_base) *peer_base = peer >= 0 && peer < w->nranks ? w->peer[peer] : NULL;
+        return 1;
+    }
+    return 0;
+}
+
+int lb_win_peer(ncclWindow_t window, int peer, int *nranks, char **base, size_t *size) {
+    int found = 0;
+    pthread_mutex_lock(&g_win_mu);
+    for (struct lb_win *w = g_wins; w; w = w->gnext) {
+        if ((void *)w == (void *)window && w->magic == LB_WIN_MAGIC) {
+            *nranks = w->nranks;
+            if (peer >= 0 && peer < w->nranks) {
+                *base = w->peer[peer];
+                *size = w->psize[peer];
+            }
+            found = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_win_mu);
+    return found;
+}
+
+#if LB_AT_LEAST(2, 29, 2)
+ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUserPtr) {
+    const char *opname = "ncclWinGetUserPtr";
+    struct lb_comm *c;
+    ncclResult_t r = lb_comm_get(comm, opname, &c);
+    if (r != ncclSuccess) return r;
+    if (outUserPtr == NULL)
+        return lb_err(ncclInvalidArgument, "%s : outUserPtr argument is NULL", opname);
+    if (win == NULL) return lb_err(ncclInvalidArgument, "%s : win argument is NULL", opname);
+    pthread_mutex_lock(&c->mu);
+    int known = lb_win_lookup(c, win, outUserPtr, NULL, -1, NULL);
+    pthread_mutex_unlock(&c->mu);
+    if (!known)
+        return lb_err(ncclInvalidArgument, "%s : window %p is not registered with communicator %p",
+                      opname, (void *)win, (void *)comm);
+    return ncclSuccess;
+}
+LB_ALIAS(ncclWinGetUserPtr)
+#endif /* 2.29.2 */
