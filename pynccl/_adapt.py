@@ -28,7 +28,7 @@ import struct
 import sys
 from ctypes import c_char_p, c_int64, c_void_p
 
-from .dtypes import as_datatype, canonical_name
+from .dtypes import as_datatype, canonical_name, complex_component, complex_name
 from .enums import DataType
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     DeviceGetter = Callable[[Any], Optional[int]]
     StreamHandler = Callable[[Any], int]
 
-__all__ = ["as_buffer", "as_stream", "check_device"]
+__all__ = ["as_buffer", "as_stream", "check_device", "is_complex"]
 
 # Pointers and stream handles are unsigned 64-bit. Hot paths spell it `1 << 64`,
 # which the compiler folds into a constant (no global lookup).
@@ -96,20 +96,43 @@ def _datatype(dtype: Any, name: str) -> DataType:
         raise TypeError(f"dtype for {name}: {exc}") from None
 
 
-def _override(n: int, dt: DataType, count: Any, dtype: Any, name: str) -> tuple[int, DataType]:
-    """Apply the caller's ``count`` / ``dtype`` to an array of ``n`` elements of ``dt``."""
+def _datatype_lanes(dtype: Any, name: str) -> tuple[DataType, int]:
+    """``dtype`` as ``(NCCL type, lanes)``: lanes is 2 for a complex type (two floats of the
+    NCCL type per element), else 1."""
+    if type(dtype) is DataType:
+        return dtype, 1
+    try:
+        return as_datatype(dtype), 1
+    except TypeError as exc:
+        part = complex_component(dtype)
+        if part is not None:
+            return part, 2
+        raise TypeError(f"dtype for {name}: {exc}") from None
+
+
+def _type_words(dt: DataType, lanes: int) -> str:
+    return canonical_name(dt) if lanes == 1 else complex_name(dt)
+
+
+def _override(
+    n: int, dt: DataType, count: Any, dtype: Any, name: str, lanes: int = 1
+) -> tuple[int, DataType]:
+    """Apply the caller's ``count`` / ``dtype`` to an array of ``n`` NCCL elements of ``dt``
+    (``n // lanes`` of the array's own elements: ``count`` is counted in those)."""
     if dtype is not None:
-        want = _datatype(dtype, name)
-        if want is not dt:
+        want, want_lanes = _datatype_lanes(dtype, name)
+        if want is not dt or want_lanes != lanes:
             raise TypeError(
-                f"dtype={canonical_name(want)} does not match {name}, whose data type "
-                f"is {canonical_name(dt)}"
+                f"dtype={_type_words(want, want_lanes)} does not match {name}, whose data "
+                f"type is {_type_words(dt, lanes)}"
             )
     if count is not None:
         c = _check_count(count, name)
-        if c > n:
-            raise ValueError(f"count={c} is larger than {name}, which holds only {n} elements")
-        n = c
+        if c * lanes > n:
+            raise ValueError(
+                f"count={c} is larger than {name}, which holds only {n // lanes} elements"
+            )
+        n = c * lanes
     return n, dt
 
 
@@ -169,7 +192,17 @@ def _from_pointer(
             f"{missing} must be given"
         )
     n = count if type(count) is int and 0 <= count < 1 << 64 else _check_count(count, name)
-    dt = dtype if type(dtype) is DataType else _datatype(dtype, name)
+    if type(dtype) is DataType:
+        dt = dtype
+    else:
+        dt, lanes = _datatype_lanes(dtype, name)
+        if lanes != 1:  # complex: NCCL moves twice as many floats
+            n *= lanes
+            if n >= _PTR_LIMIT:
+                raise ValueError(
+                    f"count={count} for {name} of {_type_words(dt, lanes)} is "
+                    f"{n} floats; expected fewer than 2**64"
+                )
     ptr = int(obj)
     if not 0 < ptr < 1 << 64:
         check_pointer(name, ptr, n)
@@ -280,8 +313,13 @@ def _from_cai(
             "with 'shape', 'typestr' and 'data': (ptr, readonly)"
         ) from None
     dt = _TYPESTR_CACHE.get(typestr) if type(typestr) is str else None
+    lanes = 1
     if dt is None:
-        dt = _cai_datatype(obj, typestr, name)
+        part = complex_component(typestr) if type(typestr) is str else None
+        if part is not None:
+            dt, lanes = part, 2
+        else:
+            dt = _cai_datatype(obj, typestr, name)
     try:
         n = shape[0] if len(shape) == 1 else math.prod(shape)
         if type(n) is not int or n < 0 or (len(shape) > 1 and min(shape) < 0):
@@ -291,7 +329,7 @@ def _from_cai(
             f"{name}: __cuda_array_interface__ shape {shape!r} is not a tuple of ints >= 0"
         ) from None
     strides = cai.get("strides")
-    if strides is not None and n and not _is_c_contiguous(shape, strides, dt.itemsize):
+    if strides is not None and n and not _is_c_contiguous(shape, strides, dt.itemsize * lanes):
         raise _strided_error(name, shape, strides, "bytes")
     if cai.get("mask") is not None:
         raise ValueError(f"{name} is a masked array (__cuda_array_interface__ 'mask' is set)")
@@ -305,8 +343,9 @@ def _from_cai(
             f"{name}: __cuda_array_interface__ data pointer {ptr!r} is not a valid "
             f"device address for {n} elements"
         )
+    n *= lanes
     if count is not None or dtype is not None:
-        n, dt = _override(n, dt, count, dtype, name)
+        n, dt = _override(n, dt, count, dtype, name, lanes)
     return ptr, n, dt, None if device_of is _no_device else device_of(obj)
 
 
@@ -365,7 +404,7 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
 _ITEMSIZE = {dt: dt.itemsize for dt in DataType}
 # DeviceBuffer's slots read by the fast handler; its public properties cost about
 # four times as much on this path. Checked once against the class (see below).
-_DEVICE_BUFFER_SLOTS = frozenset({"_ptr", "_freed", "_nbytes", "_dtype", "_device"})
+_DEVICE_BUFFER_SLOTS = frozenset({"_ptr", "_freed", "_nbytes", "_dtype", "_device", "_lanes"})
 
 
 def _from_device_buffer(
@@ -374,9 +413,9 @@ def _from_device_buffer(
     if obj._freed:
         raise ValueError(f"{name} is a DeviceBuffer that has been freed")
     dt = obj._dtype
-    n = obj._nbytes // _ITEMSIZE[dt]
+    n = obj._nbytes // _ITEMSIZE[dt]  # a complex buffer: 2 floats per element, as NCCL counts
     if count is not None or dtype is not None:
-        n, dt = _override(n, dt, count, dtype, name)
+        n, dt = _override(n, dt, count, dtype, name, obj._lanes)
     return obj._ptr, n, dt, obj._device
 
 
@@ -386,10 +425,11 @@ def _from_device_buffer_public(
     # The same through the public properties, should DeviceBuffer's slots change.
     if obj.closed:
         raise ValueError(f"{name} is a DeviceBuffer that has been freed")
-    n = obj.size
+    lanes = 2 if obj.is_complex else 1
+    n = obj.size * lanes
     dt = obj.dtype
     if count is not None or dtype is not None:
-        n, dt = _override(n, dt, count, dtype, name)
+        n, dt = _override(n, dt, count, dtype, name, lanes)
     return obj.ptr, n, dt, obj.device
 
 
@@ -450,6 +490,15 @@ _DL_TYPES: dict[tuple[int, int], DataType] = {
     (10, 8): DataType.FLOAT8_E4M3,
     (12, 8): DataType.FLOAT8_E5M2,
 }
+# kDLComplex (code 5) by total bits -> the NCCL float type of each half.
+_DL_COMPLEX: dict[tuple[int, int], DataType] = {
+    (5, 32): DataType.FLOAT16,
+    (5, 64): DataType.FLOAT32,
+    (5, 128): DataType.FLOAT64,
+}
+_SUPPORTED_WORDS = ", ".join(
+    [canonical_name(t) for t in DataType] + [complex_name(t) for t in _DL_COMPLEX.values()]
+)
 _DL_CODE_NAMES = {
     0: "int",
     1: "uint",
@@ -509,13 +558,43 @@ def _dl_datatype(code: int, bits: int, lanes: int, name: str) -> DataType:
             why = f"{what} of {bits} bits, which NCCL does not support"
         raise TypeError(
             f"{name} has DLPack dtype (code={code}, bits={bits}, lanes={lanes}): {why}; "
-            f"supported: {', '.join(canonical_name(t) for t in DataType)}"
+            f"supported: {_SUPPORTED_WORDS}"
         )
     return dt
 
 
 def _read_capsule(capsule: Any, count: Any, dtype: Any, name: str, writable: bool) -> BufferInfo:
-    """Read a DLPack capsule without consuming it.
+    """Read a DLPack capsule without consuming it (see :func:`_capsule_tensor`)."""
+    fields = _capsule_tensor(capsule, name, writable)
+    data, kind, device_id, ndim, code, bits, lanes, shape_p, strides_p, byte_offset = fields
+    _check_dl_device(kind, name)
+    pair = 1
+    dt = _DL_TYPES.get((code, bits)) if lanes == 1 else None
+    if dt is None:
+        part = _DL_COMPLEX.get((code, bits)) if lanes == 1 else None
+        if part is not None:
+            dt, pair = part, 2
+        else:
+            dt = _dl_datatype(code, bits, lanes, name)
+    shape = _int64s(shape_p, ndim) if ndim > 0 else []
+    n = shape[0] if ndim == 1 else math.prod(shape)
+    if n < 0 or (ndim > 1 and min(shape) < 0):
+        raise ValueError(f"{name}: DLPack shape {tuple(shape)} has a negative extent")
+    if strides_p and n:
+        strides = _int64s(strides_p, ndim)
+        if not _is_c_contiguous(shape, strides, 1):
+            raise _strided_error(name, shape, strides, "elements")
+    ptr = (data or 0) + byte_offset
+    if ptr == 0 and n:
+        raise ValueError(f"{name}: DLPack data pointer is NULL for {n} elements")
+    n *= pair
+    if count is not None or dtype is not None:
+        n, dt = _override(n, dt, count, dtype, name, pair)
+    return ptr, n, dt, (device_id if kind == _DL_CUDA else None)
+
+
+def _capsule_tensor(capsule: Any, name: str, writable: bool) -> list[Any]:
+    """The ``DLTensor`` fields of a DLPack capsule, read without consuming it.
 
     The capsule keeps its name ("dltensor" / "dltensor_versioned"), so when the
     last reference to it goes, its own destructor calls the producer's deleter,
@@ -556,23 +635,7 @@ def _read_capsule(capsule: Any, count: Any, dtype: Any, name: str, writable: boo
             f"{name}.__dlpack__() returned a capsule named {label!r}; expected "
             "'dltensor' or 'dltensor_versioned' (an already consumed capsule?)"
         )
-    data, kind, device_id, ndim, code, bits, lanes, shape_p, strides_p, byte_offset = fields
-    _check_dl_device(kind, name)
-    dt = _dl_datatype(code, bits, lanes, name)
-    shape = _int64s(shape_p, ndim) if ndim > 0 else []
-    n = shape[0] if ndim == 1 else math.prod(shape)
-    if n < 0 or (ndim > 1 and min(shape) < 0):
-        raise ValueError(f"{name}: DLPack shape {tuple(shape)} has a negative extent")
-    if strides_p and n:
-        strides = _int64s(strides_p, ndim)
-        if not _is_c_contiguous(shape, strides, 1):
-            raise _strided_error(name, shape, strides, "elements")
-    ptr = (data or 0) + byte_offset
-    if ptr == 0 and n:
-        raise ValueError(f"{name}: DLPack data pointer is NULL for {n} elements")
-    if count is not None or dtype is not None:
-        n, dt = _override(n, dt, count, dtype, name)
-    return ptr, n, dt, (device_id if kind == _DL_CUDA else None)
+    return list(fields)
 
 
 # ctypes array types by length, for reading shape / strides.
@@ -713,6 +776,71 @@ def as_buffer(
     ):
         return obj, count, dtype, None  # the raw path, checked in full: nothing more to do
     return buffer_handler(obj, name)(obj, count, dtype, name, writable, stream)
+
+
+# --- complex data -----------------------------------------------------------------------------
+
+
+def _complex_never(obj: Any) -> bool:
+    return False
+
+
+def _complex_device_buffer(obj: Any) -> bool:
+    return getattr(obj, "_lanes", 1) == 2
+
+
+def _complex_dlpack(obj: Any) -> bool:
+    # Without arguments every producer answers, with a legacy capsule; read only its dtype.
+    fields = _capsule_tensor(obj.__dlpack__(), "buffer", False)
+    return (fields[4], fields[5]) in _DL_COMPLEX and fields[6] == 1
+
+
+def _complex_array(obj: Any) -> bool:
+    try:
+        typestr = obj.__cuda_array_interface__["typestr"]
+    except Exception:  # no CAI, or one the producer refuses here (torch CPU / bfloat16)
+        typestr = None
+    if type(typestr) is str:
+        return complex_component(typestr) is not None
+    declared = getattr(obj, "dtype", None)  # torch / CuPy / JAX arrays: cheaper than DLPack
+    if declared is not None and complex_component(declared) is not None:
+        return True
+    return hasattr(type(obj), "__dlpack__") and _complex_dlpack(obj)
+
+
+def _complex_probe(cls: type) -> Callable[[Any], bool]:
+    if issubclass(cls, int):
+        probe: Callable[[Any], bool] = _complex_never
+    elif _device_buffer_handler(cls) is not None:
+        probe = _complex_device_buffer
+    else:
+        probe = _complex_array
+    if len(_COMPLEX_PROBES) < _CACHE_LIMIT:
+        _COMPLEX_PROBES[cls] = probe
+    return probe
+
+
+_COMPLEX_PROBES: dict[type, Callable[[Any], bool]] = {int: _complex_never}
+
+
+def is_complex(obj: Any, dtype: Any = None) -> bool:
+    """True if buffer ``obj`` (with the caller's ``dtype=``, if any) holds complex numbers,
+    which :func:`as_buffer` hands out as pairs of floats.
+
+    For callers that must refuse complex data where pairs of floats would give a wrong
+    result (prod, max, min). Never raises: a buffer :func:`as_buffer` would refuse gives
+    False here and its error there. The probe is chosen once per type.
+    """
+    if dtype is not None:
+        return type(dtype) is not DataType and complex_component(dtype) is not None
+    try:
+        probe = _COMPLEX_PROBES[type(obj)]
+    except KeyError:
+        probe = _complex_probe(type(obj))
+    try:
+        return probe(obj)
+    except Exception:
+        return False
 
 
 def check_device(device: int | None, expected: int | None, name: str) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import library as _library
 from ._adapt import as_stream
-from .dtypes import as_datatype, to_numpy_dtype
+from .dtypes import as_datatype, canonical_name, complex_component, complex_name, to_numpy_dtype
 from .enums import DataType
 from .errors import CudaError, LibraryNotFoundError
 
@@ -635,12 +635,39 @@ _TYPESTR = {
 }
 
 
+# Complex element types a DeviceBuffer holds, by the float type of each half, and their
+# typestrs (numpy has no complex32, so that one has no typestr and is not offered).
+_COMPLEX_TYPESTR = {DataType.FLOAT32: "<c8", DataType.FLOAT64: "<c16"}
+
+
+def _element_type(dtype: Any) -> tuple[DataType, int]:
+    """``dtype`` as ``(NCCL type, lanes)``: a complex type is 2 lanes of its float type."""
+    try:
+        return as_datatype(dtype), 1
+    except TypeError:
+        part = complex_component(dtype)
+        if part is None:
+            raise
+        if part not in _COMPLEX_TYPESTR:
+            raise TypeError(
+                f"data type {dtype!r} ({complex_name(part)}) has no array-interface typestr; "
+                "a DeviceBuffer holds complex64 or complex128"
+            ) from None
+        return part, 2
+
+
+def _element_name(dtype: DataType, lanes: int) -> str:
+    return complex_name(dtype) if lanes == 2 else canonical_name(dtype)
+
+
 class DeviceBuffer:
     """An owned, C-contiguous device allocation (``cudaMalloc``) of ``shape`` and ``dtype``.
 
     ``DeviceBuffer(shape, dtype="float32", device=None)`` allocates (contents
     undefined: see :meth:`fill_zero`); :meth:`from_numpy` copies an array in.
     ``ptr`` is the device address (an ``int``), ``dtype`` a :class:`~pynccl.DataType`.
+    A complex64 / complex128 buffer (:attr:`is_complex`) has the float type of each half
+    as its ``dtype``; collectives move it as twice as many floats.
 
     ``__cuda_array_interface__`` (v3) exports it to CuPy, Numba, torch and to
     pynccl's own collectives. Its ``typestr`` is numpy's for the type. bfloat16
@@ -653,13 +680,23 @@ class DeviceBuffer:
     a ``with`` block, or quietly when the object is garbage-collected.
     """
 
-    __slots__ = ("__weakref__", "_device", "_dtype", "_freed", "_nbytes", "_ptr", "_shape")
+    __slots__ = (
+        "__weakref__",
+        "_device",
+        "_dtype",
+        "_freed",
+        "_lanes",
+        "_nbytes",
+        "_ptr",
+        "_shape",
+    )
 
     _ptr: int
     _freed: bool
     _nbytes: int
     _device: int
     _dtype: DataType
+    _lanes: int  # 2 for complex (two _dtype floats per element), else 1
     _shape: tuple[int, ...]
 
     def __init__(
@@ -671,11 +708,11 @@ class DeviceBuffer:
         self._ptr = 0
         self._freed = False
         self._shape = _shape_of(shape)
-        self._dtype = as_datatype(dtype)
+        self._dtype, self._lanes = _element_type(dtype)
         size = 1
         for d in self._shape:
             size *= d
-        self._nbytes = size * self._dtype.itemsize
+        self._nbytes = size * self._dtype.itemsize * self._lanes
         out = c_void_p()
         with _DeviceScope(device) as dev:
             if dev < 0:
@@ -704,8 +741,14 @@ class DeviceBuffer:
 
     @property
     def dtype(self) -> DataType:
-        """The element type, as a :class:`~pynccl.DataType`."""
+        """The element type, as a :class:`~pynccl.DataType` (for a complex buffer, the
+        float type of each half)."""
         return self._dtype
+
+    @property
+    def is_complex(self) -> bool:
+        """True for a complex64 / complex128 buffer."""
+        return self._lanes == 2
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -715,7 +758,7 @@ class DeviceBuffer:
     @property
     def size(self) -> int:
         """Number of elements."""
-        return self._nbytes // self._dtype.itemsize
+        return self._nbytes // (self._dtype.itemsize * self._lanes)
 
     @property
     def closed(self) -> bool:
@@ -727,7 +770,7 @@ class DeviceBuffer:
         self._check_open()
         return {
             "shape": self._shape,
-            "typestr": _TYPESTR[self._dtype],
+            "typestr": _COMPLEX_TYPESTR[self._dtype] if self._lanes == 2 else _TYPESTR[self._dtype],
             "data": (self._ptr, False),
             "strides": None,
             "version": 3,
@@ -751,7 +794,7 @@ class DeviceBuffer:
         import numpy as np
 
         arr = np.ascontiguousarray(array)
-        buf = cls(arr.shape, as_datatype(arr.dtype), device)
+        buf = cls(arr.shape, arr.dtype, device)
         try:
             buf._copy(buf._ptr, arr.ctypes.data, _H2D, stream)
         except BaseException:
@@ -768,7 +811,11 @@ class DeviceBuffer:
         import numpy as np
 
         self._check_open()
-        out = np.empty(self._shape, dtype=to_numpy_dtype(self._dtype))
+        if self._lanes == 2:
+            host_type = np.dtype(complex_name(self._dtype))
+        else:
+            host_type = to_numpy_dtype(self._dtype)
+        out = np.empty(self._shape, dtype=host_type)
         self._copy(out.ctypes.data, self._ptr, _D2H, stream)
         return out
 
@@ -781,20 +828,20 @@ class DeviceBuffer:
         self._check_open()
         if isinstance(source, DeviceBuffer):
             source._check_open()
-            self._check_match(source.dtype, source.size)
+            self._check_match((source._dtype, source._lanes), source.size)
             self._copy(self._ptr, source.ptr, _D2D, stream)
             return
         import numpy as np
 
         arr = np.ascontiguousarray(source)
-        self._check_match(as_datatype(arr.dtype), arr.size)
+        self._check_match(_element_type(arr.dtype), arr.size)
         self._copy(self._ptr, arr.ctypes.data, _H2D, stream)
 
-    def _check_match(self, dtype: DataType, size: int) -> None:
-        if dtype != self._dtype:
+    def _check_match(self, element: tuple[DataType, int], size: int) -> None:
+        if element != (self._dtype, self._lanes):
             raise ValueError(
-                f"source dtype {dtype.name.lower()} does not match the buffer's "
-                f"{self._dtype.name.lower()}"
+                f"source dtype {_element_name(*element)} does not match the buffer's "
+                f"{_element_name(self._dtype, self._lanes)}"
             )
         if size != self.size:
             raise ValueError(f"source has {size} elements; the buffer holds {self.size}")
@@ -848,6 +895,7 @@ class DeviceBuffer:
     def __repr__(self) -> str:
         state = "freed" if self.closed else f"ptr={self._ptr:#x}"
         return (
-            f"<pynccl.cuda.DeviceBuffer shape={self._shape} dtype={self._dtype.name.lower()} "
+            f"<pynccl.cuda.DeviceBuffer shape={self._shape} "
+            f"dtype={_element_name(self._dtype, self._lanes)} "
             f"device={self._device} {state}>"
         )

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pynccl import DataType
-from pynccl._adapt import as_buffer, as_stream, check_device
+from pynccl._adapt import as_buffer, as_stream, check_device, is_complex
 
 # numpy dtype -> the NCCL type it must map to (written out, not derived).
 NUMPY_TYPES = [
@@ -210,7 +210,7 @@ def test_cai_void_typestr_size_mismatch() -> None:
         as_buffer(P.CAIWithDType(a, "float32"))
 
 
-@pytest.mark.parametrize("np_type", [np.int16, np.bool_, np.complex64, np.float128])
+@pytest.mark.parametrize("np_type", [np.int16, np.bool_, np.float128])
 def test_cai_unsupported_types(np_type: Any) -> None:
     a = np.zeros(3, dtype=np_type)
     with pytest.raises(TypeError, match=rf"recvbuf: data type '{a.dtype.str}' is not supported"):
@@ -428,7 +428,8 @@ def test_dlpack_explicit_c_strides_accepted() -> None:
         ((P.kDLFloat, 32, 4), r"a vector type \(4 lanes\)"),
         ((P.kDLInt, 16, 1), r"int of 16 bits, which NCCL does not support"),
         ((P.kDLBool, 8, 1), r"bool of 8 bits"),
-        ((P.kDLComplex, 64, 1), r"complex of 64 bits"),
+        ((P.kDLComplex, 16, 1), r"complex of 16 bits"),
+        ((P.kDLComplex, 64, 2), r"a vector type \(2 lanes\)"),
         ((P.kDLFloat8_e4m3, 8, 1), r"IEEE-style; NCCL's FP8 is float8_e4m3fn"),
         ((P.kDLBfloat, 32, 1), r"bfloat of 32 bits"),
         ((200, 8, 1), r"type code 200"),
@@ -756,3 +757,130 @@ def test_import_pulls_in_no_third_party() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --- complex data: pairs of floats ----------------------------------------------------------
+
+# numpy complex type -> the float type of each half (written out, not derived).
+COMPLEX_TYPES = [(np.complex64, DataType.FLOAT32), (np.complex128, DataType.FLOAT64)]
+
+
+def _as_floats(a: np.ndarray, ptr: int, n: int, dt: DataType) -> np.ndarray:
+    # What NCCL would see at (ptr, n, dt), read back from host memory through numpy.
+    assert ptr == addr(a)
+    floats = np.dtype({DataType.FLOAT32: np.float32, DataType.FLOAT64: np.float64}[dt])
+    return np.frombuffer(a.data, dtype=floats, count=n)
+
+
+@pytest.mark.parametrize(("np_type", "part"), COMPLEX_TYPES)
+@pytest.mark.parametrize(
+    "make",
+    [P.CAIArray, P.CAIProperty, P.DLPackProducer, lambda a: P.DLPackProducer(a, versioned=False)],
+    ids=["cai", "cai-property", "dlpack", "dlpack-legacy"],
+)
+def test_complex_arrays_are_float_pairs(make: Any, np_type: Any, part: DataType) -> None:
+    a = (np.arange(12) + 1j * np.arange(100, 112)).astype(np_type).reshape(3, 4)
+    ptr, n, dt, _dev = as_buffer(make(a), name="recvbuf", writable=True)
+    assert (n, dt) == (2 * a.size, part)
+    # The floats NCCL reduces are numpy's own view of the data as reals.
+    np.testing.assert_array_equal(_as_floats(a, ptr, n, dt), a.reshape(-1).view(part.name.lower()))
+    # count= counts the caller's complex elements; dtype= names the complex type.
+    for spelling in (np_type, np.dtype(np_type), np.dtype(np_type).name):
+        assert as_buffer(make(a), 5, spelling) == (addr(a), 10, part, _dev)
+    with pytest.raises(ValueError, match=r"count=13 is larger than sendbuf, which holds only 12"):
+        as_buffer(make(a), 13)
+    with pytest.raises(TypeError, match=r"dtype=float32 does not match sendbuf, whose data type"):
+        as_buffer(make(a), None, "float32")
+    assert is_complex(make(a))
+    assert not is_complex(make(a.real.copy()))
+
+
+def test_complex_strided_views_refused() -> None:
+    a = np.zeros((4, 6), np.complex64)
+    view = a[:, ::2]
+    with pytest.raises(ValueError, match=r"strided/non-contiguous"):
+        as_buffer(P.CAIArray(view))
+    with pytest.raises(ValueError, match=r"strided/non-contiguous"):
+        as_buffer(P.DLPackProducer(view))
+    # Contiguous C strides given explicitly, in bytes of the complex element: accepted.
+    assert as_buffer(P.CAIArray(a, strides="always"))[1:3] == (48, DataType.FLOAT32)
+
+
+def test_complex_dlpack_complex32_is_float16_pairs() -> None:
+    a = np.arange(8, dtype=np.float16)  # 4 complex32 numbers as their halves
+    p = P.DLPackProducer(a[:4], dl_dtype=(P.kDLComplex, 32, 1))
+    # The producer claims 4 complex32 elements over the first 8 bytes of a.
+    assert as_buffer(p) == (addr(a), 8, DataType.FLOAT16, 0)
+    assert is_complex(P.DLPackProducer(a[:4], dl_dtype=(P.kDLComplex, 32, 1)))
+
+
+@pytest.mark.parametrize(("np_type", "part"), COMPLEX_TYPES)
+def test_complex_raw_pointer(np_type: Any, part: DataType) -> None:
+    name = np.dtype(np_type).name
+    for spelling in (name, np_type, np.dtype(np_type), f"torch.{name}"):
+        assert as_buffer(0x1000, 7, spelling) == (0x1000, 14, part, None)
+        assert is_complex(0x1000, spelling)
+    assert not is_complex(0x1000, "float32")
+    assert not is_complex(0x1000, DataType.FLOAT64)
+    assert not is_complex(0x1000)
+    with pytest.raises(ValueError, match=r"expected fewer than 2\*\*64"):
+        as_buffer(0x1000, 1 << 63, name)
+
+
+def test_complex_big_endian_refused() -> None:
+    a = np.zeros(3, dtype=">c8")
+    with pytest.raises(TypeError, match=r"recvbuf: data type '>c8' is not supported"):
+        as_buffer(P.CAIArray(a), name="recvbuf")
+    assert not is_complex(P.CAIArray(a))
+
+
+def test_is_complex_never_raises() -> None:
+    class Broken:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            raise RuntimeError("boom")
+
+    assert not is_complex(Broken())
+    assert not is_complex(object())
+    assert not is_complex(None)
+    assert not is_complex(P.TorchCPULike(np.zeros(2, np.float32)))
+    assert is_complex(P.TorchBF16Like(np.zeros(2, np.complex64)))  # the CAI refuses: DLPack
+    # A DLPack-only producer without a .dtype is answered from its capsule.
+    p = P.DLPackProducer(np.zeros(2, np.complex128))
+    assert is_complex(p)
+    gc.collect()
+    assert p.exported == 0  # the probe's capsule was released
+
+
+def test_is_complex_probe_cached_per_type() -> None:
+    import pynccl._adapt as adapt
+
+    class Fresh(P.CAIArray):
+        pass
+
+    assert is_complex(Fresh(np.zeros(1, np.complex64)))
+    probe = adapt._COMPLEX_PROBES[Fresh]
+    assert not is_complex(Fresh(np.zeros(1, np.float32)))
+    assert adapt._COMPLEX_PROBES[Fresh] is probe
+
+
+@pytest.mark.parametrize(("np_type", "part"), COMPLEX_TYPES)
+def test_device_buffer_complex(fake_cuda: Any, np_type: Any, part: DataType) -> None:
+    cuda, rt = fake_cuda
+    with cuda.DeviceBuffer((2, 3), np_type) as buf:
+        ptr = next(iter(rt.blocks))
+        assert buf.is_complex and buf.dtype is part
+        assert (buf.size, buf.nbytes) == (6, 6 * np.dtype(np_type).itemsize)
+        assert as_buffer(buf, name="recvbuf", writable=True) == (ptr, 12, part, 0)
+        assert as_buffer(buf, 4, np_type) == (ptr, 8, part, 0)
+        with pytest.raises(ValueError, match=r"count=7 is larger than sendbuf.*only 6"):
+            as_buffer(buf, 7)
+        with pytest.raises(TypeError, match=r"does not match sendbuf"):
+            as_buffer(buf, None, part)
+        assert buf.__cuda_array_interface__["typestr"] == np.dtype(np_type).str
+        assert "dtype=" + np.dtype(np_type).name in repr(buf)
+        assert is_complex(buf)
+    with cuda.DeviceBuffer(3, "float32") as real:
+        assert not real.is_complex and not is_complex(real)
+    with pytest.raises(TypeError, match=r"complex32.*complex64 or complex128"):
+        cuda.DeviceBuffer(3, "complex32")
