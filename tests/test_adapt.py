@@ -586,11 +586,11 @@ class _FakeRuntime:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
-    cuda = pytest.importorskip("pynccl.cuda")
-    if not hasattr(cuda, "_rt") or not hasattr(cuda, "DeviceBuffer"):
-        pytest.skip("pynccl.cuda has no DeviceBuffer over _rt()")
+    from pynccl import cuda
+    from pynccl.cuda import _runtime
+
     rt = _FakeRuntime()
-    monkeypatch.setattr(cuda, "_rt", lambda: rt)
+    monkeypatch.setattr(_runtime, "_rt", lambda: rt)
     yield cuda, rt
     assert rt.blocks == {}  # every buffer made in the test was freed
 
