@@ -79,23 +79,21 @@ def test_raw_pointer_needs_count_and_dtype(count: Any, dtype: Any, missing: str)
 
 
 def test_raw_pointer_refusals() -> None:
-    with pytest.raises(ValueError, match=r"sendbuf is a NULL pointer but count=4"):
+    with pytest.raises(ValueError, match=r"^sendbuf is a NULL pointer but 16 bytes are needed"):
         as_buffer(0, 4, "float32")
-    with pytest.raises(ValueError, match=r"recvbuf=-8 is not a valid pointer"):
+    with pytest.raises(ValueError, match=r"^recvbuf=-0x8 is not a valid pointer"):
         as_buffer(-8, 4, "float32", name="recvbuf")
     with pytest.raises(ValueError, match=r"is not a valid pointer"):
         as_buffer(1 << 64, 4, "float32")
-    with pytest.raises(ValueError, match=r"count=-1 for sendbuf must be >= 0"):
+    with pytest.raises(ValueError, match=r"^count=-1 is out of range; expected 0 <= count < 2"):
         as_buffer(0x1000, -1, "float32")
     # ctypes would wrap a size_t of 2**64 and up into a small count: both paths refuse it.
-    from pynccl.enums import DataType
-
     for dtype in ("float32", DataType.FLOAT32):
-        with pytest.raises(ValueError, match=r"count=18446744073709551621 for sendbuf .* 2\*\*64"):
+        with pytest.raises(ValueError, match=r"^count=18446744073709551621 is out of range"):
             as_buffer(0x1000, (1 << 64) + 5, dtype)
-    with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got float 2.0"):
+    with pytest.raises(TypeError, match=r"^count must be a non-negative int, got float 2.0"):
         as_buffer(0x1000, 2.0, "float32")
-    with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got bool"):
+    with pytest.raises(TypeError, match=r"^count must be a non-negative int, got bool True"):
         as_buffer(0x1000, True, "float32")
     with pytest.raises(TypeError, match=r"dtype for sendbuf: data type 'int16' is not supported"):
         as_buffer(0x1000, 4, "int16")
@@ -144,7 +142,9 @@ def test_cai_empty_with_null_pointer() -> None:
 def test_cai_null_pointer_with_elements() -> None:
     cai = P.CAIArray(np.zeros(3, np.float32))
     cai.__cuda_array_interface__["data"] = (0, False)
-    with pytest.raises(ValueError, match=r"recvbuf: .*data pointer 0 is not a valid device"):
+    with pytest.raises(
+        ValueError, match=r"^recvbuf's data pointer is a NULL pointer but 12 bytes are needed"
+    ):
         as_buffer(cai, name="recvbuf")
 
 
@@ -884,3 +884,146 @@ def test_device_buffer_complex(fake_cuda: Any, np_type: Any, part: DataType) -> 
         assert not real.is_complex and not is_complex(real)
     with pytest.raises(TypeError, match=r"complex32.*complex64 or complex128"):
         cuda.DeviceBuffer(3, "complex32")
+
+
+# --- the argument policy: the same words as pynccl._limits ----------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", DataType.FLOAT32])
+def test_raw_pointer_extent_and_end_of_address_space(dtype: Any) -> None:
+    from pynccl import _limits
+
+    # count x item size at 2**64: refused as _limits.check_extent words it.
+    with pytest.raises(ValueError) as info:
+        as_buffer(0x1000, 1 << 62, dtype)
+    with pytest.raises(ValueError) as expected:
+        _limits.check_extent(1 << 62, 4, "sendbuf")
+    assert str(info.value) == str(expected.value)
+    # A range that runs past 2**64, on both the fast and the exact path.
+    top = (1 << 64) - 8
+    with pytest.raises(ValueError, match=r"^sendbuf=0xfffffffffffffff8 \+ 12 bytes passes the end"):
+        as_buffer(top, 3, dtype)
+    assert as_buffer(top, 2, dtype) == (top, 2, DataType.FLOAT32, None)  # exactly to the end
+    assert as_buffer(top, 1, "float64") == (top, 1, DataType.FLOAT64, None)
+
+
+@pytest.mark.parametrize(
+    "count", [-1, 1 << 64, 2.0, True, np.float64(3.0), "3", np.int64(-2), None]
+)
+def test_count_refusals_match_limits(count: Any) -> None:
+    # For every buffer kind, a bad count= gets exactly _limits.check_count's exception.
+    from pynccl import _limits
+
+    if count is None:
+        return
+    with pytest.raises((TypeError, ValueError)) as expected:
+        _limits.check_count(count)
+    a = np.zeros(8, np.float32)
+    for obj in (0x1000, P.CAIArray(a), P.DLPackProducer(a)):
+        with pytest.raises(type(expected.value)) as info:
+            as_buffer(obj, count, "float32")
+        assert str(info.value) == str(expected.value)
+    assert as_buffer(P.CAIArray(a), np.int64(3)) == (addr(a), 3, DataType.FLOAT32, None)
+
+
+def test_cai_shape_product_at_2_64_refused() -> None:
+    a = np.zeros(4, np.float32)
+    for shape in [(1 << 62,), (1 << 32, 1 << 30), (1 << 64,)]:
+        cai = P.CAIArray(a)
+        cai.__cuda_array_interface__["shape"] = shape
+        with pytest.raises(ValueError, match=r"^recvbuf spans \d+ elements of 4 bytes"):
+            as_buffer(cai, name="recvbuf")
+
+
+def test_cai_pointer_range_refused() -> None:
+    a = np.zeros(4, np.float32)
+    for ptr, words in [
+        ((1 << 64) - 8, r"\+ 16 bytes passes the end of the address space"),
+        (1 << 64, r"is not a valid pointer"),
+        (-16, r"is not a valid pointer"),
+    ]:
+        cai = P.CAIArray(a)
+        cai.__cuda_array_interface__["data"] = (ptr, False)
+        with pytest.raises(ValueError, match=rf"^sendbuf's data pointer.*{words}"):
+            as_buffer(cai)
+    cai = P.CAIArray(a)
+    cai.__cuda_array_interface__["data"] = ("0x1000", False)
+    with pytest.raises(TypeError, match=r"sendbuf: __cuda_array_interface__ data pointer '0x1000'"):
+        as_buffer(cai)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "exc", "words"),
+    [
+        ("shape", 4, TypeError, r"shape 4 is not a tuple of ints"),
+        ("shape", (2.0, 2), TypeError, r"shape \(2.0, 2\) is not a tuple of ints"),
+        ("shape", (True,), TypeError, r"shape \(True,\) is not a tuple of ints"),
+        ("strides", 4, TypeError, r"strides 4 are neither None nor a tuple of ints"),
+        ("strides", ("a",), TypeError, r"strides \('a',\) are neither None nor"),
+        ("strides", (4, 4), ValueError, r"strided/non-contiguous"),
+        ("typestr", 5, TypeError, r"typestr 5 is not a str"),
+        ("data", (1,), TypeError, r"malformed __cuda_array_interface__"),
+    ],
+)
+def test_cai_malformed_fields(key: str, value: Any, exc: type, words: str) -> None:
+    cai = P.CAIArray(np.zeros(4, np.float32))
+    cai.__cuda_array_interface__[key] = value
+    with pytest.raises(exc, match=words) as info:
+        as_buffer(cai, name="recvbuf")
+    assert "recvbuf" in str(info.value)
+
+
+def test_cai_not_a_dict() -> None:
+    class ListCAI:
+        __cuda_array_interface__ = [("shape", (2,))]
+
+    with pytest.raises(TypeError, match=r"^recvbuf has a malformed __cuda_array_interface__"):
+        as_buffer(ListCAI(), name="recvbuf")
+
+
+def _set(**fields: Any) -> Any:
+    def tamper(t: Any) -> None:
+        for key, value in fields.items():
+            if key in ("shape", "strides") and isinstance(value, int):
+                value = P.ctypes.cast(value, P.POINTER(P.c_int64))
+            setattr(t, key, value)
+
+    return tamper
+
+
+_BIG = (P.c_int64 * 2)(1 << 62, 1)  # kept alive for the whole module
+_BIG_ADDR = addressof(_BIG)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "exc", "words"),
+    [
+        (_set(ndim=-1), ValueError, r"DLPack ndim=-1 is out of range; expected 0 <= ndim <= 64"),
+        (_set(ndim=(1 << 31) - 1), ValueError, r"DLPack ndim=2147483647 is out of range"),
+        (_set(ndim=65), ValueError, r"DLPack ndim=65 is out of range"),
+        (_set(shape=None), ValueError, r"DLPack shape pointer is NULL for ndim=1"),
+        (_set(shape=_BIG_ADDR + 3), ValueError, r"shape pointer 0x[0-9a-f]+ is not an aligned"),
+        (_set(shape=(1 << 64) - 8, ndim=2), ValueError, r"shape pointer 0xfff+8 is not an"),
+        (_set(shape=_BIG_ADDR, ndim=1), ValueError, r"sendbuf spans 4611686018427387904 elem"),
+        (_set(strides=_BIG_ADDR + 4), ValueError, r"strides pointer 0x[0-9a-f]+ is not an"),
+        (_set(byte_offset=(1 << 64) - 1), ValueError, r"passes the end of the address space"),
+        (_set(data=(1 << 64) - 8), ValueError, r"data pointer=0xfff+8 \+ 16 bytes passes"),
+        (_set(device=P.DLDevice(P.kDLCUDA, -1)), ValueError, r"DLPack device_id=-1 is negat"),
+        (_set(dtype=P.DLDataType(99, 8, 1)), TypeError, r"type code 99"),
+        (_set(dtype=P.DLDataType(2, 32, 0)), TypeError, r"a vector type \(0 lanes\)"),
+    ],
+)
+def test_dlpack_malformed_tensor(tamper: Any, exc: type, words: str) -> None:
+    p = P.DLPackProducer(np.zeros(4, np.float32), tamper=tamper)
+    with pytest.raises(exc, match=words) as info:
+        as_buffer(p)
+    assert str(info.value).startswith("sendbuf")
+    del info
+    gc.collect()
+    assert p.deleted == 1  # refused, and released
+
+
+def test_dlpack_zero_dim_needs_no_shape() -> None:
+    a = np.zeros(1, np.float32)
+    p = P.DLPackProducer(a, tamper=_set(ndim=0, shape=None))
+    assert as_buffer(p) == (addr(a), 1, DataType.FLOAT32, 0)

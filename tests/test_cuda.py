@@ -93,13 +93,20 @@ def test_wrapped_stream_is_borrowed() -> None:
 @pytest.mark.parametrize(
     ("call", "exc", "words"),
     [
-        (lambda: cuda.set_device("0"), TypeError, "device must be an int"),
-        (lambda: cuda.set_device(True), TypeError, "device must be an int"),
-        (lambda: cuda.set_device(-1), ValueError, "device=-1"),
+        (lambda: cuda.set_device("0"), TypeError, "^device must be an int, got str '0'$"),
+        (lambda: cuda.set_device(True), TypeError, "^device must be an int, got bool True$"),
+        (lambda: cuda.set_device(1.0), TypeError, "^device must be an int, got float 1.0$"),
+        (lambda: cuda.set_device(-1), ValueError, r"^device=-1 is out of range; expected 0 <="),
+        # 2**32 must not wrap to device 0 in ctypes' 32-bit int
+        (lambda: cuda.set_device(1 << 32), ValueError, r"^device=4294967296 is out of range"),
+        (lambda: Stream(device=1 << 32), ValueError, r"^device=4294967296 is out of range"),
         (lambda: DeviceBuffer(-4), ValueError, "shape=-4"),
-        (lambda: DeviceBuffer((2, 2.5)), ValueError, "shape="),
+        (lambda: DeviceBuffer((2, 2.5)), TypeError, "^shape must be an int or a tuple of ints"),
+        (lambda: DeviceBuffer((2, True)), TypeError, "^shape must be an int or a tuple of ints"),
+        (lambda: DeviceBuffer((1 << 32, 1 << 32)), ValueError, r"spans 18446744073709551616 e"),
         (lambda: DeviceBuffer(3, device=-2), ValueError, "device=-2"),
-        (lambda: cuda.pointer_attributes("0x10"), TypeError, "ptr must be an int"),
+        (lambda: cuda.pointer_attributes("0x10"), TypeError, "^ptr must be a pointer"),
+        (lambda: cuda.pointer_attributes(1 << 64), ValueError, "^ptr=0x1000"),
     ],
 )
 def test_bad_arguments_name_the_value(call: Any, exc: type[Exception], words: str) -> None:

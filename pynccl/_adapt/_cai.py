@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
+from .._limits import check_extent, check_pointer
 from ..dtypes import as_datatype, canonical_name, complex_component
 from ..enums import DataType
 from ._common import (
     _CACHE_LIMIT,
-    _PTR_LIMIT,
     _instance_has,
     _is_c_contiguous,
     _not_a_buffer,
@@ -112,6 +112,8 @@ def _from_cai(
     device_of: DeviceGetter,
 ) -> BufferInfo:
     try:
+        if type(cai) is not dict:
+            raise TypeError
         shape = cai["shape"]
         typestr = cai["typestr"]
         ptr, readonly = cai["data"]
@@ -120,6 +122,8 @@ def _from_cai(
             f"{name} has a malformed __cuda_array_interface__ {cai!r}: expected a dict "
             "with 'shape', 'typestr' and 'data': (ptr, readonly)"
         ) from None
+    if not isinstance(ptr, int) or isinstance(ptr, bool):
+        raise TypeError(f"{name}: __cuda_array_interface__ data pointer {ptr!r} is not an int")
     dt = _TYPESTR_CACHE.get(typestr) if type(typestr) is str else None
     lanes = 1
     if dt is None:
@@ -128,17 +132,25 @@ def _from_cai(
             dt, lanes = part, 2
         else:
             dt = _cai_datatype(obj, typestr, name)
-    try:
-        n = shape[0] if len(shape) == 1 else math.prod(shape)
-        if type(n) is not int or n < 0 or (len(shape) > 1 and min(shape) < 0):
-            raise ValueError
-    except (TypeError, ValueError):
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
         raise TypeError(
             f"{name}: __cuda_array_interface__ shape {shape!r} is not a tuple of ints >= 0"
-        ) from None
+        )
+    n = math.prod(shape)
+    nbytes = check_extent(n, dt.itemsize * lanes, name)
     strides = cai.get("strides")
-    if strides is not None and n and not _is_c_contiguous(shape, strides, dt.itemsize * lanes):
-        raise _strided_error(name, shape, strides, "bytes")
+    if strides is not None:
+        if not isinstance(strides, (tuple, list)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) for d in strides
+        ):
+            raise TypeError(
+                f"{name}: __cuda_array_interface__ strides {strides!r} are neither None "
+                "nor a tuple of ints"
+            )
+        if n and not _is_c_contiguous(shape, strides, dt.itemsize * lanes):
+            raise _strided_error(name, shape, strides, "bytes")
     if cai.get("mask") is not None:
         raise ValueError(f"{name} is a masked array (__cuda_array_interface__ 'mask' is set)")
     if readonly and writable:
@@ -146,11 +158,7 @@ def _from_cai(
             f"{name} is read-only (__cuda_array_interface__ data=({ptr:#x}, True)); "
             "NCCL writes the result into it"
         )
-    if type(ptr) is not int or ptr < 0 or ptr >= _PTR_LIMIT or (ptr == 0 and n):
-        raise ValueError(
-            f"{name}: __cuda_array_interface__ data pointer {ptr!r} is not a valid "
-            f"device address for {n} elements"
-        )
+    ptr = check_pointer(ptr, f"{name}'s data pointer", nbytes)
     n *= lanes
     if count is not None or dtype is not None:
         n, dt = _override(n, dt, count, dtype, name, lanes)
@@ -197,7 +205,8 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
                     and type(n) is int
                     and n >= 0
                     and type(ptr) is int
-                    and 0 < ptr < _PTR_LIMIT
+                    # no item is over 8 bytes: [ptr, ptr + n items) lies below 2**64
+                    and 0 < ptr <= (1 << 64) - (n << 3)
                     and not (readonly and writable)
                 ):
                     return ptr, n, dt, None

@@ -3,6 +3,7 @@ and the wording of refusals."""
 
 from __future__ import annotations
 
+from .. import _limits
 from ..dtypes import as_datatype, canonical_name, complex_component, complex_name
 from ..enums import DataType
 
@@ -29,23 +30,14 @@ _BUFFER_FORMS = (
 )
 
 
-def _check_count(count: Any, name: str) -> int:
-    if type(count) is not int:
-        if isinstance(count, bool) or not hasattr(count, "__index__"):
-            raise TypeError(
-                f"count for {name} must be an int, got {type(count).__name__} {count!r}"
-            )
-        count = count.__index__()  # numpy integers
-    if count < 0:
-        raise ValueError(f"count={count} for {name} must be >= 0")
-    if count >= _PTR_LIMIT:  # ctypes would silently wrap a size_t this large
-        raise ValueError(f"count={count} for {name} must be below 2**64")
-    return count  # type: ignore[no-any-return]
-
-
 def check_pointer(name: str, ptr: int, count: int) -> None:
     """Refuse a raw pointer NCCL must not see: NULL (unless nothing moves), negative, or
-    2**64 and up (ctypes would silently wrap it into another address)."""
+    2**64 and up (ctypes would silently wrap it into another address).
+
+    The old check, kept with its wording for the callers of this signature;
+    :func:`pynccl._limits.check_pointer` is the rule (``as_buffer`` uses it), which also
+    refuses a range ``[ptr, ptr + nbytes)`` passing 2**64.
+    """
     if ptr < 0 or ptr >= _PTR_LIMIT:
         raise ValueError(f"{name}={ptr} is not a valid pointer (expected 0 < ptr < 2**64)")
     if ptr == 0 and count:
@@ -92,7 +84,7 @@ def _override(
                 f"type is {_type_words(dt, lanes)}"
             )
     if count is not None:
-        c = _check_count(count, name)
+        c = _limits.check_count(count)
         if c * lanes > n:
             raise ValueError(
                 f"count={c} is larger than {name}, which holds only {n // lanes} elements"

@@ -80,10 +80,13 @@ def as_buffer(
         type(obj) is int
         and type(count) is int
         and type(dtype) is DataType
-        and 0 < obj < 1 << 64
-        and 0 <= count < 1 << 64
+        and count >= 0
+        and 0 < obj <= (1 << 64) - (count << 3)
     ):
-        return obj, count, dtype, None  # the raw path, checked in full: nothing more to do
+        # The raw path, checked in full: no item is over 8 bytes, so [obj, obj + count
+        # items) lies below 2**64. Anything else (huge counts, pointers near the top)
+        # gets the exact checks of _from_pointer.
+        return obj, count, dtype, None
     return buffer_handler(obj, name)(obj, count, dtype, name, writable, stream)
 
 

@@ -8,6 +8,7 @@ import math
 import struct
 from ctypes import c_char_p, c_int64, c_void_p
 
+from .._limits import check_extent, check_pointer
 from ..dtypes import canonical_name, complex_name
 from ..enums import DataType
 from ._common import _is_c_contiguous, _override, _strided_error
@@ -155,17 +156,30 @@ def _read_capsule(capsule: Any, count: Any, dtype: Any, name: str, writable: boo
             dt, pair = part, 2
         else:
             dt = _dl_datatype(code, bits, lanes, name)
-    shape = _int64s(shape_p, ndim) if ndim > 0 else []
-    n = shape[0] if ndim == 1 else math.prod(shape)
-    if n < 0 or (ndim > 1 and min(shape) < 0):
+    if not 0 <= ndim <= _MAX_NDIM:
+        raise ValueError(
+            f"{name}: DLPack ndim={ndim} is out of range; expected 0 <= ndim <= {_MAX_NDIM}"
+        )
+    shape = _dims(shape_p, ndim, name, "shape") if ndim else []
+    if ndim and min(shape) < 0:
         raise ValueError(f"{name}: DLPack shape {tuple(shape)} has a negative extent")
+    n = math.prod(shape)
+    nbytes = check_extent(n, dt.itemsize * pair, name)
     if strides_p and n:
-        strides = _int64s(strides_p, ndim)
+        strides = _dims(strides_p, ndim, name, "strides")
         if not _is_c_contiguous(shape, strides, 1):
             raise _strided_error(name, shape, strides, "elements")
-    ptr = (data or 0) + byte_offset
-    if ptr == 0 and n:
+    if kind == _DL_CUDA and device_id < 0:
+        raise ValueError(f"{name}: DLPack device_id={device_id} is negative")
+    if not data and nbytes:
         raise ValueError(f"{name}: DLPack data pointer is NULL for {n} elements")
+    ptr = (data or 0) + byte_offset
+    if ptr >= 1 << 64:
+        raise ValueError(
+            f"{name}: DLPack data {data or 0:#x} + byte_offset {byte_offset:#x} = {ptr:#x} "
+            "passes the end of the address space (2**64)"
+        )
+    ptr = check_pointer(ptr, f"{name}'s data pointer", nbytes)
     n *= pair
     if count is not None or dtype is not None:
         n, dt = _override(n, dt, count, dtype, name, pair)
@@ -219,6 +233,21 @@ def _capsule_tensor(capsule: Any, name: str, writable: bool) -> list[Any]:
 
 # ctypes array types by length, for reading shape / strides.
 _INT64_ARRAYS: dict[int, Any] = {}
+# No producer makes more dimensions (numpy's and torch's limit); a larger ndim is garbage,
+# and reading that many int64s from the shape pointer could run off mapped memory.
+_MAX_NDIM = 64
+
+
+def _dims(address: int | None, ndim: int, name: str, what: str) -> list[int]:
+    """The ``ndim`` int64s at ``address`` (a DLTensor's shape or strides), once the address
+    is known to be a plausible array of them: not NULL, 8-byte aligned, below 2**64."""
+    if not address:
+        raise ValueError(f"{name}: DLPack {what} pointer is NULL for ndim={ndim}")
+    if address % 8 or address + 8 * ndim > 1 << 64:
+        raise ValueError(
+            f"{name}: DLPack {what} pointer {address:#x} is not an aligned array of {ndim} int64s"
+        )
+    return _int64s(address, ndim)
 
 
 def _int64s(address: int, count: int) -> list[int]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from .._limits import check_count, check_extent, check_pointer
 from ..enums import DataType
-from ._common import _PTR_LIMIT, _check_count, _datatype_lanes, _type_words, check_pointer
+from ._common import _datatype_lanes
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
 if TYPE_CHECKING:
@@ -23,19 +24,11 @@ def _from_pointer(
             f"{name} is a raw pointer ({int(obj):#x}), which carries no size or type: "
             f"{missing} must be given"
         )
-    n = count if type(count) is int and 0 <= count < 1 << 64 else _check_count(count, name)
+    n = count if type(count) is int and 0 <= count < 1 << 64 else check_count(count)
+    lanes = 1
     if type(dtype) is DataType:
         dt = dtype
     else:
         dt, lanes = _datatype_lanes(dtype, name)
-        if lanes != 1:  # complex: NCCL moves twice as many floats
-            n *= lanes
-            if n >= _PTR_LIMIT:
-                raise ValueError(
-                    f"count={count} for {name} of {_type_words(dt, lanes)} is "
-                    f"{n} floats; expected fewer than 2**64"
-                )
-    ptr = int(obj)
-    if not 0 < ptr < 1 << 64:
-        check_pointer(name, ptr, n)
-    return ptr, n, dt, None
+        n *= lanes  # complex: NCCL moves twice as many floats
+    return check_pointer(obj, name, check_extent(n, dt.itemsize, name)), n, dt, None

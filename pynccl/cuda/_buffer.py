@@ -5,6 +5,7 @@ from __future__ import annotations
 from ctypes import byref, c_void_p
 from typing import TYPE_CHECKING, Any
 
+from .._limits import check_extent, index_int
 from ..dtypes import as_datatype, canonical_name, complex_component, complex_name, to_numpy_dtype
 from ..enums import DataType
 from . import _runtime
@@ -22,10 +23,13 @@ _D2D = 3
 
 
 def _shape_of(shape: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    for d in dims:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise ValueError(f"shape={shape!r}: every dimension must be an int >= 0")
+    """``shape`` as a tuple of ints >= 0 (an int is one dimension)."""
+    if isinstance(shape, (tuple, list)):
+        dims = tuple(index_int(d, "shape", "an int or a tuple of ints") for d in shape)
+    else:
+        dims = (index_int(shape, "shape", "an int or a tuple of ints"),)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape={shape!r} is out of range: every dimension must be >= 0")
     return dims
 
 
@@ -124,7 +128,7 @@ class DeviceBuffer:
         size = 1
         for d in self._shape:
             size *= d
-        self._nbytes = size * self._dtype.itemsize * self._lanes
+        self._nbytes = check_extent(size, self._dtype.itemsize * self._lanes, "DeviceBuffer")
         out = c_void_p()
         with _DeviceScope(device) as dev:
             if dev < 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ctypes import byref, c_int
 from enum import IntEnum
 
+from .._limits import check_pointer
 from ..errors import CudaError, LibraryNotFoundError
 from . import _runtime
 from ._runtime import _NO_GPU, _check_index
@@ -118,8 +119,7 @@ def pointer_attributes(ptr: int) -> tuple[MemoryType, int]:
     """
     from .._capi.structs import cudaPointerAttributes
 
-    if not isinstance(ptr, int) or isinstance(ptr, bool):
-        raise TypeError(f"ptr must be an int address, got {type(ptr).__name__}")
+    ptr = check_pointer(ptr, "ptr", 0)  # an int in [0, 2**64): ctypes would wrap others
     attrs = cudaPointerAttributes()
     _runtime._rt().cudaPointerGetAttributes(byref(attrs), ptr)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import library as _library
+from .._limits import check_c_int
 
 _ERR_INITIALIZATION = 3
 _ERR_STUB_LIBRARY = 34
@@ -23,12 +24,10 @@ def _rt() -> Any:
 
 
 def _check_index(name: str, value: object) -> int:
-    # bool is an int subclass, but set_device(True) is surely a mistake.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value
+    """A device index for a C ``int``: an integer in [0, 2**31) (never bool or float), in
+    the words of :func:`pynccl._limits.check_c_int`; ``cudaSetDevice`` and friends say
+    whether that device exists."""
+    return check_c_int(value, name, 0)
 
 
 #: Anything accepted where a stream is expected: ``None`` (the default stream),
