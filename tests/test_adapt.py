@@ -706,8 +706,9 @@ def test_stream_pynccl_stream() -> None:
     ("obj", "words"),
     [
         (P.TorchLikeStream(-5), r"stream \.cuda_stream is -5; expected a cudaStream_t handle"),
-        (P.CupyLikeStream("x"), r"stream \.ptr is str 'x'; expected an int handle"),
-        (P.CupyLikeStream(True), r"stream \.ptr is bool True"),
+        (P.CupyLikeStream("x"), r"^stream \.ptr must be an int handle, got str 'x'$"),
+        (P.CupyLikeStream(True), r"^stream \.ptr must be an int handle, got bool True$"),
+        (P.CupyLikeStream(1.0), r"^stream \.ptr must be an int handle, got float 1.0$"),
         (P.ProtocolStream(1 << 64), r"__cuda_stream__ handle is 18446744073709551616"),
     ],
 )
@@ -739,6 +740,7 @@ def test_stream_refused(obj: Any) -> None:
 
 def test_stream_handler_lost_attribute() -> None:
     # Same type, attribute missing on a later instance: a TypeError, not AttributeError.
+    # (Which protocol a later instance speaks is decided for it: see the next test.)
     class Flaky:
         pass
 
@@ -1027,3 +1029,42 @@ def test_dlpack_zero_dim_needs_no_shape() -> None:
     a = np.zeros(1, np.float32)
     p = P.DLPackProducer(a, tamper=_set(ndim=0, shape=None))
     assert as_buffer(p) == (addr(a), 1, DataType.FLOAT32, 0)
+
+
+def test_stream_later_instance_speaks_another_protocol() -> None:
+    # One class, instances exposing different protocols: each is read by its own, even
+    # though the handler is cached from the first instance of the class.
+    import pynccl._adapt as adapt
+
+    class Mixed:
+        pass
+
+    def make(**attrs: Any) -> Mixed:
+        m = Mixed()
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        return m
+
+    assert as_stream(make(cuda_stream=0x11)) == 0x11
+    cached = adapt._STREAM_HANDLERS[Mixed]
+    assert as_stream(make(ptr=0x22)) == 0x22
+    assert as_stream(make(__cuda_stream__=(0, 0x33))) == 0x33
+    assert as_stream(make(cuda_stream=0x44)) == 0x44
+    assert adapt._STREAM_HANDLERS[Mixed] is cached  # the cache stays as it was
+    with pytest.raises(TypeError, match=r"^stream must be None, an int"):
+        as_stream(make())
+    with pytest.raises(ValueError, match=r"^stream \.ptr is -1; expected a cudaStream_t"):
+        as_stream(make(ptr=-1))
+
+
+def test_buffer_later_instance_without_its_protocol() -> None:
+    # A CAI-by-instance class whose later instance has none: a TypeError naming it.
+    class Maybe:
+        pass
+
+    a = np.zeros(3, np.float32)
+    first = Maybe()
+    first.__cuda_array_interface__ = P.cai_dict(a)  # type: ignore[attr-defined]
+    assert as_buffer(first) == (addr(a), 3, DataType.FLOAT32, None)
+    with pytest.raises(TypeError, match=r"^recvbuf must be an int device pointer.*Maybe"):
+        as_buffer(Maybe(), name="recvbuf")

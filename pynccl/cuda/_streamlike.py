@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+from .._limits import index_int
+
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -33,17 +35,14 @@ def _stream_error(obj: Any) -> TypeError:
 
 
 def _checked_handle(handle: Any, obj: Any, source: str) -> int:
-    if type(handle) is not int:
-        if isinstance(handle, bool) or not hasattr(handle, "__index__"):
-            raise TypeError(
-                f"stream {source} is {type(handle).__name__} {handle!r}; expected an int handle"
-            )
-        handle = handle.__index__()
-    if handle < 0 or handle >= _PTR_LIMIT:
+    value = (
+        handle if type(handle) is int else index_int(handle, f"stream {source}", "an int handle")
+    )
+    if value < 0 or value >= _PTR_LIMIT:
         raise ValueError(
-            f"stream {source} is {handle}; expected a cudaStream_t handle in [0, 2**64)"
+            f"stream {source} is {value}; expected a cudaStream_t handle in [0, 2**64)"
         )
-    return handle  # type: ignore[no-any-return]
+    return value
 
 
 def _stream_from_int(obj: Any) -> int:
@@ -53,7 +52,10 @@ def _stream_from_int(obj: Any) -> int:
 
 
 def _stream_from_protocol(obj: Any) -> int:
-    info = obj.__cuda_stream__
+    try:
+        info = obj.__cuda_stream__
+    except AttributeError:
+        return _redispatch(obj, _stream_from_protocol)
     if callable(info):
         info = info()
     try:
@@ -69,7 +71,7 @@ def _stream_from_cuda_stream(obj: Any) -> int:
     try:
         handle = obj.cuda_stream
     except AttributeError:
-        raise _stream_error(obj) from None
+        return _redispatch(obj, _stream_from_cuda_stream)
     return _checked_handle(handle, obj, ".cuda_stream")
 
 
@@ -77,7 +79,7 @@ def _stream_from_ptr(obj: Any) -> int:
     try:
         handle = obj.ptr
     except AttributeError:
-        raise _stream_error(obj) from None
+        return _redispatch(obj, _stream_from_ptr)
     return _checked_handle(handle, obj, ".ptr")
 
 
@@ -98,27 +100,43 @@ def _stream_from_pynccl(obj: Any) -> int:
     return obj.handle  # type: ignore[no-any-return]
 
 
-def _stream_handler(cls: type, obj: Any) -> StreamHandler:
-    """Pick (and cache) the handler for streams of type ``cls``; raise if none fits."""
+def _pick(cls: type, obj: Any) -> StreamHandler:
+    """The handler for ``obj`` (of type ``cls``); ``TypeError`` if none fits."""
     stream_module = sys.modules.get(__package__ + "._stream")  # loaded with pynccl.cuda
     if issubclass(cls, bool):
         raise _stream_error(obj)
     if issubclass(cls, int):
-        handler: StreamHandler = _stream_from_int
-    elif stream_module is not None and cls is getattr(stream_module, "Stream", None):
-        handler = _stream_from_pynccl
-    elif hasattr(obj, "__cuda_stream__"):
-        handler = _stream_from_protocol
-    elif hasattr(obj, "cuda_stream"):
-        handler = _stream_from_cuda_stream
-    elif hasattr(obj, "ptr"):
-        handler = _stream_from_ptr
-    elif hasattr(cls, "__index__"):  # numpy integers
-        handler = _stream_from_dunder_int
-    elif hasattr(cls, "__int__") and not _is_number(obj):  # cuda-python, numba streams
-        handler = _stream_from_dunder_int
-    else:
+        return _stream_from_int
+    if stream_module is not None and cls is getattr(stream_module, "Stream", None):
+        return _stream_from_pynccl
+    if hasattr(obj, "__cuda_stream__"):
+        return _stream_from_protocol
+    if hasattr(obj, "cuda_stream"):
+        return _stream_from_cuda_stream
+    if hasattr(obj, "ptr"):
+        return _stream_from_ptr
+    if hasattr(cls, "__index__"):  # numpy integers
+        return _stream_from_dunder_int
+    if hasattr(cls, "__int__") and not _is_number(obj):  # cuda-python, numba streams
+        return _stream_from_dunder_int
+    raise _stream_error(obj)
+
+
+def _redispatch(obj: Any, failed: StreamHandler) -> int:
+    """``obj`` lacks the attribute its type's cached handler reads (instances of one class
+    may expose different protocols): pick again for this instance, without caching."""
+    handler = _pick(type(obj), obj)
+    if handler is failed:  # the attribute is there for hasattr but not for reading
         raise _stream_error(obj)
+    return handler(obj)
+
+
+def _stream_handler(cls: type, obj: Any) -> StreamHandler:
+    """Pick (and cache) the handler for streams of type ``cls``; raise if none fits.
+
+    The pick is made on the first instance seen; a later one that lacks what the cached
+    handler reads is re-dispatched by that handler (:func:`_redispatch`)."""
+    handler = _pick(cls, obj)
     if len(_STREAM_HANDLERS) < _CACHE_LIMIT:
         _STREAM_HANDLERS[cls] = handler
     return handler
