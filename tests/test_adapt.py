@@ -1068,3 +1068,18 @@ def test_buffer_later_instance_without_its_protocol() -> None:
     assert as_buffer(first) == (addr(a), 3, DataType.FLOAT32, None)
     with pytest.raises(TypeError, match=r"^recvbuf must be an int device pointer.*Maybe"):
         as_buffer(Maybe(), name="recvbuf")
+
+
+@pytest.mark.parametrize("answer", [None, (2,), ("cuda", 0), (2, 0, 0), (2.0, 0), 7])
+def test_dlpack_device_answer_malformed(answer: Any) -> None:
+    class OddDevice(P.DLPackProducer):
+        def __dlpack_device__(self) -> Any:
+            return answer
+
+    class OddCAI(P.CAIWithDLPackDevice):
+        pass
+
+    with pytest.raises(TypeError, match=r"^recvbuf\.__dlpack_device__\(\) gave .* two ints$"):
+        as_buffer(OddDevice(np.zeros(2, np.float32)), name="recvbuf")
+    with pytest.raises(TypeError, match=r"^recvbuf\.__dlpack_device__\(\) gave .* two ints$"):
+        as_buffer(OddCAI(np.zeros(2, np.float32), answer), name="recvbuf")  # type: ignore[arg-type]

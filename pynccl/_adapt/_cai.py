@@ -16,7 +16,7 @@ from ._common import (
     _override,
     _strided_error,
 )
-from ._dlpack import _DL_CUDA, _make_dlpack_handler
+from ._dlpack import _DL_CUDA, _dlpack_device, _make_dlpack_handler
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
 if TYPE_CHECKING:
@@ -25,17 +25,17 @@ if TYPE_CHECKING:
     from ._common import BufferHandler, BufferInfo, DeviceGetter
 
 
-def _no_device(obj: Any) -> int | None:
+def _no_device(obj: Any, name: str) -> int | None:
     return None
 
 
-def _device_from_dlpack_device(obj: Any) -> int | None:
-    kind, index = obj.__dlpack_device__()
+def _device_from_dlpack_device(obj: Any, name: str) -> int | None:
+    kind, index = _dlpack_device(obj, name)
     # Managed memory reports device_id 0 whatever device it was made on (dlpack.h).
-    return int(index) if kind == _DL_CUDA else None
+    return index if kind == _DL_CUDA else None
 
 
-def _device_from_attribute(obj: Any) -> int | None:
+def _device_from_attribute(obj: Any, name: str = "") -> int | None:
     device = getattr(obj, "device", None)
     if type(device) is int:  # pynccl DeviceBuffer and its likes
         return device
@@ -162,7 +162,7 @@ def _from_cai(
     n *= lanes
     if count is not None or dtype is not None:
         n, dt = _override(n, dt, count, dtype, name, lanes)
-    return ptr, n, dt, None if device_of is _no_device else device_of(obj)
+    return ptr, n, dt, None if device_of is _no_device else device_of(obj, name)
 
 
 def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     BufferInfo = tuple[int, int, DataType, Optional[int]]
     BufferHandler = Callable[[Any, Any, Any, str, bool, Optional[int]], BufferInfo]
-    DeviceGetter = Callable[[Any], Optional[int]]
+    DeviceGetter = Callable[[Any, str], Optional[int]]
 
 
 # Pointers and stream handles are unsigned 64-bit. Hot paths spell it `1 << 64`,

@@ -8,7 +8,7 @@ import math
 import struct
 from ctypes import c_char_p, c_int64, c_void_p
 
-from .._limits import check_extent, check_pointer
+from .._limits import check_extent, check_pointer, index_int
 from ..dtypes import canonical_name, complex_name
 from ..enums import DataType
 from ._common import _is_c_contiguous, _override, _strided_error
@@ -117,9 +117,26 @@ _DL_DEVICE_WORDS = {
 }
 
 
-def _check_dl_device(kind: Any, name: str) -> None:
+def _dlpack_device(obj: Any, name: str) -> tuple[int, int]:
+    """``obj.__dlpack_device__()`` as two ints ``(device_type, device_id)``, or TypeError."""
+    answer = obj.__dlpack_device__()
+    try:
+        kind, index = answer
+        if type(kind) is not int:
+            kind = index_int(kind, "device_type")
+        if type(index) is not int:
+            index = index_int(index, "device_id")
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{name}.__dlpack_device__() gave {answer!r}; expected (device_type, device_id), "
+            "two ints"
+        ) from None
+    return kind, index
+
+
+def _check_dl_device(kind: int, name: str) -> None:
     if kind != _DL_CUDA and kind != _DL_CUDA_MANAGED:
-        words = _DL_DEVICE_WORDS.get(int(kind), f"on DLPack device type {int(kind)}")
+        words = _DL_DEVICE_WORDS.get(kind, f"on DLPack device type {kind}")
         hint = (
             " (copy it to the GPU first, e.g. DeviceBuffer.from_numpy)" if kind == _DL_CPU else ""
         )
@@ -299,7 +316,7 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
     ) -> BufferInfo:
         if has_device:
             # Ask first: a CPU producer may refuse stream= before we could say why.
-            _check_dl_device(obj.__dlpack_device__()[0], name)
+            _check_dl_device(_dlpack_device(obj, name)[0], name)
         return _read_capsule(export(obj, stream), count, dtype, name, writable)
 
     return handler
