@@ -1083,3 +1083,33 @@ def test_dlpack_device_answer_malformed(answer: Any) -> None:
         as_buffer(OddDevice(np.zeros(2, np.float32)), name="recvbuf")
     with pytest.raises(TypeError, match=r"^recvbuf\.__dlpack_device__\(\) gave .* two ints$"):
         as_buffer(OddCAI(np.zeros(2, np.float32), answer), name="recvbuf")  # type: ignore[arg-type]
+
+
+def test_pointer_2_64_refused_even_for_zero_elements() -> None:
+    # Found by the fuzz: the fast paths once let 2**64 through when nothing moves.
+    for dtype in (DataType.UINT8, "uint8"):
+        with pytest.raises(ValueError, match=r"^sendbuf=0x10000000000000000 is not a valid"):
+            as_buffer(1 << 64, 0, dtype)
+    cai = P.CAIArray(np.zeros(0, np.uint8))
+    cai.__cuda_array_interface__["data"] = (1 << 64, False)
+    with pytest.raises(ValueError, match=r"^sendbuf's data pointer=0x10000000000000000 is not"):
+        as_buffer(cai)
+
+
+def test_typing_protocols_describe_the_accepted_forms() -> None:
+    # pynccl.typing's Protocols match the producers as_buffer/as_stream accept (isinstance
+    # through runtime_checkable: structure only, as a type checker sees them).
+    from pynccl import typing as T
+
+    a = np.zeros(2, np.float32)
+    assert isinstance(P.CAIProperty(a), T.SupportsCAI)
+    assert isinstance(P.CAIArray(a), T.SupportsCAI)
+    assert isinstance(P.DLPackProducer(a), T.SupportsDLPack)
+    assert isinstance(P.ProtocolStream(5), T.SupportsCudaStream)
+    assert isinstance(P.TorchLikeStream(5), T.HasCudaStreamAttr)
+    assert isinstance(P.CupyLikeStream(5), T.HasStreamPtr)
+    assert not isinstance(P.CupyLikeStream(5), T.HasCudaStreamAttr)
+    assert not isinstance(a, T.SupportsCAI)  # host memory is no CUDA array
+    from pynccl import cuda
+
+    assert cuda.StreamLike is T.StreamLike

@@ -206,7 +206,7 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
                     and n >= 0
                     and type(ptr) is int
                     # no item is over 8 bytes: [ptr, ptr + n items) lies below 2**64
-                    and 0 < ptr <= (1 << 64) - (n << 3)
+                    and 0 < ptr < (1 << 64) - (n << 3)
                     and not (readonly and writable)
                 ):
                     return ptr, n, dt, None

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
+    from ..typing import DTypeLike
+
 
 def _complex_never(obj: Any) -> bool:
     return False
@@ -57,7 +59,7 @@ def _complex_probe(cls: type) -> Callable[[Any], bool]:
 _COMPLEX_PROBES: dict[type, Callable[[Any], bool]] = {int: _complex_never}
 
 
-def is_complex(obj: Any, dtype: Any = None) -> bool:
+def is_complex(obj: object, dtype: DTypeLike | None = None) -> bool:
     """True if buffer ``obj`` (with the caller's ``dtype=``, if any) holds complex numbers,
     which :func:`as_buffer` hands out as pairs of floats.
 

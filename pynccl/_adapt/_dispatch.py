@@ -13,6 +13,7 @@ TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy read
 if TYPE_CHECKING:
     from typing import Any
 
+    from ..typing import BufferLike, DTypeLike, IndexLike
     from ._common import BufferHandler, BufferInfo
 
 
@@ -40,7 +41,7 @@ def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
 _BUFFER_HANDLERS: dict[type, BufferHandler] = {int: _from_pointer}
 
 
-def buffer_handler(obj: Any, name: str) -> BufferHandler:
+def buffer_handler(obj: object, name: str) -> BufferHandler:
     """The handler that reads buffers of ``type(obj)``: ``handler(obj, count, dtype, name,
     writable, stream) -> (ptr, nelems, datatype, device)``, as :func:`as_buffer` calls it.
 
@@ -52,9 +53,9 @@ def buffer_handler(obj: Any, name: str) -> BufferHandler:
 
 
 def as_buffer(
-    obj: Any,
-    count: Any = None,
-    dtype: Any = None,
+    obj: BufferLike,
+    count: IndexLike | None = None,
+    dtype: DTypeLike | None = None,
     *,
     name: str = "sendbuf",
     writable: bool = False,
@@ -81,7 +82,7 @@ def as_buffer(
         and type(count) is int
         and type(dtype) is DataType
         and count >= 0
-        and 0 < obj <= (1 << 64) - (count << 3)
+        and 0 < obj < (1 << 64) - (count << 3)
     ):
         # The raw path, checked in full: no item is over 8 bytes, so [obj, obj + count
         # items) lies below 2**64. Anything else (huge counts, pointers near the top)

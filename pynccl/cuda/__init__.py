@@ -21,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..typing import StreamLike
     from ._buffer import DeviceBuffer
     from ._device import (
         MemoryType,
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     )
     from ._event import Event
     from ._graph import CaptureMode, Graph
-    from ._runtime import StreamLike
     from ._runtime import _rt as _rt
     from ._stream import Stream, is_capturing, stream_handle
     from ._stream import _capture_blocks as _capture_blocks
@@ -73,7 +73,7 @@ _LAZY = {
     "Event": "._event",
     "CaptureMode": "._graph",
     "Graph": "._graph",
-    "StreamLike": "._runtime",
+    "StreamLike": "..typing",
     "_rt": "._runtime",
     "Stream": "._stream",
     "is_capturing": "._stream",

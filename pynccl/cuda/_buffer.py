@@ -10,11 +10,14 @@ from ..dtypes import as_datatype, canonical_name, complex_component, complex_nam
 from ..enums import DataType
 from . import _runtime
 from ._device import _DeviceScope, get_device
-from ._runtime import StreamLike
 from ._streamlike import as_stream as stream_handle
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import numpy as np
+
+    from ..typing import DTypeLike, IndexLike, StreamLike
 
 # cudaMemcpyKind
 _H2D = 1
@@ -22,7 +25,7 @@ _D2H = 2
 _D2D = 3
 
 
-def _shape_of(shape: int | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+def _shape_of(shape: IndexLike | Sequence[IndexLike]) -> tuple[int, ...]:
     """``shape`` as a tuple of ints >= 0 (an int is one dimension)."""
     if isinstance(shape, (tuple, list)):
         dims = tuple(index_int(d, "shape", "an int or a tuple of ints") for d in shape)
@@ -117,9 +120,9 @@ class DeviceBuffer:
 
     def __init__(
         self,
-        shape: int | tuple[int, ...] | list[int],
-        dtype: Any = DataType.FLOAT32,
-        device: int | None = None,
+        shape: IndexLike | Sequence[IndexLike],
+        dtype: DTypeLike = DataType.FLOAT32,
+        device: IndexLike | None = None,
     ) -> None:
         self._ptr = 0
         self._freed = False
@@ -200,7 +203,7 @@ class DeviceBuffer:
 
     @classmethod
     def from_numpy(
-        cls, array: Any, device: int | None = None, stream: StreamLike = None
+        cls, array: Any, device: IndexLike | None = None, stream: StreamLike = None
     ) -> DeviceBuffer:
         """A new buffer holding a copy of ``array`` (any array-like numpy accepts).
 

@@ -10,6 +10,10 @@ from ..errors import CudaError, LibraryNotFoundError
 from . import _runtime
 from ._runtime import _NO_GPU, _check_index
 
+TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
+if TYPE_CHECKING:
+    from ..typing import IndexLike
+
 
 def device_count() -> int:
     """Number of visible CUDA devices; 0 where there is no usable GPU.
@@ -40,7 +44,7 @@ def get_device() -> int:
     return d.value
 
 
-def set_device(device: int) -> None:
+def set_device(device: IndexLike) -> None:
     """Make ``device`` current for the calling thread (``cudaSetDevice``).
 
     Raises ``TypeError``/``ValueError`` for a non-int or negative index, and
@@ -83,7 +87,7 @@ class _DeviceScope:
 
     __slots__ = ("_device", "_previous")
 
-    def __init__(self, device: int | None) -> None:
+    def __init__(self, device: IndexLike | None) -> None:
         self._device = None if device is None else _check_index("device", device)
         self._previous = -1
 
@@ -111,7 +115,7 @@ class MemoryType(IntEnum):
     MANAGED = 3
 
 
-def pointer_attributes(ptr: int) -> tuple[MemoryType, int]:
+def pointer_attributes(ptr: IndexLike) -> tuple[MemoryType, int]:
     """``(memory type, device)`` of ``ptr`` (``cudaPointerGetAttributes``).
 
     Plain host memory gives ``(MemoryType.UNREGISTERED, -2)`` (device is

@@ -5,8 +5,12 @@ from __future__ import annotations
 from ctypes import byref, c_float, c_void_p
 
 from . import _runtime
-from ._runtime import _ERR_NOT_READY, StreamLike
+from ._runtime import _ERR_NOT_READY
 from ._streamlike import as_stream as stream_handle
+
+TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
+if TYPE_CHECKING:
+    from ..typing import StreamLike
 
 # cudaEventBlockingSync, cudaEventDisableTiming.
 _EVENT_BLOCKING_SYNC = 0x1

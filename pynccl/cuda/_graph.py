@@ -8,8 +8,11 @@ from ctypes import byref, c_void_p
 from enum import IntEnum
 
 from . import _runtime
-from ._runtime import StreamLike
 from ._stream import _STREAM_LEGACY, Stream, stream_handle
+
+TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
+if TYPE_CHECKING:
+    from ..typing import StreamLike
 
 
 class CaptureMode(IntEnum):

@@ -28,9 +28,3 @@ def _check_index(name: str, value: object) -> int:
     the words of :func:`pynccl._limits.check_c_int`; ``cudaSetDevice`` and friends say
     whether that device exists."""
     return check_c_int(value, name, 0)
-
-
-#: Anything accepted where a stream is expected: ``None`` (the default stream),
-#: an ``int`` handle, a :class:`Stream`, or an object with ``__cuda_stream__``
-#: (cuda.core, CuPy >= 13), ``.cuda_stream`` (torch) or ``.ptr`` (CuPy).
-StreamLike = Any

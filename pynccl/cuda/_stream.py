@@ -7,8 +7,12 @@ from ctypes import byref, c_int, c_void_p
 from . import _runtime
 from ._device import _DeviceScope
 from ._event import Event
-from ._runtime import _ERR_CAPTURE_IMPLICIT, _ERR_NOT_READY, StreamLike
+from ._runtime import _ERR_CAPTURE_IMPLICIT, _ERR_NOT_READY
 from ._streamlike import as_stream
+
+TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
+if TYPE_CHECKING:
+    from ..typing import IndexLike, StreamLike
 
 # Special stream handles of cuda_runtime_api.h.
 _STREAM_LEGACY = 0x1
@@ -44,7 +48,7 @@ class Stream:
     _owned: bool
     _owner: object
 
-    def __init__(self, *, non_blocking: bool = False, device: int | None = None) -> None:
+    def __init__(self, *, non_blocking: bool = False, device: IndexLike | None = None) -> None:
         """Create a stream on ``device`` (default: the current one).
 
         ``non_blocking=True`` gives ``cudaStreamNonBlocking`` (no implicit

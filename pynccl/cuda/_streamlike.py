@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
+    from ..typing import StreamLike
+
     StreamHandler = Callable[[Any], int]
 
 __all__ = ["as_stream"]
@@ -145,7 +147,7 @@ def _stream_handler(cls: type, obj: Any) -> StreamHandler:
 _STREAM_HANDLERS: dict[type, StreamHandler] = {int: _stream_from_int}
 
 
-def as_stream(obj: Any) -> int:
+def as_stream(obj: StreamLike) -> int:
     """The ``cudaStream_t`` of ``obj`` as an ``int``.
 
     ``None`` gives 0 (CUDA's legacy default stream); an ``int`` is taken as the
