@@ -167,6 +167,8 @@ def _from_cai(
 
 def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
     device_of = _device_getter(cls, obj)
+    no_device = device_of is _no_device
+    typestrs = _TYPESTR_CACHE  # closure cells: cheaper than global lookups
     dlpack = _make_dlpack_handler(cls) if hasattr(cls, "__dlpack__") else None
 
     def handler(
@@ -188,7 +190,6 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
         if (
             count is None
             and dtype is None
-            and device_of is _no_device
             and type(cai) is dict
             and cai.get("strides") is None
             and "mask" not in cai
@@ -196,20 +197,20 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
             try:  # subscripts and unpacking: a missing key or odd value takes the slow path
                 (n,) = shape = cai["shape"]  # 1-D only
                 ptr, readonly = cai["data"]
-                dt = _TYPESTR_CACHE[cai["typestr"]]
+                dt = typestrs[cai["typestr"]]
             except (KeyError, TypeError, ValueError):
                 pass
             else:
                 if (
                     type(shape) is tuple
                     and type(n) is int
-                    and n >= 0
                     and type(ptr) is int
-                    # no item is over 8 bytes: [ptr, ptr + n items) lies below 2**64
-                    and 0 < ptr < (1 << 64) - (n << 3)
+                    # items are at most 8 bytes: [ptr, ptr + n items) ends below 2**64
+                    and 0 <= n < 1 << 60
+                    and 0 < ptr < 1 << 63
                     and not (readonly and writable)
                 ):
-                    return ptr, n, dt, None
+                    return ptr, n, dt, None if no_device else device_of(obj, name)
         return _from_cai(obj, cai, count, dtype, name, writable, device_of)
 
     return handler

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from ..enums import DataType
 from ._common import _override
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
@@ -14,10 +13,9 @@ if TYPE_CHECKING:
     from ._common import BufferHandler, BufferInfo
 
 
-_ITEMSIZE = {dt: dt.itemsize for dt in DataType}
 # DeviceBuffer's slots read by the fast handler; its public properties cost about
 # four times as much on this path. Checked once against the class (see below).
-_DEVICE_BUFFER_SLOTS = frozenset({"_ptr", "_freed", "_nbytes", "_dtype", "_device", "_lanes"})
+_DEVICE_BUFFER_SLOTS = frozenset({"_ptr", "_freed", "_count", "_dtype", "_device", "_lanes"})
 
 
 def _from_device_buffer(
@@ -26,7 +24,7 @@ def _from_device_buffer(
     if obj._freed:
         raise ValueError(f"{name} is a DeviceBuffer that has been freed")
     dt = obj._dtype
-    n = obj._nbytes // _ITEMSIZE[dt]  # a complex buffer: 2 floats per element, as NCCL counts
+    n = obj._count  # as NCCL counts: a complex buffer has 2 floats per element
     if count is not None or dtype is not None:
         n, dt = _override(n, dt, count, dtype, name, obj._lanes)
     return obj._ptr, n, dt, obj._device

@@ -81,12 +81,12 @@ def as_buffer(
         type(obj) is int
         and type(count) is int
         and type(dtype) is DataType
-        and count >= 0
-        and 0 < obj < (1 << 64) - (count << 3)
+        and 0 <= count < 1 << 60
+        and 0 < obj < 1 << 63
     ):
-        # The raw path, checked in full: no item is over 8 bytes, so [obj, obj + count
-        # items) lies below 2**64. Anything else (huge counts, pointers near the top)
-        # gets the exact checks of _from_pointer.
+        # The raw path, checked in full with constant bounds only: no item is over 8
+        # bytes, so [obj, obj + count items) ends below 2**63 + 2**63 = 2**64. The rest
+        # (huge counts, pointers in the top half) gets the exact checks of _from_pointer.
         return obj, count, dtype, None
     return buffer_handler(obj, name)(obj, count, dtype, name, writable, stream)
 

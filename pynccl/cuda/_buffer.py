@@ -101,6 +101,7 @@ class DeviceBuffer:
 
     __slots__ = (
         "__weakref__",
+        "_count",
         "_device",
         "_dtype",
         "_freed",
@@ -113,6 +114,7 @@ class DeviceBuffer:
     _ptr: int
     _freed: bool
     _nbytes: int
+    _count: int  # elements as NCCL counts them (2 floats per complex element)
     _device: int
     _dtype: DataType
     _lanes: int  # 2 for complex (two _dtype floats per element), else 1
@@ -132,6 +134,7 @@ class DeviceBuffer:
         for d in self._shape:
             size *= d
         self._nbytes = check_extent(size, self._dtype.itemsize * self._lanes, "DeviceBuffer")
+        self._count = size * self._lanes
         out = c_void_p()
         with _DeviceScope(device) as dev:
             if dev < 0:
