@@ -147,7 +147,8 @@ def as_datatype(obj: Any) -> DataType:
     scalar types, torch dtypes, and names: ``"float32"``, ``"bfloat16"``,
     ``"float8_e4m3fn"``, ``"float8_e5m2"``, ``"torch.float16"``, ``"ncclFloat32"``,
     typestrs such as ``"<f4"``. Unsupported types (bool, complex, int16, object, ...)
-    raise ``TypeError`` naming them.
+    raise ``TypeError`` naming them; complex types, which the adaptation layer moves as
+    float pairs, are recognised by :func:`complex_component`.
     """
     if type(obj) is DataType:
         return obj

@@ -73,9 +73,16 @@ def as_buffer(
     ``device`` is the CUDA device the array reports, ``None`` if it reports none
     (raw pointers, managed memory).
 
+    A complex array (complex64 / complex128, DLPack's complex32; for a raw pointer,
+    ``dtype="complex64"`` and the like) comes back as twice as many floats of its halves'
+    type; ``count`` is still counted in complex elements. See :func:`is_complex`.
+
     Only C-contiguous, unmasked arrays of an NCCL data type are accepted:
     others raise ``TypeError`` (wrong kind or type) or ``ValueError`` (wrong
-    layout, size, location or pointer), naming ``name`` and the values.
+    layout, size, location or pointer), naming ``name`` and the values. Counts,
+    pointers and extents follow :mod:`pynccl._limits` (same exceptions, same words as
+    the object API): a count is an int or ``__index__`` integer in [0, 2**64), never a
+    bool or float; ``[ptr, ptr + count * itemsize)`` must lie below 2**64.
     """
     if (
         type(obj) is int
