@@ -438,3 +438,31 @@ def test_buffers_are_freed(runtime: bool) -> None:
     del buf2
     gc.collect()
     assert cuda.pointer_attributes(ptr2)[0] != MemoryType.DEVICE
+
+
+def test_package_facade_is_lazy_and_complete() -> None:
+    # pynccl.cuda re-exports its public names lazily: importing the adaptation layer (which
+    # needs only stream adaptation) loads none of the object modules or libcudart.
+    code = textwrap.dedent(
+        """
+        import sys
+        import pynccl._adapt
+        loaded = sorted(m for m in sys.modules if m.startswith("pynccl.cuda."))
+        from pynccl import cuda, library
+        ns = {}
+        exec("from pynccl.cuda import *", ns)
+        missing = [n for n in cuda.__all__ if n not in ns]
+        print(loaded, missing, library.loaded()[1] is None, "DeviceBuffer" in dir(cuda))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['pynccl.cuda._streamlike']", "[]", "True", "True"]
+    with pytest.raises(AttributeError, match=r"module 'pynccl.cuda' has no attribute 'nope'"):
+        _ = cuda.nope  # type: ignore[attr-defined]

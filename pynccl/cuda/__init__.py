@@ -17,10 +17,10 @@ stream-like object to a ``cudaStream_t`` int), ``_runtime`` (the loaded libcudar
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
+TYPE_CHECKING = False  # not imported from typing: keeps this import cheap; mypy reads it as true
 if TYPE_CHECKING:
+    from typing import Any
+
     from ..typing import StreamLike
     from ._buffer import DeviceBuffer
     from ._device import (
@@ -86,7 +86,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    level = len(module) - len(module.lstrip("."))  # "._buffer": 1, "..typing": 2
+    value = getattr(__import__(module[level:], globals(), None, [name], level), name)
     globals()[name] = value
     return value
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .. import library as _library
 from .._limits import check_c_int
+
+TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
+if TYPE_CHECKING:
+    from typing import Any
 
 _ERR_INITIALIZATION = 3
 _ERR_STUB_LIBRARY = 34
