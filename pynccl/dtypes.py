@@ -16,7 +16,14 @@ TYPE_CHECKING = False  # not imported from typing: keeps `import pynccl` fast
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["as_datatype", "canonical_name", "complex_component", "complex_name", "to_numpy_dtype"]
+__all__ = [
+    "as_datatype",
+    "as_element_type",
+    "canonical_name",
+    "complex_component",
+    "complex_name",
+    "to_numpy_dtype",
+]
 
 # Canonical names, as numpy / ml_dtypes / torch spell them, plus nccl.h's names.
 _BY_NAME: dict[str, DataType] = {
@@ -243,6 +250,21 @@ def complex_component(obj: Any) -> DataType | None:
     if not isinstance(obj, (int, float)) and len(_COMPLEX_CACHE) < 4096:
         _COMPLEX_CACHE[obj] = result
     return result
+
+
+def as_element_type(obj: Any) -> tuple[DataType, int]:
+    """``obj`` as ``(NCCL type, lanes)``: ``(as_datatype(obj), 1)``, or for a complex type
+    ``(complex_component(obj), 2)`` (two floats of that type per element). Raises
+    :func:`as_datatype`'s ``TypeError`` for anything else."""
+    if type(obj) is DataType:
+        return obj, 1
+    try:
+        return as_datatype(obj), 1
+    except TypeError:
+        part = complex_component(obj)
+        if part is None:
+            raise
+        return part, 2
 
 
 def complex_name(component: DataType) -> str:

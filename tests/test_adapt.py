@@ -1113,3 +1113,37 @@ def test_typing_protocols_describe_the_accepted_forms() -> None:
     from pynccl import cuda
 
     assert cuda.StreamLike is T.StreamLike
+
+
+def test_complex_spellings() -> None:
+    from pynccl.dtypes import as_element_type, complex_component
+
+    class TorchDType:  # what str() of a torch dtype looks like; torch is not installed
+        __module__ = "torch"
+
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def __str__(self) -> str:
+            return self.text
+
+    pairs = {
+        "complex64": DataType.FLOAT32,
+        "np.complex128": DataType.FLOAT64,
+        "<c8": DataType.FLOAT32,
+        "c16": DataType.FLOAT64,
+        np.complex64: DataType.FLOAT32,
+        np.dtype("complex128"): DataType.FLOAT64,
+        complex: DataType.FLOAT64,
+        TorchDType("torch.complex64"): DataType.FLOAT32,
+        TorchDType("torch.cdouble"): DataType.FLOAT64,
+        TorchDType("torch.chalf"): DataType.FLOAT16,
+    }
+    for spelling, part in pairs.items():
+        assert complex_component(spelling) is part, spelling
+        assert as_element_type(spelling) == (part, 2), spelling
+    for other in ("float32", np.float64, DataType.FLOAT32, 5, True, ">c8", "complex", None, 1j):
+        assert complex_component(other) is None, other
+    assert as_element_type("float16") == (DataType.FLOAT16, 1)
+    with pytest.raises(TypeError, match=r"data type '>c8' is not supported"):
+        as_element_type(">c8")

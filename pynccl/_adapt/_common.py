@@ -4,7 +4,7 @@ and the wording of refusals."""
 from __future__ import annotations
 
 from .. import _limits
-from ..dtypes import as_datatype, canonical_name, complex_component, complex_name
+from ..dtypes import as_element_type, canonical_name, complex_name
 from ..enums import DataType
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
@@ -44,26 +44,12 @@ def check_pointer(name: str, ptr: int, count: int) -> None:
         raise ValueError(f"{name} is a NULL pointer but count={count}; expected ptr > 0")
 
 
-def _datatype(dtype: Any, name: str) -> DataType:
-    if type(dtype) is DataType:
-        return dtype
-    try:
-        return as_datatype(dtype)
-    except TypeError as exc:
-        raise TypeError(f"dtype for {name}: {exc}") from None
-
-
 def _datatype_lanes(dtype: Any, name: str) -> tuple[DataType, int]:
     """``dtype`` as ``(NCCL type, lanes)``: lanes is 2 for a complex type (two floats of the
     NCCL type per element), else 1."""
-    if type(dtype) is DataType:
-        return dtype, 1
     try:
-        return as_datatype(dtype), 1
+        return as_element_type(dtype)
     except TypeError as exc:
-        part = complex_component(dtype)
-        if part is not None:
-            return part, 2
         raise TypeError(f"dtype for {name}: {exc}") from None
 
 

@@ -25,7 +25,6 @@ def _from_pointer(
             f"{missing} must be given"
         )
     n = count if type(count) is int and 0 <= count < 1 << 64 else check_count(count)
-    lanes = 1
     if type(dtype) is DataType:
         dt = dtype
     else:

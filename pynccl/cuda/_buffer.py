@@ -5,7 +5,7 @@ from __future__ import annotations
 from ctypes import byref, c_void_p
 
 from .._limits import check_extent, index_int
-from ..dtypes import as_datatype, canonical_name, complex_component, complex_name, to_numpy_dtype
+from ..dtypes import as_element_type, canonical_name, complex_name, to_numpy_dtype
 from ..enums import DataType
 from . import _runtime
 from ._device import _DeviceScope, get_device
@@ -61,19 +61,15 @@ _COMPLEX_TYPESTR = {DataType.FLOAT32: "<c8", DataType.FLOAT64: "<c16"}
 
 
 def _element_type(dtype: Any) -> tuple[DataType, int]:
-    """``dtype`` as ``(NCCL type, lanes)``: a complex type is 2 lanes of its float type."""
-    try:
-        return as_datatype(dtype), 1
-    except TypeError:
-        part = complex_component(dtype)
-        if part is None:
-            raise
-        if part not in _COMPLEX_TYPESTR:
-            raise TypeError(
-                f"data type {dtype!r} ({complex_name(part)}) has no array-interface typestr; "
-                "a DeviceBuffer holds complex64 or complex128"
-            ) from None
-        return part, 2
+    """``dtype`` as ``(NCCL type, lanes)`` (:func:`pynccl.dtypes.as_element_type`), for the
+    complex types a typestr can describe."""
+    dt, lanes = as_element_type(dtype)
+    if lanes == 2 and dt not in _COMPLEX_TYPESTR:
+        raise TypeError(
+            f"data type {dtype!r} ({complex_name(dt)}) has no array-interface typestr; "
+            "a DeviceBuffer holds complex64 or complex128"
+        )
+    return dt, lanes
 
 
 def _element_name(dtype: DataType, lanes: int) -> str:
