@@ -16,7 +16,9 @@ Integers are ``int`` or any object with ``__index__`` (numpy integers); ``bool``
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "C_INT_MAX",
