@@ -2,7 +2,9 @@
 
 Groups are thread-local in NCCL (depth and queued operations belong to the
 calling thread), and so is the bookkeeping here. Only the outermost
-``ncclGroupEnd`` launches the queued operations.
+``ncclGroupEnd`` launches the queued operations: the buffer objects of the operations
+queued in a group (a temporary ``DeviceBuffer``, say) are kept alive until it has
+returned. Communicators take part through a small interface (:class:`GroupMember`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ from .enums import Result
 from .library import lib
 
 if TYPE_CHECKING:
-    from .comm import Communicator
+    from typing import Protocol
 
-__all__ = ["group", "group_depth", "group_end", "group_start"]
+    class GroupMember(Protocol):
+        """What a group needs from a communicator used inside it."""
+
+        def group_in_progress(self) -> None:
+            """The outermost group end returned ncclInProgress: poll before the next call."""
+
+
+__all__ = ["group", "group_depth", "group_end", "group_start", "in_progress_later", "keep_alive"]
 
 
 class _GroupState(threading.local):
@@ -25,7 +34,9 @@ class _GroupState(threading.local):
         self.depth = 0
         # Non-blocking communicators used inside the open group: after a group end
         # that returns ncclInProgress they must be polled before their next call.
-        self.pending: list[Communicator] = []
+        self.pending: list[GroupMember] = []
+        # Buffer objects of the queued operations: alive until the outermost group end.
+        self.keep: list[object] = []
 
 
 _state = _GroupState()
@@ -34,6 +45,19 @@ _state = _GroupState()
 def group_depth() -> int:
     """How many groups the calling thread has open (through pynccl)."""
     return _state.depth
+
+
+def keep_alive(objs: object) -> None:
+    """Keep ``objs`` referenced until the calling thread's outermost group has ended
+    (called for operations queued inside a group; nothing happens outside one)."""
+    if _state.depth > 0:
+        _state.keep.append(objs)
+
+
+def in_progress_later(comm: GroupMember) -> None:
+    """``comm`` returned ncclInProgress inside the open group: tell it at the group end
+    if the group as a whole is still in progress."""
+    _state.pending.append(comm)
 
 
 def group_start() -> None:
@@ -55,12 +79,15 @@ def group_end() -> Result:
     except BaseException:
         if _state.depth == 0:
             _state.pending.clear()
+            _state.keep.clear()
         raise
-    if _state.depth == 0 and _state.pending:
-        pending, _state.pending = _state.pending, []
-        if result == Result.IN_PROGRESS:
-            for comm in pending:
-                comm._mark_pending()
+    if _state.depth == 0:
+        _state.keep.clear()
+        if _state.pending:
+            pending, _state.pending = _state.pending, []
+            if result == Result.IN_PROGRESS:
+                for comm in pending:
+                    comm.group_in_progress()
     return result
 
 
