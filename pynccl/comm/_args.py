@@ -56,21 +56,24 @@ _OP_FORMS = (
     "a pynccl.RedOp, one of 'sum', 'prod', 'max', 'min', 'avg', "
     "or an int op from create_premul_sum()"
 )
-_OP_TABLES: dict[Release, dict[object, c_int | None]] = {}
+_OP_TABLES: dict[tuple[Release, bool], dict[object, c_int | None]] = {}
 
 
-def op_table(version: Release) -> dict[object, c_int | None]:
+def op_table(version: Release, arrays: bool = False) -> dict[object, c_int | None]:
     """RedOp members and their names -> the shared c_int NCCL takes; ``None`` for avg
-    on a library older than 2.10.3 (the slow path then raises NotSupportedError)."""
-    table = _OP_TABLES.get(version)
+    on a library older than 2.10.3 (the slow path then raises NotSupportedError), and
+    with ``arrays`` for prod/max/min too (the slow path checks them against complex)."""
+    table = _OP_TABLES.get((version, arrays))
     if table is None:
         table = {}
         for op in RedOp:
             code = None if op is RedOp.AVG and version < _AVG_SINCE else C_REDOP[op]
+            if arrays and op in _NO_COMPLEX:
+                code = None
             table[op] = code
             table[op.name.lower()] = code
             table[op.c_name] = code
-        _OP_TABLES[version] = table
+        _OP_TABLES[(version, arrays)] = table
     return table
 
 

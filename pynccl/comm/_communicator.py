@@ -18,7 +18,7 @@ from ..errors import NcclInvalidUsage, NotSupportedError
 from ..library import cudart, lib
 from . import _recorder
 from ._args import op_table, prepare
-from ._codegen import generate
+from ._codegen import install
 from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
@@ -58,7 +58,7 @@ class Communicator(Extras):
     destroy or abort from another thread waits for the call in flight.
     """
 
-    __slots__ = ("_fast_n", "_ops")
+    __slots__ = ("_array_ops", "_fast_n", "_ops")
 
     def __init__(
         self,
@@ -130,6 +130,8 @@ class Communicator(Extras):
             dt: C_DATATYPE[dt] if version >= dt.first_release else None for dt in DataType
         }
         self._ops = op_table(version)
+        # Ops the inline array path takes: not prod/max/min, which need the complex check.
+        self._array_ops = op_table(version, arrays=True)
         # The largest count the inline raw-pointer path takes: pointer + count * 16 bytes
         # * nranks then stays below 2**64 without a multiplication per call.
         self._fast_n = _P63 // (16 * max(size, 1))
@@ -446,6 +448,4 @@ class Communicator(Extras):
         ) -> None: ...  # fmt: skip
 
 
-for _name, _fn in generate().items():
-    setattr(Communicator, _name, _fn)
-del _name, _fn
+install(Communicator)
