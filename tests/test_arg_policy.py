@@ -113,7 +113,7 @@ def test_the_same_mistake_reads_the_same_from_every_method(
     seen: dict[str, tuple[type, str]] = {}
     for method in RANKED if "root" in override else METHODS:
         before = solo.flight_record()[-1:]
-        with pytest.raises(Exception) as info:  # noqa: PT011 - the type is asserted below
+        with pytest.raises(Exception) as info:
             _call(solo, method, bufs, **override)
         assert solo.flight_record()[-1:] == before, f"{method}: the bad call was issued"
         seen[method] = (type(info.value), _shape(str(info.value)))
@@ -151,9 +151,7 @@ def test_the_same_bad_op_reads_the_same_from_every_reduction(
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_numpy_integers_are_counts_and_ranks(
-    solo: Communicator, bufs: Any, method: str
-) -> None:
+def test_numpy_integers_are_counts_and_ranks(solo: Communicator, bufs: Any, method: str) -> None:
     numpy_ints = {"count": np.int64(N), "root": np.int32(0), "peer": np.int8(0)}
     if method in ("send", "recv"):  # to self: with its partner, in a group
         with group():

@@ -181,4 +181,3 @@ def test_complex_arrays_sum_and_refuse_max(thread_worlds: Any) -> None:
     for got, text in world.run(call).values():
         assert np.array_equal(got, data[0] + data[1])
         assert "complex" in text and "max" in text
-
