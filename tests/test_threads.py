@@ -40,14 +40,19 @@ def test_teardown_from_another_thread_mid_calls(buffers: Any, verb: str) -> None
         issued = [0]
         started = threading.Event()
 
-        def issue(comm: Communicator = comm) -> None:
+        def issue(
+            comm: Communicator = comm,
+            errors: list[BaseException] = errors,
+            issued: list[int] = issued,
+            started: threading.Event = started,
+        ) -> None:
             started.set()
             try:
                 while True:
                     comm.all_reduce(a, b)
                     comm.broadcast(a.ptr, b.ptr, count=N, dtype="float32")
                     issued[0] += 2
-            except BaseException as exc:  # noqa: BLE001 - inspected below
+            except BaseException as exc:
                 errors.append(exc)
 
         worker = threading.Thread(target=issue)
@@ -72,7 +77,7 @@ def test_two_threads_on_one_communicator_are_serialized(buffers: Any) -> None:
         try:
             for _ in range(per_thread):
                 comm.all_reduce(a.ptr, b.ptr, count=N, dtype="float32")
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=issue) for _ in range(2)]
@@ -112,7 +117,7 @@ def test_a_call_stuck_in_another_thread_is_reported_not_waited_on(
     def issue() -> None:
         try:
             comm.all_reduce(a, b)
-        except BaseException as exc:  # noqa: BLE001 - inspected below
+        except BaseException as exc:
             late.append(exc)
 
     worker = threading.Thread(target=issue)
