@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from _worlds import MinimalCAI, ThreadWorld
 
-from pynccl import _adapt, library
-from pynccl.comm import Communicator
+from pynccl import NcclTimeoutError, _adapt, library
+from pynccl.comm import Communicator, UniqueId
 from pynccl.cuda import DeviceBuffer
 from pynccl.enums import DataType
 from pynccl.groups import group
@@ -181,3 +181,27 @@ def test_complex_arrays_sum_and_refuse_max(thread_worlds: Any) -> None:
     for got, text in world.run(call).values():
         assert np.array_equal(got, data[0] + data[1])
         assert "complex" in text and "max" in text
+
+
+# --- messages: a short record in the text, the whole record as an attribute ---------------------
+
+
+def test_errors_carry_a_short_record_and_the_whole_one(
+    lb: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYNCCL_LOOPBACK_HANG", "10")  # the tenth operation never ends
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    buf = DeviceBuffer.from_numpy(_rank_data(0), device=0)
+    try:
+        for i in range(10):
+            comm.all_reduce(buf, op="max" if i % 2 else "sum")
+        with pytest.raises(NcclTimeoutError) as info:
+            comm.synchronize(timeout=0.3)
+    finally:
+        buf.close()
+    err = info.value
+    text = str(err)
+    assert "Last 4 operations issued on rank 0/1 (of 10 recorded" in text
+    assert "#10 ncclAllReduce" in text and "op=max" in text and "#6 " not in text
+    assert [e[0] for e in err.flight_record] == list(range(1, 11))  # type: ignore[attr-defined]
+    assert comm.state == "aborted"

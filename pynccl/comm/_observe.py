@@ -79,7 +79,8 @@ class Observed(CommHandle):
         return "none" if item is None else _recorder.format_record(item)
 
     def _with_record(self, error: NcclError, lead: str = "") -> NcclError:
-        """``error`` with a short record in its text and the whole one as an attribute."""
+        """``error`` with a short record in its text (the last few operations, readable in
+        a terminal) and the whole record as its ``flight_record`` attribute."""
         record = self.flight_record()
         error.message += lead + self.format_flight_record(_recorder.SHORT)
         error.flight_record = record  # type: ignore[attr-defined]
@@ -203,7 +204,10 @@ class Observed(CommHandle):
         return True, True, self._with_record(error, "; the watchdog aborted the communicator. ")
 
     def watch_trip(self, reason: BaseException) -> None:
-        """For the watchdog: abort through the one teardown, recording ``reason``."""
+        """For the watchdog: abort through the one teardown, recording ``reason`` (with
+        the flight record: its last operations in the text, all of it as an attribute)."""
+        if isinstance(reason, NcclError) and not hasattr(reason, "flight_record"):
+            self._with_record(reason)
         self._teardown("watchdog", reason)
 
     # -- capture guard ---------------------------------------------------------------------
