@@ -13,6 +13,7 @@ globals, so tracebacks show real lines (see :func:`source`).
 
 from __future__ import annotations
 
+from .._capi.nccl import C_REDOP
 from ..enums import DataType, RedOp
 from ._args import SIZE_ARGS, size_arg
 from ._recorder import RING_MASK
@@ -124,7 +125,7 @@ def _method_source(spec: CollSpec) -> str:
     ]
     ready = ["code is not None", "fn is not None", "self._h is not None"]
     if spec.has_op:
-        lines.append("                cop = self._ops.get(op)")
+        lines.append("                cop = _C_SUM if op is _SUM else self._ops.get(op)")
         ready.insert(1, "cop is not None")
     lines += [
         f"                fn = self._fn[{i}]",
@@ -174,7 +175,7 @@ def _method_source(spec: CollSpec) -> str:
         "                code = self._codes[dt]",
     ]
     if spec.has_op:
-        lines.append("                cop = self._array_ops.get(op)")
+        lines.append("                cop = _C_SUM if op is _SUM else self._array_ops.get(op)")
     lines += [
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
@@ -213,6 +214,7 @@ def _env() -> dict[str, object]:
             _DataType=DataType,
             _RedOp=RedOp,
             _SUM=RedOp.SUM,
+            _C_SUM=C_REDOP[RedOp.SUM],
             _P63=1 << 63,
             _MASK=RING_MASK,
             _SIZE_ARGS=SIZE_ARGS,
