@@ -16,7 +16,9 @@ Integers are ``int`` or any object with ``__index__`` (numpy integers); ``bool``
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # `typing` costs milliseconds to import; mypy reads this as True
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "C_INT_MAX",

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from .enums import Result
 from .library import lib
 
+TYPE_CHECKING = False  # `typing` costs milliseconds to import
 if TYPE_CHECKING:
     from typing import Protocol
 

@@ -24,8 +24,6 @@ Importing this package loads no library.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ._seal import KEY_ENV, InsecureRendezvousWarning
 from .backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
 from .env import (
@@ -78,6 +76,7 @@ __all__ = [
 ]
 
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
