@@ -16,7 +16,7 @@ TYPE_CHECKING = False  # not imported from typing: keeps `import pynccl` fast
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["as_datatype", "canonical_name", "to_numpy_dtype"]
+__all__ = ["as_datatype", "canonical_name", "complex_component", "complex_name", "to_numpy_dtype"]
 
 # Canonical names, as numpy / ml_dtypes / torch spell them, plus nccl.h's names.
 _BY_NAME: dict[str, DataType] = {
@@ -162,6 +162,91 @@ def as_datatype(obj: Any) -> DataType:
     if not isinstance(obj, (int, float)) and len(_CACHE) < 4096:
         _CACHE[obj] = result
     return result
+
+
+# --- complex types: pairs of an NCCL float type -------------------------------------------
+# NCCL has no complex type, but a complex array is an array of (real, imag) float pairs, and
+# every collective that moves data, and sum/avg, treats each float of a pair on its own: the
+# adaptation layer hands such arrays to NCCL as twice as many floats. prod/max/min are not
+# componentwise and must be refused by the caller (pynccl._adapt.is_complex).
+
+_COMPLEX_BY_NAME: dict[str, DataType] = {
+    "complex32": DataType.FLOAT16,  # torch.complex32 / torch.chalf
+    "chalf": DataType.FLOAT16,
+    "complex64": DataType.FLOAT32,
+    "cfloat": DataType.FLOAT32,
+    "complex128": DataType.FLOAT64,
+    "cdouble": DataType.FLOAT64,
+}
+_COMPLEX_NAMES = {
+    DataType.FLOAT16: "complex32",
+    DataType.FLOAT32: "complex64",
+    DataType.FLOAT64: "complex128",
+}
+# Little-endian typestrs (numpy has no complex32). Big-endian ones stay unrecognised.
+_COMPLEX_TYPESTRS = {"c8": DataType.FLOAT32, "c16": DataType.FLOAT64}
+_COMPLEX_CACHE: dict[Any, DataType | None] = {}
+
+
+def _complex_of(obj: Any) -> DataType | None:
+    if isinstance(obj, (bool, int, float, DataType)):
+        return None
+    if obj is complex:
+        return DataType.FLOAT64
+    if isinstance(obj, str):
+        name = obj.strip()
+        for prefix in ("torch.", "numpy.", "np."):
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        if name[:1] in ("<", "=", "|") or (name[:1] == ">" and sys.byteorder == "big"):
+            return _COMPLEX_TYPESTRS.get(name[1:])
+        return _COMPLEX_BY_NAME.get(name) or _COMPLEX_TYPESTRS.get(name)
+    module = type(obj).__module__ or ""
+    if module.startswith("torch"):
+        return _complex_of(str(obj))
+    if isinstance(obj, type):
+        np = sys.modules.get("numpy")
+        if np is not None and (obj.__module__ or "").split(".")[0] == "numpy":
+            try:
+                return _complex_of(np.dtype(obj))
+            except TypeError:
+                return None
+        return None
+    dtype_name = getattr(obj, "name", None)
+    if isinstance(dtype_name, str) and getattr(obj, "kind", None) == "c":
+        if getattr(obj, "byteorder", "=") == ">" and sys.byteorder == "little":
+            return None
+        return _COMPLEX_BY_NAME.get(dtype_name)
+    return None
+
+
+def complex_component(obj: Any) -> DataType | None:
+    """The float type of each half of complex dtype ``obj``, or None if ``obj`` names no
+    complex type NCCL can move as float pairs.
+
+    ``"complex64"``, ``numpy.complex64``, ``numpy.dtype("<c8")``, ``torch.complex64``
+    give ``FLOAT32``; the complex128 spellings ``FLOAT64``; ``"complex32"`` and
+    ``torch.complex32`` (``chalf``) ``FLOAT16``. Never raises.
+    """
+    try:
+        return _COMPLEX_CACHE[obj]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable
+        return _complex_of(obj)
+    try:
+        result = _complex_of(obj)
+    except Exception:  # a dtype-like object whose attributes raise: not a complex type
+        return None
+    if not isinstance(obj, (int, float)) and len(_COMPLEX_CACHE) < 4096:
+        _COMPLEX_CACHE[obj] = result
+    return result
+
+
+def complex_name(component: DataType) -> str:
+    """The numpy / torch name of the complex type made of two ``component`` floats."""
+    return _COMPLEX_NAMES.get(component) or f"complex pairs of {canonical_name(component)}"
 
 
 def canonical_name(datatype: DataType) -> str:

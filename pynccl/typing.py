@@ -5,17 +5,28 @@ program that annotates); it loads no library.
 
 * :class:`SupportsCAI` — an object with ``__cuda_array_interface__`` (CuPy, Numba, PyTorch).
 * :class:`SupportsDLPack` — an object with ``__dlpack__`` / ``__dlpack_device__``.
-* :class:`SupportsCudaStream` — an object with ``__cuda_stream__`` (cuda.core and others).
+* :class:`SupportsCudaStream` — an object with ``__cuda_stream__`` (cuda.core and others);
+  :class:`HasCudaStreamAttr` — ``.cuda_stream`` (torch); :class:`HasStreamPtr` — ``.ptr``
+  (CuPy).
 * ``BufferLike`` — what a collective takes as ``sendbuf`` / ``recvbuf``: either protocol, a
   :class:`pynccl.cuda.DeviceBuffer`, or a raw device pointer (``int``).
 * ``StreamLike`` — what ``stream=`` takes: None (the default stream), an ``int`` handle,
   a :class:`pynccl.cuda.Stream`, or any object speaking a stream protocol.
-* ``DTypeLike`` and ``OpLike`` — what ``dtype=`` and ``op=`` take.
+* ``DTypeLike``, ``OpLike`` and ``IndexLike`` — what ``dtype=``, ``op=`` and counts or
+  indices (``count=``, ``device=``) take.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Protocol,
+    SupportsIndex,
+    SupportsInt,
+    Union,
+    runtime_checkable,
+)
 
 if TYPE_CHECKING:
     from .enums import DataType, RedOp
@@ -23,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BufferLike",
     "DTypeLike",
+    "HasCudaStreamAttr",
+    "HasStreamPtr",
+    "IndexLike",
     "OpLike",
     "StreamLike",
     "SupportsCAI",
@@ -52,16 +66,40 @@ class SupportsDLPack(Protocol):
 
 @runtime_checkable
 class SupportsCudaStream(Protocol):
-    """Exposes ``__cuda_stream__()`` returning ``(version, handle)``."""
+    """Exposes ``__cuda_stream__()`` returning ``(version, handle)`` (cuda.core, CuPy >= 13,
+    :class:`pynccl.cuda.Stream`)."""
 
     def __cuda_stream__(self) -> tuple[int, int]: ...
 
 
-#: A buffer for a collective: an array protocol object or a raw device pointer.
+@runtime_checkable
+class HasCudaStreamAttr(Protocol):
+    """Has ``.cuda_stream``, the ``cudaStream_t`` as an int (``torch.cuda.Stream``)."""
+
+    @property
+    def cuda_stream(self) -> int: ...
+
+
+@runtime_checkable
+class HasStreamPtr(Protocol):
+    """Has ``.ptr``, the ``cudaStream_t`` as an int (``cupy.cuda.Stream``)."""
+
+    @property
+    def ptr(self) -> int: ...
+
+
+#: A buffer for a collective: an array protocol object (a :class:`pynccl.cuda.DeviceBuffer`
+#: is a ``SupportsCAI``) or a raw device pointer (``int``, with ``count=`` and ``dtype=``).
 BufferLike = Union[SupportsCAI, SupportsDLPack, int]
-#: A CUDA stream: None (default stream), an int handle, or a stream object.
-StreamLike = Union[None, int, SupportsCudaStream, object]
-#: A data type: a DataType, a name ("float32", "bf16"), a numpy/CuPy/ml_dtypes dtype.
-DTypeLike = Union["DataType", str, int, object]
+#: A CUDA stream: None (the default stream), an int handle, or a stream object speaking one
+#: of the protocols above; ``SupportsInt`` stands for cuda-python's ``cudaStream_t`` /
+#: ``CUstream``, whose ``int()`` is the handle (floats and other numbers are refused at run
+#: time).
+StreamLike = Union[None, int, SupportsCudaStream, HasCudaStreamAttr, HasStreamPtr, SupportsInt]
+#: A data type: a DataType, a name ("float32", "complex64"), a numpy/CuPy/ml_dtypes dtype or
+#: scalar type, or a torch dtype (which no Protocol describes, hence ``object``).
+DTypeLike = Union["DataType", str, int, type, object]
 #: A reduction op: a RedOp, a name ("sum", "avg"), or an int op from create_premul_sum().
 OpLike = Union["RedOp", str, int]
+#: A count or an index: an int or any integer with ``__index__`` (numpy integers).
+IndexLike = SupportsIndex

@@ -231,6 +231,7 @@ class DLPackProducer:
     ``strides="auto"`` gives NULL for C-contiguous arrays and element strides
     otherwise ("always": always the element strides). ``versioned`` decides
     whether a ``max_version`` request gets a ``DLManagedTensorVersioned``.
+    ``tamper(dl_tensor)``, if given, may overwrite any field of the exported tensor.
     ``calls`` records the keyword arguments of each ``__dlpack__`` call,
     ``deleted`` counts deleter calls.
     """
@@ -248,6 +249,7 @@ class DLPackProducer:
         flags: int = 0,
         capsule_name: bytes | None = None,
         null_data: bool = False,
+        tamper: Any = None,
     ) -> None:
         self.array = array
         self.device = device
@@ -259,6 +261,7 @@ class DLPackProducer:
         self.flags = flags
         self.capsule_name = capsule_name
         self.null_data = null_data
+        self.tamper = tamper  # tamper(dl_tensor): rewrite fields before export (fuzzing)
         self.calls: list[dict[str, Any]] = []
         self.deleted = 0
 
@@ -301,6 +304,8 @@ class DLPackProducer:
         t.shape = ctypes.cast(shape, POINTER(c_int64))
         t.strides = ctypes.cast(strides, POINTER(c_int64)) if strides is not None else None
         t.byte_offset = self.byte_offset
+        if self.tamper is not None:
+            self.tamper(t)
         managed.deleter = _DELETER_FN
         if versioned:
             managed.version = DLPackVersion(*self.version)

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pynccl import DataType
-from pynccl._adapt import as_buffer, as_stream, check_device
+from pynccl._adapt import as_buffer, as_stream, check_device, is_complex
 
 # numpy dtype -> the NCCL type it must map to (written out, not derived).
 NUMPY_TYPES = [
@@ -79,23 +79,21 @@ def test_raw_pointer_needs_count_and_dtype(count: Any, dtype: Any, missing: str)
 
 
 def test_raw_pointer_refusals() -> None:
-    with pytest.raises(ValueError, match=r"sendbuf is a NULL pointer but count=4"):
+    with pytest.raises(ValueError, match=r"^sendbuf is a NULL pointer but 16 bytes are needed"):
         as_buffer(0, 4, "float32")
-    with pytest.raises(ValueError, match=r"recvbuf=-8 is not a valid pointer"):
+    with pytest.raises(ValueError, match=r"^recvbuf=-0x8 is not a valid pointer"):
         as_buffer(-8, 4, "float32", name="recvbuf")
     with pytest.raises(ValueError, match=r"is not a valid pointer"):
         as_buffer(1 << 64, 4, "float32")
-    with pytest.raises(ValueError, match=r"count=-1 for sendbuf must be >= 0"):
+    with pytest.raises(ValueError, match=r"^count=-1 is out of range; expected 0 <= count < 2"):
         as_buffer(0x1000, -1, "float32")
     # ctypes would wrap a size_t of 2**64 and up into a small count: both paths refuse it.
-    from pynccl.enums import DataType
-
     for dtype in ("float32", DataType.FLOAT32):
-        with pytest.raises(ValueError, match=r"count=18446744073709551621 for sendbuf .* 2\*\*64"):
+        with pytest.raises(ValueError, match=r"^count=18446744073709551621 is out of range"):
             as_buffer(0x1000, (1 << 64) + 5, dtype)
-    with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got float 2.0"):
+    with pytest.raises(TypeError, match=r"^count must be a non-negative int, got float 2.0"):
         as_buffer(0x1000, 2.0, "float32")
-    with pytest.raises(TypeError, match=r"count for sendbuf must be an int, got bool"):
+    with pytest.raises(TypeError, match=r"^count must be a non-negative int, got bool True"):
         as_buffer(0x1000, True, "float32")
     with pytest.raises(TypeError, match=r"dtype for sendbuf: data type 'int16' is not supported"):
         as_buffer(0x1000, 4, "int16")
@@ -144,7 +142,9 @@ def test_cai_empty_with_null_pointer() -> None:
 def test_cai_null_pointer_with_elements() -> None:
     cai = P.CAIArray(np.zeros(3, np.float32))
     cai.__cuda_array_interface__["data"] = (0, False)
-    with pytest.raises(ValueError, match=r"recvbuf: .*data pointer 0 is not a valid device"):
+    with pytest.raises(
+        ValueError, match=r"^recvbuf's data pointer is a NULL pointer but 12 bytes are needed"
+    ):
         as_buffer(cai, name="recvbuf")
 
 
@@ -210,7 +210,7 @@ def test_cai_void_typestr_size_mismatch() -> None:
         as_buffer(P.CAIWithDType(a, "float32"))
 
 
-@pytest.mark.parametrize("np_type", [np.int16, np.bool_, np.complex64, np.float128])
+@pytest.mark.parametrize("np_type", [np.int16, np.bool_, np.float128])
 def test_cai_unsupported_types(np_type: Any) -> None:
     a = np.zeros(3, dtype=np_type)
     with pytest.raises(TypeError, match=rf"recvbuf: data type '{a.dtype.str}' is not supported"):
@@ -428,7 +428,8 @@ def test_dlpack_explicit_c_strides_accepted() -> None:
         ((P.kDLFloat, 32, 4), r"a vector type \(4 lanes\)"),
         ((P.kDLInt, 16, 1), r"int of 16 bits, which NCCL does not support"),
         ((P.kDLBool, 8, 1), r"bool of 8 bits"),
-        ((P.kDLComplex, 64, 1), r"complex of 64 bits"),
+        ((P.kDLComplex, 16, 1), r"complex of 16 bits"),
+        ((P.kDLComplex, 64, 2), r"a vector type \(2 lanes\)"),
         ((P.kDLFloat8_e4m3, 8, 1), r"IEEE-style; NCCL's FP8 is float8_e4m3fn"),
         ((P.kDLBfloat, 32, 1), r"bfloat of 32 bits"),
         ((200, 8, 1), r"type code 200"),
@@ -585,11 +586,11 @@ class _FakeRuntime:
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
-    cuda = pytest.importorskip("pynccl.cuda")
-    if not hasattr(cuda, "_rt") or not hasattr(cuda, "DeviceBuffer"):
-        pytest.skip("pynccl.cuda has no DeviceBuffer over _rt()")
+    from pynccl import cuda
+    from pynccl.cuda import _runtime
+
     rt = _FakeRuntime()
-    monkeypatch.setattr(cuda, "_rt", lambda: rt)
+    monkeypatch.setattr(_runtime, "_rt", lambda: rt)
     yield cuda, rt
     assert rt.blocks == {}  # every buffer made in the test was freed
 
@@ -705,8 +706,9 @@ def test_stream_pynccl_stream() -> None:
     ("obj", "words"),
     [
         (P.TorchLikeStream(-5), r"stream \.cuda_stream is -5; expected a cudaStream_t handle"),
-        (P.CupyLikeStream("x"), r"stream \.ptr is str 'x'; expected an int handle"),
-        (P.CupyLikeStream(True), r"stream \.ptr is bool True"),
+        (P.CupyLikeStream("x"), r"^stream \.ptr must be an int handle, got str 'x'$"),
+        (P.CupyLikeStream(True), r"^stream \.ptr must be an int handle, got bool True$"),
+        (P.CupyLikeStream(1.0), r"^stream \.ptr must be an int handle, got float 1.0$"),
         (P.ProtocolStream(1 << 64), r"__cuda_stream__ handle is 18446744073709551616"),
     ],
 )
@@ -738,6 +740,7 @@ def test_stream_refused(obj: Any) -> None:
 
 def test_stream_handler_lost_attribute() -> None:
     # Same type, attribute missing on a later instance: a TypeError, not AttributeError.
+    # (Which protocol a later instance speaks is decided for it: see the next test.)
     class Flaky:
         pass
 
@@ -756,3 +759,357 @@ def test_import_pulls_in_no_third_party() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --- complex data: pairs of floats ----------------------------------------------------------
+
+# numpy complex type -> the float type of each half (written out, not derived).
+COMPLEX_TYPES = [(np.complex64, DataType.FLOAT32), (np.complex128, DataType.FLOAT64)]
+
+
+def _as_floats(a: np.ndarray, ptr: int, n: int, dt: DataType) -> np.ndarray:
+    # What NCCL would see at (ptr, n, dt), read back from host memory through numpy.
+    assert ptr == addr(a)
+    floats = np.dtype({DataType.FLOAT32: np.float32, DataType.FLOAT64: np.float64}[dt])
+    return np.frombuffer(a.data, dtype=floats, count=n)
+
+
+@pytest.mark.parametrize(("np_type", "part"), COMPLEX_TYPES)
+@pytest.mark.parametrize(
+    "make",
+    [P.CAIArray, P.CAIProperty, P.DLPackProducer, lambda a: P.DLPackProducer(a, versioned=False)],
+    ids=["cai", "cai-property", "dlpack", "dlpack-legacy"],
+)
+def test_complex_arrays_are_float_pairs(make: Any, np_type: Any, part: DataType) -> None:
+    a = (np.arange(12) + 1j * np.arange(100, 112)).astype(np_type).reshape(3, 4)
+    ptr, n, dt, _dev = as_buffer(make(a), name="recvbuf", writable=True)
+    assert (n, dt) == (2 * a.size, part)
+    # The floats NCCL reduces are numpy's own view of the data as reals.
+    np.testing.assert_array_equal(_as_floats(a, ptr, n, dt), a.reshape(-1).view(part.name.lower()))
+    # count= counts the caller's complex elements; dtype= names the complex type.
+    for spelling in (np_type, np.dtype(np_type), np.dtype(np_type).name):
+        assert as_buffer(make(a), 5, spelling) == (addr(a), 10, part, _dev)
+    with pytest.raises(ValueError, match=r"count=13 is larger than sendbuf, which holds only 12"):
+        as_buffer(make(a), 13)
+    with pytest.raises(TypeError, match=r"dtype=float32 does not match sendbuf, whose data type"):
+        as_buffer(make(a), None, "float32")
+    assert is_complex(make(a))
+    assert not is_complex(make(a.real.copy()))
+
+
+def test_complex_strided_views_refused() -> None:
+    a = np.zeros((4, 6), np.complex64)
+    view = a[:, ::2]
+    with pytest.raises(ValueError, match=r"strided/non-contiguous"):
+        as_buffer(P.CAIArray(view))
+    with pytest.raises(ValueError, match=r"strided/non-contiguous"):
+        as_buffer(P.DLPackProducer(view))
+    # Contiguous C strides given explicitly, in bytes of the complex element: accepted.
+    assert as_buffer(P.CAIArray(a, strides="always"))[1:3] == (48, DataType.FLOAT32)
+
+
+def test_complex_dlpack_complex32_is_float16_pairs() -> None:
+    a = np.arange(8, dtype=np.float16)  # 4 complex32 numbers as their halves
+    p = P.DLPackProducer(a[:4], dl_dtype=(P.kDLComplex, 32, 1))
+    # The producer claims 4 complex32 elements over the first 8 bytes of a.
+    assert as_buffer(p) == (addr(a), 8, DataType.FLOAT16, 0)
+    assert is_complex(P.DLPackProducer(a[:4], dl_dtype=(P.kDLComplex, 32, 1)))
+
+
+@pytest.mark.parametrize(("np_type", "part"), COMPLEX_TYPES)
+def test_complex_raw_pointer(np_type: Any, part: DataType) -> None:
+    name = np.dtype(np_type).name
+    for spelling in (name, np_type, np.dtype(np_type), f"torch.{name}"):
+        assert as_buffer(0x1000, 7, spelling) == (0x1000, 14, part, None)
+        assert is_complex(0x1000, spelling)
+    assert not is_complex(0x1000, "float32")
+    assert not is_complex(0x1000, DataType.FLOAT64)
+    assert not is_complex(0x1000)
+    with pytest.raises(ValueError, match=r"expected fewer than 2\*\*64"):
+        as_buffer(0x1000, 1 << 63, name)
+
+
+def test_complex_big_endian_refused() -> None:
+    a = np.zeros(3, dtype=">c8")
+    with pytest.raises(TypeError, match=r"recvbuf: data type '>c8' is not supported"):
+        as_buffer(P.CAIArray(a), name="recvbuf")
+    assert not is_complex(P.CAIArray(a))
+
+
+def test_is_complex_never_raises() -> None:
+    class Broken:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            raise RuntimeError("boom")
+
+    assert not is_complex(Broken())
+    assert not is_complex(object())
+    assert not is_complex(None)
+    assert not is_complex(P.TorchCPULike(np.zeros(2, np.float32)))
+    assert is_complex(P.TorchBF16Like(np.zeros(2, np.complex64)))  # the CAI refuses: DLPack
+    # A DLPack-only producer without a .dtype is answered from its capsule.
+    p = P.DLPackProducer(np.zeros(2, np.complex128))
+    assert is_complex(p)
+    gc.collect()
+    assert p.exported == 0  # the probe's capsule was released
+
+
+def test_is_complex_probe_cached_per_type() -> None:
+    import pynccl._adapt as adapt
+
+    class Fresh(P.CAIArray):
+        pass
+
+    assert is_complex(Fresh(np.zeros(1, np.complex64)))
+    probe = adapt._COMPLEX_PROBES[Fresh]
+    assert not is_complex(Fresh(np.zeros(1, np.float32)))
+    assert adapt._COMPLEX_PROBES[Fresh] is probe
+
+
+@pytest.mark.parametrize(("np_type", "part"), COMPLEX_TYPES)
+def test_device_buffer_complex(fake_cuda: Any, np_type: Any, part: DataType) -> None:
+    cuda, rt = fake_cuda
+    with cuda.DeviceBuffer((2, 3), np_type) as buf:
+        ptr = next(iter(rt.blocks))
+        assert buf.is_complex and buf.dtype is part
+        assert (buf.size, buf.nbytes) == (6, 6 * np.dtype(np_type).itemsize)
+        assert as_buffer(buf, name="recvbuf", writable=True) == (ptr, 12, part, 0)
+        assert as_buffer(buf, 4, np_type) == (ptr, 8, part, 0)
+        with pytest.raises(ValueError, match=r"count=7 is larger than sendbuf.*only 6"):
+            as_buffer(buf, 7)
+        with pytest.raises(TypeError, match=r"does not match sendbuf"):
+            as_buffer(buf, None, part)
+        assert buf.__cuda_array_interface__["typestr"] == np.dtype(np_type).str
+        assert "dtype=" + np.dtype(np_type).name in repr(buf)
+        assert is_complex(buf)
+    with cuda.DeviceBuffer(3, "float32") as real:
+        assert not real.is_complex and not is_complex(real)
+    with pytest.raises(TypeError, match=r"complex32.*complex64 or complex128"):
+        cuda.DeviceBuffer(3, "complex32")
+
+
+# --- the argument policy: the same words as pynccl._limits ----------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", DataType.FLOAT32])
+def test_raw_pointer_extent_and_end_of_address_space(dtype: Any) -> None:
+    from pynccl import _limits
+
+    # count x item size at 2**64: refused as _limits.check_extent words it.
+    with pytest.raises(ValueError) as info:
+        as_buffer(0x1000, 1 << 62, dtype)
+    with pytest.raises(ValueError) as expected:
+        _limits.check_extent(1 << 62, 4, "sendbuf")
+    assert str(info.value) == str(expected.value)
+    # A range that runs past 2**64, on both the fast and the exact path.
+    top = (1 << 64) - 8
+    with pytest.raises(ValueError, match=r"^sendbuf=0xfffffffffffffff8 \+ 12 bytes passes the end"):
+        as_buffer(top, 3, dtype)
+    assert as_buffer(top, 2, dtype) == (top, 2, DataType.FLOAT32, None)  # exactly to the end
+    assert as_buffer(top, 1, "float64") == (top, 1, DataType.FLOAT64, None)
+
+
+@pytest.mark.parametrize(
+    "count", [-1, 1 << 64, 2.0, True, np.float64(3.0), "3", np.int64(-2), None]
+)
+def test_count_refusals_match_limits(count: Any) -> None:
+    # For every buffer kind, a bad count= gets exactly _limits.check_count's exception.
+    from pynccl import _limits
+
+    if count is None:
+        return
+    with pytest.raises((TypeError, ValueError)) as expected:
+        _limits.check_count(count)
+    a = np.zeros(8, np.float32)
+    for obj in (0x1000, P.CAIArray(a), P.DLPackProducer(a)):
+        with pytest.raises(type(expected.value)) as info:
+            as_buffer(obj, count, "float32")
+        assert str(info.value) == str(expected.value)
+    assert as_buffer(P.CAIArray(a), np.int64(3)) == (addr(a), 3, DataType.FLOAT32, None)
+
+
+def test_cai_shape_product_at_2_64_refused() -> None:
+    a = np.zeros(4, np.float32)
+    for shape in [(1 << 62,), (1 << 32, 1 << 30), (1 << 64,)]:
+        cai = P.CAIArray(a)
+        cai.__cuda_array_interface__["shape"] = shape
+        with pytest.raises(ValueError, match=r"^recvbuf spans \d+ elements of 4 bytes"):
+            as_buffer(cai, name="recvbuf")
+
+
+def test_cai_pointer_range_refused() -> None:
+    a = np.zeros(4, np.float32)
+    for ptr, words in [
+        ((1 << 64) - 8, r"\+ 16 bytes passes the end of the address space"),
+        (1 << 64, r"is not a valid pointer"),
+        (-16, r"is not a valid pointer"),
+    ]:
+        cai = P.CAIArray(a)
+        cai.__cuda_array_interface__["data"] = (ptr, False)
+        with pytest.raises(ValueError, match=rf"^sendbuf's data pointer.*{words}"):
+            as_buffer(cai)
+    cai = P.CAIArray(a)
+    cai.__cuda_array_interface__["data"] = ("0x1000", False)
+    with pytest.raises(TypeError, match=r"sendbuf: __cuda_array_interface__ data pointer '0x1000'"):
+        as_buffer(cai)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "exc", "words"),
+    [
+        ("shape", 4, TypeError, r"shape 4 is not a tuple of ints"),
+        ("shape", (2.0, 2), TypeError, r"shape \(2.0, 2\) is not a tuple of ints"),
+        ("shape", (True,), TypeError, r"shape \(True,\) is not a tuple of ints"),
+        ("strides", 4, TypeError, r"strides 4 are neither None nor a tuple of ints"),
+        ("strides", ("a",), TypeError, r"strides \('a',\) are neither None nor"),
+        ("strides", (4, 4), ValueError, r"strided/non-contiguous"),
+        ("typestr", 5, TypeError, r"typestr 5 is not a str"),
+        ("data", (1,), TypeError, r"malformed __cuda_array_interface__"),
+    ],
+)
+def test_cai_malformed_fields(key: str, value: Any, exc: type, words: str) -> None:
+    cai = P.CAIArray(np.zeros(4, np.float32))
+    cai.__cuda_array_interface__[key] = value
+    with pytest.raises(exc, match=words) as info:
+        as_buffer(cai, name="recvbuf")
+    assert "recvbuf" in str(info.value)
+
+
+def test_cai_not_a_dict() -> None:
+    class ListCAI:
+        __cuda_array_interface__ = [("shape", (2,))]
+
+    with pytest.raises(TypeError, match=r"^recvbuf has a malformed __cuda_array_interface__"):
+        as_buffer(ListCAI(), name="recvbuf")
+
+
+def _set(**fields: Any) -> Any:
+    def tamper(t: Any) -> None:
+        for key, value in fields.items():
+            if key in ("shape", "strides") and isinstance(value, int):
+                value = P.ctypes.cast(value, P.POINTER(P.c_int64))
+            setattr(t, key, value)
+
+    return tamper
+
+
+_BIG = (P.c_int64 * 2)(1 << 62, 1)  # kept alive for the whole module
+_BIG_ADDR = addressof(_BIG)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "exc", "words"),
+    [
+        (_set(ndim=-1), ValueError, r"DLPack ndim=-1 is out of range; expected 0 <= ndim <= 64"),
+        (_set(ndim=(1 << 31) - 1), ValueError, r"DLPack ndim=2147483647 is out of range"),
+        (_set(ndim=65), ValueError, r"DLPack ndim=65 is out of range"),
+        (_set(shape=None), ValueError, r"DLPack shape pointer is NULL for ndim=1"),
+        (_set(shape=_BIG_ADDR + 3), ValueError, r"shape pointer 0x[0-9a-f]+ is not an aligned"),
+        (_set(shape=(1 << 64) - 8, ndim=2), ValueError, r"shape pointer 0xfff+8 is not an"),
+        (_set(shape=_BIG_ADDR, ndim=1), ValueError, r"sendbuf spans 4611686018427387904 elem"),
+        (_set(strides=_BIG_ADDR + 4), ValueError, r"strides pointer 0x[0-9a-f]+ is not an"),
+        (_set(byte_offset=(1 << 64) - 1), ValueError, r"passes the end of the address space"),
+        (_set(data=(1 << 64) - 8), ValueError, r"data pointer=0xfff+8 \+ 16 bytes passes"),
+        (_set(device=P.DLDevice(P.kDLCUDA, -1)), ValueError, r"DLPack device_id=-1 is negat"),
+        (_set(dtype=P.DLDataType(99, 8, 1)), TypeError, r"type code 99"),
+        (_set(dtype=P.DLDataType(2, 32, 0)), TypeError, r"a vector type \(0 lanes\)"),
+    ],
+)
+def test_dlpack_malformed_tensor(tamper: Any, exc: type, words: str) -> None:
+    p = P.DLPackProducer(np.zeros(4, np.float32), tamper=tamper)
+    with pytest.raises(exc, match=words) as info:
+        as_buffer(p)
+    assert str(info.value).startswith("sendbuf")
+    del info
+    gc.collect()
+    assert p.deleted == 1  # refused, and released
+
+
+def test_dlpack_zero_dim_needs_no_shape() -> None:
+    a = np.zeros(1, np.float32)
+    p = P.DLPackProducer(a, tamper=_set(ndim=0, shape=None))
+    assert as_buffer(p) == (addr(a), 1, DataType.FLOAT32, 0)
+
+
+def test_stream_later_instance_speaks_another_protocol() -> None:
+    # One class, instances exposing different protocols: each is read by its own, even
+    # though the handler is cached from the first instance of the class.
+    import pynccl._adapt as adapt
+
+    class Mixed:
+        pass
+
+    def make(**attrs: Any) -> Mixed:
+        m = Mixed()
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        return m
+
+    assert as_stream(make(cuda_stream=0x11)) == 0x11
+    cached = adapt._STREAM_HANDLERS[Mixed]
+    assert as_stream(make(ptr=0x22)) == 0x22
+    assert as_stream(make(__cuda_stream__=(0, 0x33))) == 0x33
+    assert as_stream(make(cuda_stream=0x44)) == 0x44
+    assert adapt._STREAM_HANDLERS[Mixed] is cached  # the cache stays as it was
+    with pytest.raises(TypeError, match=r"^stream must be None, an int"):
+        as_stream(make())
+    with pytest.raises(ValueError, match=r"^stream \.ptr is -1; expected a cudaStream_t"):
+        as_stream(make(ptr=-1))
+
+
+def test_buffer_later_instance_without_its_protocol() -> None:
+    # A CAI-by-instance class whose later instance has none: a TypeError naming it.
+    class Maybe:
+        pass
+
+    a = np.zeros(3, np.float32)
+    first = Maybe()
+    first.__cuda_array_interface__ = P.cai_dict(a)  # type: ignore[attr-defined]
+    assert as_buffer(first) == (addr(a), 3, DataType.FLOAT32, None)
+    with pytest.raises(TypeError, match=r"^recvbuf must be an int device pointer.*Maybe"):
+        as_buffer(Maybe(), name="recvbuf")
+
+
+@pytest.mark.parametrize("answer", [None, (2,), ("cuda", 0), (2, 0, 0), (2.0, 0), 7])
+def test_dlpack_device_answer_malformed(answer: Any) -> None:
+    class OddDevice(P.DLPackProducer):
+        def __dlpack_device__(self) -> Any:
+            return answer
+
+    class OddCAI(P.CAIWithDLPackDevice):
+        pass
+
+    with pytest.raises(TypeError, match=r"^recvbuf\.__dlpack_device__\(\) gave .* two ints$"):
+        as_buffer(OddDevice(np.zeros(2, np.float32)), name="recvbuf")
+    with pytest.raises(TypeError, match=r"^recvbuf\.__dlpack_device__\(\) gave .* two ints$"):
+        as_buffer(OddCAI(np.zeros(2, np.float32), answer), name="recvbuf")  # type: ignore[arg-type]
+
+
+def test_pointer_2_64_refused_even_for_zero_elements() -> None:
+    # Found by the fuzz: the fast paths once let 2**64 through when nothing moves.
+    for dtype in (DataType.UINT8, "uint8"):
+        with pytest.raises(ValueError, match=r"^sendbuf=0x10000000000000000 is not a valid"):
+            as_buffer(1 << 64, 0, dtype)
+    cai = P.CAIArray(np.zeros(0, np.uint8))
+    cai.__cuda_array_interface__["data"] = (1 << 64, False)
+    with pytest.raises(ValueError, match=r"^sendbuf's data pointer=0x10000000000000000 is not"):
+        as_buffer(cai)
+
+
+def test_typing_protocols_describe_the_accepted_forms() -> None:
+    # pynccl.typing's Protocols match the producers as_buffer/as_stream accept (isinstance
+    # through runtime_checkable: structure only, as a type checker sees them).
+    from pynccl import typing as T
+
+    a = np.zeros(2, np.float32)
+    assert isinstance(P.CAIProperty(a), T.SupportsCAI)
+    assert isinstance(P.CAIArray(a), T.SupportsCAI)
+    assert isinstance(P.DLPackProducer(a), T.SupportsDLPack)
+    assert isinstance(P.ProtocolStream(5), T.SupportsCudaStream)
+    assert isinstance(P.TorchLikeStream(5), T.HasCudaStreamAttr)
+    assert isinstance(P.CupyLikeStream(5), T.HasStreamPtr)
+    assert not isinstance(P.CupyLikeStream(5), T.HasCudaStreamAttr)
+    assert not isinstance(a, T.SupportsCAI)  # host memory is no CUDA array
+    from pynccl import cuda
+
+    assert cuda.StreamLike is T.StreamLike

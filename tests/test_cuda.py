@@ -93,13 +93,20 @@ def test_wrapped_stream_is_borrowed() -> None:
 @pytest.mark.parametrize(
     ("call", "exc", "words"),
     [
-        (lambda: cuda.set_device("0"), TypeError, "device must be an int"),
-        (lambda: cuda.set_device(True), TypeError, "device must be an int"),
-        (lambda: cuda.set_device(-1), ValueError, "device=-1"),
+        (lambda: cuda.set_device("0"), TypeError, "^device must be an int, got str '0'$"),
+        (lambda: cuda.set_device(True), TypeError, "^device must be an int, got bool True$"),
+        (lambda: cuda.set_device(1.0), TypeError, "^device must be an int, got float 1.0$"),
+        (lambda: cuda.set_device(-1), ValueError, r"^device=-1 is out of range; expected 0 <="),
+        # 2**32 must not wrap to device 0 in ctypes' 32-bit int
+        (lambda: cuda.set_device(1 << 32), ValueError, r"^device=4294967296 is out of range"),
+        (lambda: Stream(device=1 << 32), ValueError, r"^device=4294967296 is out of range"),
         (lambda: DeviceBuffer(-4), ValueError, "shape=-4"),
-        (lambda: DeviceBuffer((2, 2.5)), ValueError, "shape="),
+        (lambda: DeviceBuffer((2, 2.5)), TypeError, "^shape must be an int or a tuple of ints"),
+        (lambda: DeviceBuffer((2, True)), TypeError, "^shape must be an int or a tuple of ints"),
+        (lambda: DeviceBuffer((1 << 32, 1 << 32)), ValueError, r"spans 18446744073709551616 e"),
         (lambda: DeviceBuffer(3, device=-2), ValueError, "device=-2"),
-        (lambda: cuda.pointer_attributes("0x10"), TypeError, "ptr must be an int"),
+        (lambda: cuda.pointer_attributes("0x10"), TypeError, "^ptr must be a pointer"),
+        (lambda: cuda.pointer_attributes(1 << 64), ValueError, "^ptr=0x1000"),
     ],
 )
 def test_bad_arguments_name_the_value(call: Any, exc: type[Exception], words: str) -> None:
@@ -108,8 +115,10 @@ def test_bad_arguments_name_the_value(call: Any, exc: type[Exception], words: st
 
 
 def test_unsupported_dtype_is_refused() -> None:
-    with pytest.raises((ValueError, TypeError)):
-        DeviceBuffer(4, "complex64")
+    with pytest.raises(TypeError, match=r"'int16' is not supported"):
+        DeviceBuffer(4, "int16")
+    with pytest.raises(TypeError, match=r"complex32.*complex64 or complex128"):
+        DeviceBuffer(4, "complex32")
 
 
 # --- the real libcudart without a driver (subprocess: it is loaded process-wide) -----------
@@ -271,6 +280,29 @@ def test_cuda_array_interface(runtime: bool, dt: DataType) -> None:
         assert np.dtype(cai["typestr"]).itemsize == dt.itemsize
     with pytest.raises(ValueError, match="freed"):
         _ = buf.__cuda_array_interface__
+
+
+@pytest.mark.parametrize("np_name", ["complex64", "complex128"])
+def test_complex_round_trip(runtime: bool, np_name: str) -> None:
+    import numpy as np
+
+    from pynccl._adapt import as_buffer
+
+    host = (np.arange(10) - 4.5j * np.arange(10)).astype(np_name).reshape(2, 5)
+    with DeviceBuffer.from_numpy(host) as buf, DeviceBuffer(10, np_name) as other:
+        assert buf.is_complex and (buf.shape, buf.size, buf.nbytes) == ((2, 5), 10, host.nbytes)
+        assert buf.dtype.name.lower() == host.real.dtype.name  # each half's float type
+        back = buf.to_numpy()
+        assert back.dtype == host.dtype and np.array_equal(back, host)
+        assert buf.__cuda_array_interface__["typestr"] == host.dtype.str
+        other.copy_from(buf)
+        assert np.array_equal(other.to_numpy(), host.reshape(-1))
+        other.copy_from(host[::-1].reshape(-1))
+        assert np.array_equal(other.to_numpy(), host[::-1].reshape(-1))
+        with pytest.raises(ValueError, match=r"source dtype float64 does not match.*complex"):
+            other.copy_from(np.zeros(10))
+        ptr, n, dt, _dev = as_buffer(buf)
+        assert (ptr, n, dt) == (buf.ptr, 20, buf.dtype)
 
 
 def test_from_numpy_non_contiguous_and_lists(runtime: bool) -> None:

@@ -42,12 +42,8 @@ LAYERS: list[tuple[str, int]] = [
     ("pynccl.testing", 7),
 ]
 
-#: Upward edges known today, each with the reason it stays for now. Keep this short.
-KNOWN = {
-    # as_stream (stream adaptation) lives in _adapt; the adapt helper's split of
-    # cuda/_adapt is to move it down beside Stream.
-    ("pynccl.cuda", "pynccl._adapt"),
-}
+#: Upward edges known today, each with the reason it stays for now. Keep this empty.
+KNOWN: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

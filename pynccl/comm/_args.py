@@ -24,6 +24,7 @@ __all__ = ["Plan", "op_table", "prepare", "resolve_op", "size_arg"]
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..enums import Release
+    from ..typing import StreamLike
     from ._communicator import Communicator
 
 #: What the slow path hands back: ``[(row index, C arguments before (comm, stream))]``
@@ -159,7 +160,7 @@ def prepare(
     where: object,
     count: object,
     dtype: object,
-    stream: object,
+    stream: StreamLike,
 ) -> Plan:
     """Check every argument of one call of ``spec`` and return its plan.
 

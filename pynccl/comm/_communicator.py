@@ -355,7 +355,7 @@ class Communicator(Extras):
         where: object,
         count: object,
         dtype: object,
-        stream: object,
+        stream: StreamLike,
     ) -> None:
         """Every call the generated inline path does not take: checked in full here.
         ``sendbuf``/``recvbuf`` stay referenced by this frame until the C calls return

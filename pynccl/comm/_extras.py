@@ -103,7 +103,7 @@ class Extras(Observed):
             value = np.array([scalar], dtype=to_numpy_dtype(dt))
             ptr, res, keep = value.ctypes.data, ScalarResidence.HOST_IMMEDIATE, value
         elif residence in ("device", ScalarResidence.DEVICE):
-            ptr, _, _, _ = as_buffer(scalar, 1, dt, name="scalar")
+            ptr, _, _, _ = as_buffer(scalar, 1, dt, name="scalar")  # type: ignore[arg-type]
             res, keep = ScalarResidence.DEVICE, None
         else:
             raise ValueError(f"residence must be 'host' or 'device', got {residence!r}")

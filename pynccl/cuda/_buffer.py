@@ -1,0 +1,320 @@
+"""DeviceBuffer: an owned, C-contiguous device allocation, with numpy interop."""
+
+from __future__ import annotations
+
+from ctypes import byref, c_void_p
+from typing import TYPE_CHECKING, Any
+
+from .._limits import check_extent, index_int
+from ..dtypes import as_datatype, canonical_name, complex_component, complex_name, to_numpy_dtype
+from ..enums import DataType
+from . import _runtime
+from ._device import _DeviceScope, get_device
+from ._streamlike import as_stream as stream_handle
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy as np
+
+    from ..typing import DTypeLike, IndexLike, StreamLike
+
+# cudaMemcpyKind
+_H2D = 1
+_D2H = 2
+_D2D = 3
+
+
+def _shape_of(shape: IndexLike | Sequence[IndexLike]) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 0 (an int is one dimension)."""
+    if isinstance(shape, (tuple, list)):
+        dims = tuple(index_int(d, "shape", "an int or a tuple of ints") for d in shape)
+    else:
+        dims = (index_int(shape, "shape", "an int or a tuple of ints"),)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"shape={shape!r} is out of range: every dimension must be >= 0")
+    return dims
+
+
+# numpy's typestr for each type. bfloat16 and FP8 have none: opaque void items of
+# their size (ml_dtypes itself is inconsistent: '<V2', '<V1' but '<f1' for e5m2).
+_TYPESTR = {
+    DataType.INT8: "|i1",
+    DataType.UINT8: "|u1",
+    DataType.INT32: "<i4",
+    DataType.UINT32: "<u4",
+    DataType.INT64: "<i8",
+    DataType.UINT64: "<u8",
+    DataType.FLOAT16: "<f2",
+    DataType.FLOAT32: "<f4",
+    DataType.FLOAT64: "<f8",
+    DataType.BFLOAT16: "<V2",
+    DataType.FLOAT8_E4M3: "|V1",
+    DataType.FLOAT8_E5M2: "|V1",
+}
+
+
+# Complex element types a DeviceBuffer holds, by the float type of each half, and their
+# typestrs (numpy has no complex32, so that one has no typestr and is not offered).
+_COMPLEX_TYPESTR = {DataType.FLOAT32: "<c8", DataType.FLOAT64: "<c16"}
+
+
+def _element_type(dtype: Any) -> tuple[DataType, int]:
+    """``dtype`` as ``(NCCL type, lanes)``: a complex type is 2 lanes of its float type."""
+    try:
+        return as_datatype(dtype), 1
+    except TypeError:
+        part = complex_component(dtype)
+        if part is None:
+            raise
+        if part not in _COMPLEX_TYPESTR:
+            raise TypeError(
+                f"data type {dtype!r} ({complex_name(part)}) has no array-interface typestr; "
+                "a DeviceBuffer holds complex64 or complex128"
+            ) from None
+        return part, 2
+
+
+def _element_name(dtype: DataType, lanes: int) -> str:
+    return complex_name(dtype) if lanes == 2 else canonical_name(dtype)
+
+
+class DeviceBuffer:
+    """An owned, C-contiguous device allocation (``cudaMalloc``) of ``shape`` and ``dtype``.
+
+    ``DeviceBuffer(shape, dtype="float32", device=None)`` allocates (contents
+    undefined: see :meth:`fill_zero`); :meth:`from_numpy` copies an array in.
+    ``ptr`` is the device address (an ``int``), ``dtype`` a :class:`~pynccl.DataType`.
+    A complex64 / complex128 buffer (:attr:`is_complex`) has the float type of each half
+    as its ``dtype``; collectives move it as twice as many floats.
+
+    ``__cuda_array_interface__`` (v3) exports it to CuPy, Numba, torch and to
+    pynccl's own collectives. Its ``typestr`` is numpy's for the type. bfloat16
+    and the FP8 types have no typestr of their own: they are given as opaque
+    items of the right size, ``<V2`` (what numpy reports for ml_dtypes'
+    bfloat16) and ``|V1``, so consumers that move bytes work, and pynccl reads
+    the real type from ``dtype`` (a :class:`~pynccl.DataType`).
+
+    The allocation is freed by :meth:`close` (alias :meth:`free`), at the end of
+    a ``with`` block, or quietly when the object is garbage-collected.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_device",
+        "_dtype",
+        "_freed",
+        "_lanes",
+        "_nbytes",
+        "_ptr",
+        "_shape",
+    )
+
+    _ptr: int
+    _freed: bool
+    _nbytes: int
+    _device: int
+    _dtype: DataType
+    _lanes: int  # 2 for complex (two _dtype floats per element), else 1
+    _shape: tuple[int, ...]
+
+    def __init__(
+        self,
+        shape: IndexLike | Sequence[IndexLike],
+        dtype: DTypeLike = DataType.FLOAT32,
+        device: IndexLike | None = None,
+    ) -> None:
+        self._ptr = 0
+        self._freed = False
+        self._shape = _shape_of(shape)
+        self._dtype, self._lanes = _element_type(dtype)
+        size = 1
+        for d in self._shape:
+            size *= d
+        self._nbytes = check_extent(size, self._dtype.itemsize * self._lanes, "DeviceBuffer")
+        out = c_void_p()
+        with _DeviceScope(device) as dev:
+            if dev < 0:
+                dev = get_device()
+            if self._nbytes:  # cudaMalloc(0) gives NULL anyway; skip the call
+                _runtime._rt().cudaMalloc(byref(out), self._nbytes)
+        self._device = dev
+        self._ptr = out.value or 0
+
+    # -- properties
+
+    @property
+    def ptr(self) -> int:
+        """The device address (0 for an empty or freed buffer)."""
+        return self._ptr
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self._nbytes
+
+    @property
+    def device(self) -> int:
+        """The device the allocation lives on."""
+        return self._device
+
+    @property
+    def dtype(self) -> DataType:
+        """The element type, as a :class:`~pynccl.DataType` (for a complex buffer, the
+        float type of each half)."""
+        return self._dtype
+
+    @property
+    def is_complex(self) -> bool:
+        """True for a complex64 / complex128 buffer."""
+        return self._lanes == 2
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape (C order)."""
+        return self._shape
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return self._nbytes // (self._dtype.itemsize * self._lanes)
+
+    @property
+    def closed(self) -> bool:
+        """True once the allocation has been freed."""
+        return self._freed
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        self._check_open()
+        return {
+            "shape": self._shape,
+            "typestr": _COMPLEX_TYPESTR[self._dtype] if self._lanes == 2 else _TYPESTR[self._dtype],
+            "data": (self._ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ValueError("this DeviceBuffer has been freed")
+
+    # -- numpy interop
+
+    @classmethod
+    def from_numpy(
+        cls, array: Any, device: IndexLike | None = None, stream: StreamLike = None
+    ) -> DeviceBuffer:
+        """A new buffer holding a copy of ``array`` (any array-like numpy accepts).
+
+        With ``stream`` the copy is queued on it and the stream is synchronized
+        before returning, so ``array`` may be modified right away.
+        """
+        import numpy as np
+
+        arr = np.ascontiguousarray(array)
+        buf = cls(arr.shape, arr.dtype, device)
+        try:
+            buf._copy(buf._ptr, arr.ctypes.data, _H2D, stream)
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
+    def to_numpy(self, stream: StreamLike = None) -> np.ndarray:
+        """A host copy as a numpy array of :attr:`shape` (ml_dtypes for bf16/FP8).
+
+        With ``stream`` the copy is ordered after the work queued on it;
+        this returns once the copy has finished.
+        """
+        import numpy as np
+
+        self._check_open()
+        if self._lanes == 2:
+            host_type = np.dtype(complex_name(self._dtype))
+        else:
+            host_type = to_numpy_dtype(self._dtype)
+        out = np.empty(self._shape, dtype=host_type)
+        self._copy(out.ctypes.data, self._ptr, _D2H, stream)
+        return out
+
+    def copy_from(self, source: Any, stream: StreamLike = None) -> None:
+        """Overwrite the contents from a host array or another :class:`DeviceBuffer`.
+
+        ``source`` must have the same element type and number of elements
+        (its shape may differ). Returns once the copy has finished.
+        """
+        self._check_open()
+        if isinstance(source, DeviceBuffer):
+            source._check_open()
+            self._check_match((source._dtype, source._lanes), source.size)
+            self._copy(self._ptr, source.ptr, _D2D, stream)
+            return
+        import numpy as np
+
+        arr = np.ascontiguousarray(source)
+        self._check_match(_element_type(arr.dtype), arr.size)
+        self._copy(self._ptr, arr.ctypes.data, _H2D, stream)
+
+    def _check_match(self, element: tuple[DataType, int], size: int) -> None:
+        if element != (self._dtype, self._lanes):
+            raise ValueError(
+                f"source dtype {_element_name(*element)} does not match the buffer's "
+                f"{_element_name(self._dtype, self._lanes)}"
+            )
+        if size != self.size:
+            raise ValueError(f"source has {size} elements; the buffer holds {self.size}")
+
+    def _copy(self, dst: int, src: int, kind: int, stream: StreamLike) -> None:
+        if not self._nbytes:
+            return
+        rt = _runtime._rt()
+        if stream is None:
+            rt.cudaMemcpy(dst, src, self._nbytes, kind)
+            return
+        # Pageable host memory: wait, so the caller may reuse the host array at once.
+        handle = stream_handle(stream)
+        rt.cudaMemcpyAsync(dst, src, self._nbytes, kind, handle)
+        rt.cudaStreamSynchronize(handle)
+
+    def fill_zero(self, stream: StreamLike = None) -> None:
+        """Set every byte to 0; queued on ``stream`` when one is given (not waited for)."""
+        self._check_open()
+        if not self._nbytes:
+            return
+        if stream is None:
+            _runtime._rt().cudaMemset(self._ptr, 0, self._nbytes)
+        else:
+            _runtime._rt().cudaMemsetAsync(self._ptr, 0, self._nbytes, stream_handle(stream))
+
+    # -- lifetime
+
+    def close(self) -> None:
+        """Free the allocation (idempotent). Work still queued on it must have finished."""
+        ptr, self._ptr = self._ptr, 0
+        self._freed = True
+        if ptr:
+            _runtime._rt().cudaFree(ptr)
+
+    free = close
+
+    def __enter__(self) -> DeviceBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_ptr", 0):
+            try:
+                self.close()
+            except Exception:  # interpreter shutdown or a dead context
+                pass
+
+    def __repr__(self) -> str:
+        state = "freed" if self.closed else f"ptr={self._ptr:#x}"
+        return (
+            f"<pynccl.cuda.DeviceBuffer shape={self._shape} "
+            f"dtype={_element_name(self._dtype, self._lanes)} "
+            f"device={self._device} {state}>"
+        )

@@ -1,0 +1,167 @@
+"""Stream adaptation: whatever a caller passes as a stream becomes a ``cudaStream_t`` int.
+
+Dispatch on ``type(obj)`` through a cache of handler functions, as for buffers
+(:mod:`pynccl._adapt`): the first object of a type is probed, later ones go straight to
+their handler; ints skip even that. Nothing here calls into CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .._limits import index_int
+
+TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+    from ..typing import StreamLike
+
+    StreamHandler = Callable[[Any], int]
+
+__all__ = ["as_stream"]
+
+_PTR_LIMIT = 1 << 64
+_CACHE_LIMIT = 512
+_STREAM_FORMS = (
+    "None, an int cudaStream_t handle, a pynccl.cuda.Stream, or an object with "
+    "__cuda_stream__ (cuda.core), .cuda_stream (torch), .ptr (CuPy) or __int__ "
+    "(cuda-python's cudaStream_t / CUstream)"
+)
+
+
+def _stream_error(obj: Any) -> TypeError:
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    return TypeError(f"stream must be {_STREAM_FORMS}; got {kind} {obj!r}")
+
+
+def _checked_handle(handle: Any, obj: Any, source: str) -> int:
+    value = (
+        handle if type(handle) is int else index_int(handle, f"stream {source}", "an int handle")
+    )
+    if value < 0 or value >= _PTR_LIMIT:
+        raise ValueError(
+            f"stream {source} is {value}; expected a cudaStream_t handle in [0, 2**64)"
+        )
+    return value
+
+
+def _stream_from_int(obj: Any) -> int:
+    if 0 <= obj < 1 << 64:
+        return int(obj)
+    raise ValueError(f"stream handle {int(obj)} is out of range; expected 0 <= handle < 2**64")
+
+
+def _stream_from_protocol(obj: Any) -> int:
+    try:
+        info = obj.__cuda_stream__
+    except AttributeError:
+        return _redispatch(obj, _stream_from_protocol)
+    if callable(info):
+        info = info()
+    try:
+        _version, handle = info
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{type(obj).__name__}.__cuda_stream__ gave {info!r}; expected (version, handle)"
+        ) from None
+    return _checked_handle(handle, obj, "__cuda_stream__ handle")
+
+
+def _stream_from_cuda_stream(obj: Any) -> int:
+    try:
+        handle = obj.cuda_stream
+    except AttributeError:
+        return _redispatch(obj, _stream_from_cuda_stream)
+    return _checked_handle(handle, obj, ".cuda_stream")
+
+
+def _stream_from_ptr(obj: Any) -> int:
+    try:
+        handle = obj.ptr
+    except AttributeError:
+        return _redispatch(obj, _stream_from_ptr)
+    return _checked_handle(handle, obj, ".ptr")
+
+
+def _stream_from_dunder_int(obj: Any) -> int:
+    # cuda-python's cudaStream_t / CUstream: int() is the handle. Their getPtr() is
+    # the address where the handle is stored, not the handle, so it is never used.
+    return _checked_handle(int(obj), obj, "int()")
+
+
+def _is_number(obj: Any) -> bool:
+    # float, Decimal, Fraction, numpy floats: int() of them is no stream handle.
+    import numbers
+
+    return isinstance(obj, (numbers.Number, str, bytes))
+
+
+def _stream_from_pynccl(obj: Any) -> int:
+    return obj.handle  # type: ignore[no-any-return]
+
+
+def _pick(cls: type, obj: Any) -> StreamHandler:
+    """The handler for ``obj`` (of type ``cls``); ``TypeError`` if none fits."""
+    stream_module = sys.modules.get(__package__ + "._stream")  # loaded with pynccl.cuda
+    if issubclass(cls, bool):
+        raise _stream_error(obj)
+    if issubclass(cls, int):
+        return _stream_from_int
+    if stream_module is not None and cls is getattr(stream_module, "Stream", None):
+        return _stream_from_pynccl
+    if hasattr(obj, "__cuda_stream__"):
+        return _stream_from_protocol
+    if hasattr(obj, "cuda_stream"):
+        return _stream_from_cuda_stream
+    if hasattr(obj, "ptr"):
+        return _stream_from_ptr
+    if hasattr(cls, "__index__"):  # numpy integers
+        return _stream_from_dunder_int
+    if hasattr(cls, "__int__") and not _is_number(obj):  # cuda-python, numba streams
+        return _stream_from_dunder_int
+    raise _stream_error(obj)
+
+
+def _redispatch(obj: Any, failed: StreamHandler) -> int:
+    """``obj`` lacks the attribute its type's cached handler reads (instances of one class
+    may expose different protocols): pick again for this instance, without caching."""
+    handler = _pick(type(obj), obj)
+    if handler is failed:  # the attribute is there for hasattr but not for reading
+        raise _stream_error(obj)
+    return handler(obj)
+
+
+def _stream_handler(cls: type, obj: Any) -> StreamHandler:
+    """Pick (and cache) the handler for streams of type ``cls``; raise if none fits.
+
+    The pick is made on the first instance seen; a later one that lacks what the cached
+    handler reads is re-dispatched by that handler (:func:`_redispatch`)."""
+    handler = _pick(cls, obj)
+    if len(_STREAM_HANDLERS) < _CACHE_LIMIT:
+        _STREAM_HANDLERS[cls] = handler
+    return handler
+
+
+_STREAM_HANDLERS: dict[type, StreamHandler] = {int: _stream_from_int}
+
+
+def as_stream(obj: StreamLike) -> int:
+    """The ``cudaStream_t`` of ``obj`` as an ``int``.
+
+    ``None`` gives 0 (CUDA's legacy default stream); an ``int`` is taken as the
+    handle; :class:`pynccl.cuda.Stream`, objects with ``__cuda_stream__``
+    (cuda.core; a method returning ``(version, handle)``, or such a tuple),
+    ``.cuda_stream`` (torch), ``.ptr`` (CuPy) or ``__int__`` (cuda-python handles)
+    give theirs. Anything else raises ``TypeError`` naming its type.
+    """
+    if obj is None:
+        return 0
+    if type(obj) is int and 0 <= obj < 1 << 64:
+        return obj
+    try:
+        handler = _STREAM_HANDLERS[type(obj)]
+    except KeyError:
+        handler = _stream_handler(type(obj), obj)
+    return handler(obj)
