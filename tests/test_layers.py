@@ -13,6 +13,7 @@ with ``--loopback``.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "pynccl"
@@ -94,6 +95,7 @@ def layer(name: str) -> int:
     return dict(LAYERS)[best]
 
 
+@functools.lru_cache(maxsize=1)
 def graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
