@@ -11,7 +11,8 @@ collective, plus send and recv) it times:
 * CAI       ``comm.<method>(a, b)``, objects exposing only ``__cuda_array_interface__``
 * DevBuf    the same with :class:`pynccl.cuda.DeviceBuffer`
 
-plus ``send``+``recv`` inside ``pynccl.group()`` against bare
+plus all_reduce's generated code compiled without the gate (what serializing teardown
+against calls in flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
 ``ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd``, the low-level layer
 (``lib().ncclAllReduce``), and the import times of ``import pynccl`` and
 ``from pynccl import Communicator`` in fresh interpreters.
@@ -129,6 +130,24 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
     v["send+recv floor"] = bare_pair
     v["send+recv group"] = comm_pair
     v["send+recv DevBuf"] = comm_pair_buf
+    # What the gate (teardown serialized against calls in flight) costs the hot path:
+    # all_reduce's generated source compiled without it, timed beside the real one.
+    from pynccl.comm import _codegen
+
+    src = _codegen._method_source(COLLECTIVES[0])
+    for old, new in (
+        ("                    if not gate.acquire(False):\n", "                    if 0:\n"),
+        ("gate.release()", "pass"),
+    ):
+        src = src.replace(old, new)
+    env = dict(_codegen._env())
+    assert "acquire" not in src and "release" not in src
+    exec(src, env)
+    nogate = env["all_reduce"].__get__(comm)
+    v["all_reduce(no gate) floor"] = v["all_reduce floor"]
+    v["all_reduce(no gate) raw"] = lambda: nogate(send, recv, count=n, dtype=f32)
+    v["all_reduce(gate) raw"] = v["all_reduce raw"]
+    v["all_reduce(gate) floor"] = v["all_reduce floor"]
     floor_ar = _bare(cdll, "ncclAllReduce", PROTOTYPES["ncclAllReduce"])
     low = pynccl.lib().ncclAllReduce
     v["low-level floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, 0)
