@@ -9,6 +9,7 @@ returned. Communicators take part through a small interface (:class:`GroupMember
 
 from __future__ import annotations
 
+import itertools
 import threading
 from types import TracebackType
 
@@ -37,9 +38,15 @@ class _GroupState(threading.local):
         self.pending: list[GroupMember] = []
         # Buffer objects of the queued operations: alive until the outermost group end.
         self.keep: list[object] = []
+        # The outermost open group's number (0: none), for the flight recorder.
+        self.gid = 0
 
 
 _state = _GroupState()
+#: Threads with a group open: the hot paths look up the thread-local group number only
+#: when this is not empty (set add/discard are atomic under the GIL).
+OPEN: set[int] = set()
+_SERIAL = itertools.count(1)
 
 
 def group_depth() -> int:
@@ -63,6 +70,9 @@ def in_progress_later(comm: GroupMember) -> None:
 def group_start() -> None:
     """``ncclGroupStart``: open a group on the calling thread (groups nest)."""
     lib().ncclGroupStart()
+    if _state.depth == 0:
+        _state.gid = next(_SERIAL)
+        OPEN.add(threading.get_ident())
     _state.depth += 1
 
 
@@ -74,6 +84,9 @@ def group_end() -> Result:
     """
     if _state.depth > 0:
         _state.depth -= 1
+        if _state.depth == 0:
+            _state.gid = 0
+            OPEN.discard(threading.get_ident())
     try:
         result: Result = lib().ncclGroupEnd()
     except BaseException:

@@ -205,3 +205,25 @@ def test_errors_carry_a_short_record_and_the_whole_one(
     assert "#10 ncclAllReduce" in text and "op=max" in text and "#6 " not in text
     assert [e[0] for e in err.flight_record] == list(range(1, 11))  # type: ignore[attr-defined]
     assert comm.state == "aborted"
+
+
+def test_the_record_shows_group_boundaries(lb: Any) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    a = DeviceBuffer.from_numpy(_rank_data(0), device=0)
+    b = DeviceBuffer(N, "float32", device=0)
+    try:
+        comm.all_reduce(a, b)  # #1, no group
+        with group():
+            comm.send(a, 0)  # #2 and #3 in one group
+            comm.recv(b.ptr, 0, count=N, dtype="float32")
+        with group():
+            comm.all_reduce(a.ptr, b.ptr, count=N, dtype="float32", op="max")  # #4, next group
+        comm.synchronize(timeout=60)
+        lines = comm.format_flight_record().splitlines()[1:]
+    finally:
+        comm.destroy()
+        a.close()
+        b.close()
+    tags = [line.rsplit("[group ", 1)[1].rstrip("]") if "[group" in line else "" for line in lines]
+    assert tags[0] == "" and tags[1] == tags[2] != "" and tags[3] not in ("", tags[1])
+    assert "#4 ncclAllReduce" in lines[3] and "op=max" in lines[3]

@@ -78,7 +78,7 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
         f"    args = ({', '.join(cargs)})",
         "    seq = self._seq + 1",
         "    self._seq = seq",
-        f"    self._ring[seq & _MASK] = ({i}, args)",
+        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.gid) if _OPEN else ({i}, args)",
         "    rc = fn(*args)",
         "finally:",
         "    gate.release()",
@@ -222,6 +222,7 @@ def _env() -> dict[str, object]:
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
             _GROUPS=groups._state,
+            _OPEN=groups.OPEN,
             _keep_alive=groups.keep_alive,
         )
     return _ENV

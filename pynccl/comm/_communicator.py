@@ -386,7 +386,9 @@ class Communicator(Extras):
             args = (*pre, h, s)
             seq = self._seq + 1
             self._seq = seq
-            self._ring[seq & _recorder.RING_MASK] = (index, args)
+            self._ring[seq & _recorder.RING_MASK] = (
+                (index, args, _groups._state.gid) if _groups.OPEN else (index, args)
+            )
             rc = fn(*args)
         finally:
             gate.release()

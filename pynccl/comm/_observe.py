@@ -64,7 +64,9 @@ class Observed(CommHandle):
 
     def format_flight_record(self, last: int = 0) -> str:
         """The flight record as text (``last`` > 0: only the newest ``last`` entries)."""
-        return _recorder.format_lines(self.flight_record(), self._rank, self._size, last)
+        items = self.flight_record()
+        marks = _recorder.groups(self._ring, items)
+        return _recorder.format_lines(items, self._rank, self._size, last, marks)
 
     def describe(self, seq: int) -> str:
         """The C function of operation ``seq``, or ``"operation"`` if no longer recorded."""

@@ -14,7 +14,16 @@ from ctypes import c_int, c_size_t
 from ..enums import DataType, RedOp
 from ._spec import COLLECTIVES
 
-__all__ = ["RING_MASK", "RING_SIZE", "FlightRecord", "entry", "format_record", "record"]
+__all__ = [
+    "RING_MASK",
+    "RING_SIZE",
+    "FlightRecord",
+    "entry",
+    "format_lines",
+    "format_record",
+    "groups",
+    "record",
+]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -36,7 +45,7 @@ def entry(ring: list[Any], newest: int, seq: int) -> FlightRecord | None:
     slot = ring[seq & RING_MASK]
     if slot is None or seq < 1 or not 0 <= newest - seq < RING_SIZE:
         return None
-    row, args = slot
+    row, args = slot[0], slot[1]
     spec = COLLECTIVES[row]
     plain = tuple(a.value if type(a) in (c_int, c_size_t) else a for a in args)
     # root / peer sit just before (comm, stream) in every prototype that has one.
@@ -48,6 +57,16 @@ def record(ring: list[Any], newest: int) -> list[FlightRecord]:
     """Every entry still in the ring, oldest first."""
     entries = (entry(ring, newest, i) for i in range(max(1, newest - RING_SIZE + 1), newest + 1))
     return [e for e in entries if e is not None]
+
+
+def groups(ring: list[Any], items: list[FlightRecord]) -> list[int]:
+    """The group number (0: none) each of ``items`` was issued in, as the hot path stored
+    it: ``(row, args, group)`` inside a group, ``(row, args)`` outside."""
+    out = []
+    for item in items:
+        slot = ring[item[0] & RING_MASK]
+        out.append(slot[2] if slot is not None and len(slot) > 2 else 0)
+    return out
 
 
 def _op_name(code: int) -> str:
@@ -79,12 +98,21 @@ def format_record(item: FlightRecord) -> str:
 COLLECTIVES_HAS_OP = {row.cfunc: row.has_op for row in COLLECTIVES}
 
 
-def format_lines(entries: list[FlightRecord], rank: int, size: int, last: int = 0) -> str:
-    """The record as text; ``last`` > 0 keeps only the newest ``last`` entries."""
+def format_lines(
+    entries: list[FlightRecord],
+    rank: int,
+    size: int,
+    last: int = 0,
+    marks: list[int] | None = None,
+) -> str:
+    """The record as text; ``last`` > 0 keeps only the newest ``last`` entries; ``marks``
+    (from :func:`groups`) tags the operations issued inside a group with its number."""
     if not entries:
         return f"No operation issued yet on rank {rank}."
     shown = entries[-last:] if last else entries
+    tags = (marks or [0] * len(entries))[-len(shown) :]
     head = f"Last {len(shown)} operations issued on rank {rank}/{size}"
     if len(shown) < len(entries):
         head += f" (of {len(entries)} recorded; the whole record is the error's flight_record)"
-    return "\n".join([head + ":"] + ["  " + format_record(e) for e in shown])
+    lines = ["  " + format_record(e) + (f" [group {g}]" if g else "") for e, g in zip(shown, tags)]
+    return "\n".join([head + ":", *lines])
