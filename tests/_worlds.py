@@ -442,6 +442,12 @@ def ref_reduce(
         if op == "premulsum":
             sc = np.array([scalar], dtype=npdt).view(u)[0]
             return _fold([x * sc for x in xs], lambda a, b: a + b).view(npdt)
+        if op == "avg":
+            # NCCL's SumPostDiv: the wrapped sum in the type, divided by the number of
+            # ranks as C divides (truncating toward zero), in Python ints.
+            total = _fold(xs, lambda a, b: a + b).view(npdt)
+            quot = [int(v) // n if v >= 0 else -(-int(v) // n) for v in total.tolist()]
+            return np.array(quot, dtype=npdt)
         raise ValueError(f"no integer reference for op {op!r}")
     if op == "avg":
         op, scalar = "premulsum", 1.0 / n

@@ -50,7 +50,7 @@ FLOAT_DTYPES = [canonical_name(dt) for dt in DataType if dt.is_float]
 
 
 def _ops(dtype: str) -> tuple[str, ...]:
-    return OPS if dtype in FLOAT_DTYPES else tuple(op for op in OPS if op != "avg")
+    return OPS  # avg on integers too: NCCL's sum / nranks, truncated toward zero
 
 
 # --- threads: fixed matrices ----------------------------------------------------------------------
@@ -97,6 +97,10 @@ def test_integer_reductions_wrap_around(thread_worlds: Callable[[int], ThreadWor
     b = np.array([100, 1], np.int8)
     assert ref_reduce([a, b, a], DataType.INT8, "sum").tolist() == [44, -1]
     assert ref_reduce([a, a], DataType.INT8, "prod").tolist() == [16, 1]
+    # avg: the wrapped sum divided as C divides, truncating toward zero (not flooring).
+    assert ref_reduce([a, b], DataType.INT8, "avg").tolist() == [-28, -64]
+    odd = [np.array([-3, 3], np.int32), np.array([0, 0], np.int32)]
+    assert ref_reduce(odd, DataType.INT32, "avg").tolist() == [-1, 1]
     world = thread_worlds(5)
     for dtype in ("int8", "uint8", "int32", "uint64"):
         for op in ("sum", "prod"):

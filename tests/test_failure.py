@@ -121,7 +121,7 @@ def test_peer_dies_before_joining(tmp_path: Path) -> None:
 # -- injected faults: hangs, the watchdog, asynchronous errors -------------------------------------
 
 LAST_OP = "ncclAllGather count=5 dtype=ncclFloat64"
-FIRST_OP = "#0 ncclAllReduce count=8 dtype=ncclFloat32"
+FIRST_OP = "#1 ncclAllReduce count=8 dtype=ncclFloat32 op=sum"  # numbered from #1
 
 
 def _run_faults(tmp_path: Path, mode: str) -> dict[int, dict[str, str]]:
@@ -153,7 +153,7 @@ def test_watchdog_aborts_a_hung_operation(tmp_path: Path) -> None:
     assert hung["next"] == "NcclTimeoutError" and hung["same"] == "True", hung
     message = _words(hung["message"])
     assert "watchdog aborted the communicator" in message, message
-    assert f"#1 {LAST_OP}" in message and FIRST_OP in message, message
+    assert f"#2 {LAST_OP}" in message and FIRST_OP in message, message
     assert hung["watchdog_threads"] == "0"
     # the peer's own watchdog saw the abort as a remote error and aborted too
     assert peer["error"] == "NcclRemoteError" and peer["where"] == "watchdog", peer
@@ -167,7 +167,7 @@ def test_synchronize_timeout_on_a_hung_operation(tmp_path: Path) -> None:
     assert hung["error"] == "NcclTimeoutError" and hung["where"] == "synchronize", hung
     message = _words(hung["message"])
     assert "did not finish within 1 s" in message, message
-    assert f"Last operation issued: #1 {LAST_OP}" in message, message
+    assert f"Last operation issued: #2 {LAST_OP}" in message, message
     assert FIRST_OP in message, message
     # synchronize aborted the communicator: it cannot be used any more
     assert hung["state"] == "aborted" and hung["next"] == "NcclInvalidUsage", hung

@@ -24,7 +24,6 @@ Importing this package loads no library.
 
 from __future__ import annotations
 
-from ._from_env import from_env, make_rendezvous
 from ._seal import KEY_ENV, InsecureRendezvousWarning
 from .backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
 from .env import (
@@ -75,3 +74,22 @@ __all__ = [
     "slurm_default_port",
     "visible_devices",
 ]
+
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# from_env builds a Communicator, so it lives in the object layer (pynccl.comm); this
+# package never imports comm and re-exports the two names lazily (PEP 562).
+_OBJECT_LAYER = ("from_env", "make_rendezvous")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _OBJECT_LAYER:
+        import importlib
+
+        value = getattr(importlib.import_module("pynccl.comm._from_env"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pynccl.bootstrap' has no attribute {name!r}")

@@ -6,11 +6,11 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._seal import KEY_ENV
-from .backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
-from .env import LaunchEnv, detect_launch_env, select_device
-from .errors import RendezvousProtocolError
-from .tcp import TcpRendezvous
+from ..bootstrap._seal import KEY_ENV
+from ..bootstrap.backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
+from ..bootstrap.env import LaunchEnv, detect_launch_env, select_device
+from ..bootstrap.errors import RendezvousProtocolError
+from ..bootstrap.tcp import TcpRendezvous
 
 if TYPE_CHECKING:
     from pynccl.comm import Communicator, Config

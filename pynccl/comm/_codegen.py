@@ -1,0 +1,269 @@
+"""Rows -> methods: one template turns each :data:`~._spec.COLLECTIVES` row into a method
+of :class:`~pynccl.Communicator`, once, at import.
+
+The generated code is straight-line for its row (no run-time branches on spec flags):
+the raw-pointer call checked inline — pointers, count, dtype, op, root/peer — then the
+gate, one flight-recorder store, the C call through the row's slot in ``self._fn`` (which
+the watchdog may swap) and one result check. Anything else goes to the one slow path,
+``Communicator._slow``, which words every error the same way for every row.
+
+The source is served to :mod:`linecache` by the ``__loader__`` of the generated code's
+globals, so tracebacks show real lines (see :func:`source`).
+"""
+
+from __future__ import annotations
+
+from .._capi.nccl import C_REDOP
+from ..enums import DataType, RedOp
+from ._args import SIZE_ARGS, size_arg
+from ._recorder import RING_MASK
+from ._spec import COLLECTIVES, CollSpec
+
+__all__ = ["FILENAME", "compile_method", "generate", "install", "source"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+#: The file name generated code reports in tracebacks.
+FILENAME = __file__.rsplit(".", 1)[0] + "_generated.py"
+_MODULE = "pynccl.comm._generated"
+
+
+class _SourceLoader:
+    """Serves the generated source to linecache (``linecache.lazycache`` asks the
+    ``__loader__`` of a frame's globals for ``get_source``)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def get_source(self, name: str) -> str:
+        return self.text
+
+
+def _params(spec: CollSpec) -> tuple[str, str, str]:
+    """(signature after self, buffer names for the call, where-argument name or 'None')."""
+    sig: list[str] = []
+    if spec.send != "-":
+        sig.append("sendbuf")
+    if spec.recv != "-":
+        optional = spec.in_place == "recvbuf=None" or spec.recv_on == "root"
+        sig.append("recvbuf=None" if optional else "recvbuf")
+    if spec.where == "peer":
+        sig.append("peer")
+    if spec.has_op:
+        sig.append("op=_SUM")
+    sig.append("*")
+    if spec.where == "root":
+        sig.append("root=0")
+    sig += ["count=None", "dtype=None", "stream=None"]
+    send = "sendbuf" if spec.send != "-" else "None"
+    recv = "recvbuf" if spec.recv != "-" else "None"
+    return ", ".join(sig), f"{send}, {recv}", spec.where or "None"
+
+
+def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
+    """The gate, the record, the C call and the result check, at indent ``pad``."""
+    body = [
+        "if (cn := _SIZE_ARGS.get(n)) is None:",
+        "    cn = _size_arg(n)",
+        "gate = self._gate",
+        "if not gate.acquire(False):",
+        "    self._wait_gate()",
+        "try:",
+        "    h = self._h",
+        "    if h is None:",
+        "        h = self._gone()",
+        f"    args = ({', '.join(cargs)})",
+        "    seq = self._seq + 1",
+        "    self._seq = seq",
+        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.gid) if _OPEN else ({i}, args)",
+        "    rc = fn(*args)",
+        "finally:",
+        "    gate.release()",
+        "if rc:",
+        f"    self._failed({i}, rc)",
+        "return",
+    ]
+    return [pad + line for line in body]
+
+
+def _method_source(spec: CollSpec) -> str:
+    """One row's method: the inline raw-pointer path, the inline array path (objects
+    whose handler is cached, no count/dtype), then the slow path for anything else."""
+    sig, bufs, where = _params(spec)
+    i = spec.index
+    lines = [f"def {spec.method}(self, {sig}):"]
+    has_send, has_recv = spec.send != "-", spec.recv != "-"
+    recv = "recvbuf"
+    if spec.in_place == "recvbuf=None":
+        lines.append("    rb = sendbuf if recvbuf is None else recvbuf")
+        recv = "rb"
+    names = ([("sendbuf", "sp", "sn", spec.send)] if has_send else []) + (
+        [(recv, "rp", "rn", spec.recv)] if has_recv else []
+    )
+    first = ["stream is None"]
+    if spec.has_op:
+        first.append("(type(op) is _RedOp or type(op) is str)")
+    if spec.where:
+        first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._size")
+    tail = ["cn", "code"] + (["cop"] if spec.has_op else []) + ([spec.where] if spec.where else [])
+    tail += ["h", "self._stream"]
+    lines.append("    if " + " and ".join(first) + ":")
+    # -- raw pointers ------------------------------------------------------------------
+    raw = [f"type({b}) is int" for b, _, _, _ in names[1:]] + [
+        "type(count) is int",
+        "type(dtype) is _DataType",
+    ]
+    ranges = [f"0 < {b} < _P63" for b, _, _, _ in names] + ["0 <= count < self._fast_n"]
+    lines += [
+        f"        if type({names[0][0]}) is int:",
+        "            if " + " and ".join(raw) + " and " + " and ".join(ranges) + ":",
+        "                n = count",
+        "                code = self._codes[dtype]",
+    ]
+    ready = ["code is not None", "fn is not None", "self._h is not None"]
+    if spec.has_op:
+        lines.append("                cop = _C_SUM if op is _SUM else self._ops.get(op)")
+        ready.insert(1, "cop is not None")
+    lines += [
+        f"                fn = self._fn[{i}]",
+        "                if " + " and ".join(ready) + ":",
+    ]
+    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20)
+    # -- arrays with a cached handler ------------------------------------------------------
+    lines += [
+        "        elif count is None and dtype is None:",
+        "            s = self._stream",
+        "            dev = self._device",
+    ]
+    conds = []
+    slow = (
+        f"return self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
+        "count, dtype, stream)"
+    )
+    ordered = names if spec.count_from == "send" or len(names) == 1 else names[::-1]
+    for b, p, nvar, _ in ordered:
+        label = '"sendbuf"' if b == "sendbuf" else '"recvbuf"'
+        writable = "True" if b != "sendbuf" else "recvbuf is None" if recv == "rb" else "False"
+        lines += [
+            f"            if type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
+            f"                {slow}",
+            f"            {p}, {nvar}, dt_{p}, dev_{p} = "
+            f"hd({b}, None, None, {label}, {writable}, s)",
+        ]
+        conds.append(f"(dev_{p} is None or dev_{p} == dev)")
+    src_p, src_n, src_kind = (
+        (names[0][1], names[0][2], names[0][3])
+        if spec.count_from == "send" or len(names) == 1
+        else (names[1][1], names[1][2], names[1][3])
+    )
+    lines.append("            dt = dt_" + src_p)
+    if len(names) == 2:
+        conds.insert(0, f"dt_{ordered[1][1]} is dt")
+    if src_kind == "n":
+        lines.append(f"            n, extra = divmod({src_n}, self._size)")
+        conds.append("extra == 0")
+    else:
+        lines.append(f"            n = {src_n}")
+    for _, p, nvar, kind in names:
+        if p != src_p:
+            conds.append(f"{nvar} >= n * self._size" if kind == "n" else f"{nvar} >= n")
+    lines += [
+        "            if " + " and ".join(conds) + ":",
+        "                code = self._codes[dt]",
+    ]
+    if spec.has_op:
+        lines.append("                cop = _C_SUM if op is _SUM else self._array_ops.get(op)")
+    lines += [
+        f"                fn = self._fn[{i}]",
+        "                if " + " and ".join(ready) + ":",
+        "                    if _GROUPS.depth:",
+        f"                        _keep_alive(({bufs}))",
+    ]
+    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20)
+    lines.append(
+        f"    self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
+        "count, dtype, stream)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def _sources() -> list[str]:
+    return [_method_source(spec) for spec in COLLECTIVES]
+
+
+def source() -> str:
+    """The generated source of every row, as compiled (a golden test diffs it)."""
+    return "\n".join(_sources())
+
+
+_ENV: dict[str, object] = {}
+
+
+def _env() -> dict[str, object]:
+    """The generated code's globals (built on first use: the groups/adapt imports)."""
+    if not _ENV:
+        from .. import groups
+        from .._adapt import _BUFFER_HANDLERS
+
+        _ENV.update(
+            __name__=_MODULE,
+            __loader__=_SourceLoader(source()),
+            _DataType=DataType,
+            _RedOp=RedOp,
+            _SUM=RedOp.SUM,
+            _C_SUM=C_REDOP[RedOp.SUM],
+            _P63=1 << 63,
+            _MASK=RING_MASK,
+            _SIZE_ARGS=SIZE_ARGS,
+            _size_arg=size_arg,
+            _ROWS=COLLECTIVES,
+            _HANDLERS=_BUFFER_HANDLERS,
+            _GROUPS=groups._state,
+            _OPEN=groups.OPEN,
+            _keep_alive=groups.keep_alive,
+        )
+    return _ENV
+
+
+def compile_method(spec: CollSpec) -> Callable[..., None]:
+    """Compile one row's method. Its lines are numbered as in :func:`source` (blank lines
+    before it), which the generated globals' ``__loader__`` serves to tracebacks."""
+    texts = _sources()
+    offset = sum(text.count("\n") + 1 for text in texts[: spec.index])
+    env = _env()
+    code = compile("\n" * offset + texts[spec.index], FILENAME, "exec")
+    exec(code, env)
+    fn: Any = env[spec.method]
+    fn.__doc__ = spec.doc
+    fn.__qualname__ = f"Communicator.{spec.method}"
+    fn.__module__ = "pynccl.comm"
+    return fn  # type: ignore[no-any-return]
+
+
+class _Lazy:
+    """A method compiled on first access (keeps ``import pynccl.comm`` cheap): the class
+    attribute is then replaced by the compiled function."""
+
+    def __init__(self, spec: CollSpec) -> None:
+        self.spec = spec
+        self.__doc__ = spec.doc
+
+    def __get__(self, obj: object, cls: type | None = None) -> object:
+        owner = cls if cls is not None else type(obj)
+        fn = compile_method(self.spec)
+        setattr(owner, self.spec.method, fn)
+        return fn if obj is None else fn.__get__(obj, owner)
+
+
+def install(cls: type) -> None:
+    """Give ``cls`` one method per row of the table, each compiled on first use."""
+    for spec in COLLECTIVES:
+        setattr(cls, spec.method, _Lazy(spec))
+
+
+def generate() -> dict[str, Callable[..., None]]:
+    """Compile every row's method now; ``{method name: function}``."""
+    return {spec.method: compile_method(spec) for spec in COLLECTIVES}

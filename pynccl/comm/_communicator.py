@@ -1,0 +1,453 @@
+"""``Communicator``: constructors, properties, lifecycle verbs, split, custom ops,
+registration, synchronize and the watchdog. The collectives are generated from the spec
+table (:mod:`._codegen`) and attached at import; their one slow path is :meth:`_slow`."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from ctypes import byref, c_int, c_void_p
+
+from .. import groups as _groups
+from .._adapt import as_stream
+from .._capi.nccl import C_DATATYPE
+from .._capi.structs import ncclUniqueId
+from .._limits import C_INT_MAX, check_c_int, check_index, check_timeout
+from ..enums import DataType, Result
+from ..errors import NcclInvalidUsage, NotSupportedError
+from ..library import cudart, lib
+from . import _recorder
+from ._args import op_table, prepare
+from ._codegen import install
+from ._config import Config
+from ._extras import Extras
+from ._handle import HANDLE, TERMINAL, State
+from ._spec import COLLECTIVES, CollSpec
+from ._uid import UniqueId, as_unique_ids
+
+__all__ = ["Communicator"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from types import TracebackType
+    from typing import Any
+
+    from .._capi.nccl import NcclLibrary
+    from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
+
+_IN_PROGRESS = 7
+_P63 = 1 << 63
+
+
+class Communicator(Extras):
+    """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
+
+    ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
+    sets ``device`` as the calling thread's CUDA device (if given) and calls
+    ``ncclCommInitRank`` (or ``ncclCommInitRankConfig`` with a :class:`Config`,
+    or ``ncclCommInitRankScalable`` — NCCL >= 2.23 — when ``unique_id`` is a list).
+
+    Buffers are raw device pointers (``int``, with ``count=`` and ``dtype=``), or
+    objects exposing ``__cuda_array_interface__`` or DLPack on a CUDA device.
+    ``count`` is NCCL's: elements per rank. ``stream=None`` uses :attr:`stream`.
+
+    Use it as a context manager (destroy on normal exit, abort on an exception)
+    or call :meth:`destroy` / :meth:`abort`; afterwards every call raises
+    :class:`~pynccl.NcclInvalidUsage`. Calls on one communicator are serialized: from
+    two threads they run one at a time (never concurrently inside NCCL), and a
+    destroy or abort from another thread waits for the call in flight.
+    """
+
+    __slots__ = ("_array_ops", "_fast_n", "_ops")
+
+    def __init__(
+        self,
+        nranks: int,
+        unique_id: UniqueId | bytes | Sequence[UniqueId | bytes],
+        rank: int,
+        *,
+        device: int | None = None,
+        config: Config | None = None,
+        stream: StreamLike = None,
+        watchdog_timeout: float | None = None,
+    ) -> None:
+        L = lib()
+        self._init_handle(L, True)
+        nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
+        rank = check_index(rank, "rank", nranks, f"for a communicator of size {nranks}")
+        if device is not None:
+            device = check_c_int(device, "device", 0)
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config must be a pynccl.Config, got {type(config).__name__}")
+        if watchdog_timeout is not None:
+            check_timeout(watchdog_timeout, "watchdog_timeout")
+        ids = as_unique_ids(unique_id)
+        self._setup(L, rank, nranks, device, config, stream)
+        if device is not None:
+            cudart().cudaSetDevice(device)
+        self._refuse_if_capturing("communicator initialisation")
+        comm = c_void_p()
+        cfg = None if config is None else config.to_struct(L.version)
+        self._config = cfg  # NCCL keeps the commName pointer: keep the struct alive
+        if len(ids) > 1:
+            L.require("ncclCommInitRankScalable (several unique ids)", (2, 23, 4))
+            id_array = (ncclUniqueId * len(ids))(*(uid.struct for uid in ids))
+            result = L.ncclCommInitRankScalable(
+                byref(comm), nranks, rank, len(ids), id_array, None if cfg is None else byref(cfg)
+            )
+        elif cfg is not None:
+            result = L.ncclCommInitRankConfig(byref(comm), nranks, ids[0].struct, rank, byref(cfg))
+        else:
+            result = L.ncclCommInitRank(byref(comm), nranks, ids[0].struct, rank)
+        self._adopt(comm.value, result == Result.IN_PROGRESS)
+        if self._device is None and self._h is not None:
+            _ = self.device  # known from now on, so buffers can be checked against it
+        if watchdog_timeout is not None:
+            self.start_watchdog(watchdog_timeout)
+
+    def _setup(
+        self,
+        L: NcclLibrary,
+        rank: int,
+        size: int,
+        device: int | None,
+        config: Config | None,
+        stream: StreamLike,
+    ) -> None:
+        self._rank = rank
+        self._size = size
+        self._device = device
+        self._blocking = config is None or config.blocking is None or bool(config.blocking)
+        self._stream = as_stream(stream) if stream is not None else 0
+        self._custom_ops: set[int] = set()
+        self._config = None
+        self._seq = 0
+        self._ring: list[object] = [None] * _recorder.RING_SIZE
+        version = L.version
+        # The ncclDataType_t argument for each type this library accepts (its shared
+        # c_int); None for a type it is too old for.
+        self._codes: dict[DataType, c_int | None] = {
+            dt: C_DATATYPE[dt] if version >= dt.first_release else None for dt in DataType
+        }
+        self._ops = op_table(version)
+        # Ops the inline array path takes: not prod/max/min, which need the complex check.
+        self._array_ops = op_table(version, arrays=True)
+        # The largest count the inline raw-pointer path takes: pointer + count * 16 bytes
+        # * nranks then stays below 2**64 without a multiplication per call.
+        self._fast_n = _P63 // (16 * max(size, 1))
+        self._raw_fn = [L.raw(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
+        self._fn = list(self._raw_fn)
+
+    @classmethod
+    def _wrap(
+        cls,
+        L: NcclLibrary,
+        handle: int,
+        rank: int,
+        size: int,
+        device: int | None,
+        *,
+        owner: bool = True,
+        blocking: bool = True,
+        stream: StreamLike = None,
+        pending: bool = False,
+    ) -> Communicator:
+        self = cls.__new__(cls)
+        self._init_handle(L, owner)
+        self._setup(L, rank, size, device, None, stream)
+        self._blocking = blocking
+        self._adopt(handle, pending)
+        return self
+
+    def _child(self, handle: int, blocking: bool, cfg: object) -> Communicator:
+        """The communicator ``split`` made (``handle``), once it is ready."""
+        L = self._lib
+        child = Communicator._wrap(
+            L, handle, self._rank, self._size, self._device, blocking=blocking,
+            stream=self._stream or None, pending=not blocking,
+        )  # fmt: skip
+        child._config = cfg  # NCCL keeps the commName pointer
+        if not blocking:
+            child.wait_ready()
+        value = c_int()
+        L.ncclCommUserRank(handle, byref(value))
+        child._rank = value.value
+        L.ncclCommCount(handle, byref(value))
+        child._size = value.value
+        child._fast_n = _P63 // (16 * max(child._size, 1))
+        return child
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> Communicator:
+        """This process's communicator from its launcher's environment.
+
+        torchrun / ``python -m pynccl launch``, Open MPI, MPICH / Intel MPI or
+        Slurm variables give rank, world size and device; the unique id travels
+        over TCP (``MASTER_ADDR:MASTER_PORT``, authenticated with
+        ``PYNCCL_RENDEZVOUS_KEY``), a ``store=``, an ``mpi_comm=`` or a ``file=``.
+        Keyword arguments as :func:`pynccl.bootstrap.from_env` (``timeout``,
+        ``store``, ``mpi_comm``, ``file``, ``config``, ``nids``, ``device``, ...).
+        """
+        from ._from_env import from_env
+
+        return from_env(**kwargs)
+
+    @classmethod
+    def from_handle(cls, handle: int, *, stream: StreamLike = None) -> Communicator:
+        """Wrap an ``ncclComm_t`` created elsewhere; it is borrowed, never destroyed here."""
+        if type(handle) is not int or not 0 < handle < 1 << 64:
+            raise ValueError(f"handle must be a non-NULL ncclComm_t as an int, got {handle!r}")
+        L = lib()
+        value = c_int()
+        L.ncclCommCount(handle, byref(value))
+        size = value.value
+        L.ncclCommUserRank(handle, byref(value))
+        rank = value.value
+        L.ncclCommCuDevice(handle, byref(value))
+        return cls._wrap(L, handle, rank, size, value.value, owner=False, stream=stream)
+
+    @classmethod
+    def init_all(
+        cls, devices: Sequence[int] | int, *, stream: StreamLike = None
+    ) -> list[Communicator]:
+        """``ncclCommInitAll``: one communicator per device, all in this process.
+
+        ``devices`` is a list of device ordinals or a count (``range(n)``).
+        """
+        if isinstance(devices, Sequence):
+            devs = [check_c_int(d, "devices", 0, what="(device ordinals)") for d in devices]
+        else:
+            devs = list(range(check_c_int(devices, "devices", 0)))
+        if not devs:
+            raise ValueError("init_all needs at least one device")
+        if len(set(devs)) != len(devs):
+            raise ValueError(f"devices has duplicates: {devs}")
+        L = lib()
+        n = len(devs)
+        handles = (c_void_p * n)()
+        dev_array = (c_int * n)(*devs)
+        L.ncclCommInitAll(handles, n, dev_array)
+        return [cls._wrap(L, int(handles[i] or 0), i, n, devs[i], stream=stream) for i in range(n)]
+
+    # -- properties ---------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return self._size
+
+    @property
+    def handle(self) -> int:
+        """The ``ncclComm_t`` as an int (for the low-level layer or other bindings)."""
+        if self._handle is None:
+            raise NcclInvalidUsage(Result.INVALID_USAGE, "", f"communicator is {self._state}")
+        return self._handle
+
+    @property
+    def stream(self) -> int:
+        """The default stream handle for this communicator's calls (0 = legacy default)."""
+        return self._stream
+
+    @stream.setter
+    def stream(self, value: StreamLike) -> None:
+        self._stream = 0 if value is None else as_stream(value)
+
+    @property
+    def state(self) -> State:
+        """``"ready"``, ``"initializing"`` (non-blocking), ``"finalized"``, ``"destroyed"``,
+        ``"aborted"`` or ``"closed"`` (a :class:`State`, equal to those strings)."""
+        return self._state
+
+    @property
+    def library(self) -> NcclLibrary:
+        """The low-level library this communicator calls."""
+        return self._lib
+
+    @property
+    def error(self) -> BaseException | None:
+        """The error the watchdog recorded when it aborted this communicator, if any."""
+        return self._error
+
+    def __repr__(self) -> str:
+        return (
+            f"<pynccl.Communicator rank {self._rank}/{self._size} device {self._device} "
+            f"{self._state}{'' if self._owner else ' (borrowed)'}>"
+        )
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise the communicator's asynchronous error, if any."""
+        result = self.get_async_error()
+        if result not in (Result.SUCCESS, Result.IN_PROGRESS):
+            raise self._lib.make_error(result, "ncclCommGetAsyncError")
+
+    def group_in_progress(self) -> None:
+        """Called by :func:`pynccl.group_end` when the group is still in progress
+        (non-blocking communicators): the next call waits for this one to be ready."""
+        self._mark_pending()
+
+    def finalize(self, timeout: float | None = None) -> None:
+        """``ncclCommFinalize`` (NCCL >= 2.14): flush pending work; :meth:`destroy` after."""
+        if self._state is State.FINALIZED:
+            return
+        check_timeout(timeout)
+        rc = self._call_locked("ncclCommFinalize", HANDLE)
+        if rc == Result.IN_PROGRESS:
+            self._mark_pending()
+            self.wait_ready(timeout)
+        if self._state not in TERMINAL:
+            self._set_state(State.FINALIZED)
+
+    def destroy(self) -> None:
+        """``ncclCommDestroy``; a second call does nothing. Borrowed handles are only dropped."""
+        if self._state in TERMINAL:
+            return
+        if _groups.group_depth() > 0:
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "ncclCommDestroy",
+                "cannot destroy a communicator inside a group; end the group first",
+            )
+        self._teardown("destroy")
+
+    def abort(self) -> None:
+        """``ncclCommAbort``: stop pending work and free the communicator (also when hung)."""
+        self._teardown("abort")
+
+    def close(self) -> None:
+        """Destroy the communicator if this object owns it; forget a borrowed one."""
+        self.destroy()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.destroy()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        # Never tear down from __del__ (it may run on any thread, at exit, or inside a
+        # group): only tell the user.
+        if getattr(self, "_owner", False) and getattr(self, "_handle", None) is not None:
+            warnings.warn(
+                f"pynccl.Communicator rank {self._rank}/{self._size} was never destroyed; "
+                "call destroy()/abort() or use it as a context manager",
+                ResourceWarning,
+                stacklevel=2,
+            )
+
+    # -- the collectives' shared path ---------------------------------------------------
+
+    def _slow(
+        self,
+        spec: CollSpec,
+        sendbuf: object,
+        recvbuf: object,
+        op: object,
+        where: object,
+        count: object,
+        dtype: object,
+        stream: StreamLike,
+    ) -> None:
+        """Every call the generated inline path does not take: checked in full here.
+        ``sendbuf``/``recvbuf`` stay referenced by this frame until the C calls return
+        (and by the group, if one is open, until it ends)."""
+        self._live()
+        plan, s = prepare(self, spec, sendbuf, recvbuf, op, where, count, dtype, stream)
+        if type(sendbuf) is not int or type(recvbuf) is not int:
+            _groups.keep_alive((sendbuf, recvbuf))
+        if len(plan) == 1:
+            self._issue(plan[0][0], plan[0][1], s)
+            return
+        with _groups.group():
+            for index, pre in plan:
+                self._issue(index, pre, s)
+
+    def _issue(self, index: int, pre: tuple[object, ...], s: int) -> None:
+        fn = self._fn[index]
+        if fn is None:
+            row = COLLECTIVES[index]
+            raise NotSupportedError(row.cfunc, row.since, self._lib.version)
+        gate = self._gate
+        if not gate.acquire(False):
+            self._wait_gate()
+        try:
+            h = self._h
+            if h is None:
+                h = self._gone()
+            args = (*pre, h, s)
+            seq = self._seq + 1
+            self._seq = seq
+            self._ring[seq & _recorder.RING_MASK] = (
+                (index, args, _groups._state.gid) if _groups.OPEN else (index, args)
+            )
+            rc = fn(*args)
+        finally:
+            gate.release()
+        if rc:
+            self._failed(index, rc)
+
+    def _failed(self, index: int, rc: int) -> None:
+        if rc == _IN_PROGRESS:
+            if _groups.group_depth() > 0:
+                _groups.in_progress_later(self)
+            else:
+                self._mark_pending()
+            return
+        raise self._lib.make_error(rc, COLLECTIVES[index].cfunc)
+
+    if TYPE_CHECKING:
+        # Generated from the spec table (see _codegen); declared here for type checkers.
+        def all_reduce(
+            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
+            *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def broadcast(
+            self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
+            root: int = 0, count: int | None = None, dtype: DTypeLike = None,
+            stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def reduce(
+            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
+            *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
+            stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def all_gather(
+            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def reduce_scatter(
+            self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
+            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def gather(
+            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
+            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def scatter(
+            self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
+            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def all_to_all(
+            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def send(
+            self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+        def recv(
+            self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+        ) -> None: ...  # fmt: skip
+
+
+install(Communicator)

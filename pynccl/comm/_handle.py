@@ -1,0 +1,258 @@
+"""The communicator's one state machine: states, the gate, one teardown.
+
+* :class:`State` lists the states; :meth:`CommHandle._set_state` is the only code that
+  assigns one, and it keeps ``_h`` (the handle calls may use) equal to the handle in
+  state READY and None in every other state, so the hot path tests one attribute.
+* The *gate* (a lock per communicator) is held around every C call that passes the
+  handle, and by the teardown while it retires the handle: a communicator destroyed or
+  aborted by another thread mid-call never hands a destroyed handle to C, and two
+  threads issuing on one communicator are serialized. A call that finds the gate held
+  for longer than :attr:`CommHandle.GATE_TIMEOUT` raises :class:`~pynccl.NcclInvalidUsage`
+  instead of waiting silently.
+* :meth:`CommHandle._teardown` is the one teardown: ``destroy``, ``abort``, ``close`` and
+  the watchdog all go through it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from ctypes import byref, c_int
+from enum import Enum
+
+from ..enums import Result
+from ..errors import NcclInvalidUsage, NcclTimeoutError
+
+__all__ = ["HANDLE", "TERMINAL", "CommHandle", "State"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .._capi.nccl import NcclLibrary
+    from ._watchdog import Watchdog
+
+
+class State(str, Enum):
+    """A communicator's state (compares equal to its value: ``comm.state == "ready"``)."""
+
+    INITIALIZING = "initializing"  #: a non-blocking init/split/finalize still in progress
+    READY = "ready"
+    FINALIZED = "finalized"  #: ncclCommFinalize done; only destroy is left
+    DESTROYED = "destroyed"
+    ABORTED = "aborted"
+    CLOSED = "closed"  #: a borrowed handle, forgotten
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TERMINAL = frozenset({State.DESTROYED, State.ABORTED, State.CLOSED})
+#: Stands for the communicator's handle in the arguments of :meth:`CommHandle._call_locked`.
+HANDLE = object()
+_POLL_FIRST = 0.0005
+_POLL_MAX = 0.01
+
+
+class CommHandle:
+    """The handle, its state and its gate (the base of :class:`~pynccl.Communicator`)."""
+
+    __slots__ = (
+        "__weakref__",
+        "_error",
+        "_gate",
+        "_h",
+        "_handle",
+        "_lib",
+        "_owner",
+        "_rank",
+        "_size",
+        "_state",
+        "_watch",
+    )
+
+    #: Seconds a call waits for another thread's call on the same communicator to return
+    #: before raising NcclInvalidUsage (calls only enqueue work: they return quickly).
+    GATE_TIMEOUT = 10.0
+
+    _h: int | None
+    _handle: int | None
+    _lib: NcclLibrary
+    _rank: int
+    _size: int
+    _watch: Watchdog | None
+
+    def _init_handle(self, lib: NcclLibrary, owner: bool) -> None:
+        self._lib = lib
+        self._owner = owner
+        self._h = None
+        self._handle = None
+        self._state = State.INITIALIZING
+        self._gate = threading.Lock()
+        self._error: BaseException | None = None
+        self._watch = None
+
+    # -- the one place that changes state --------------------------------------------------
+
+    def _set_state(self, state: State) -> None:
+        self._state = state
+        self._h = self._handle if state is State.READY else None
+
+    def _adopt(self, handle: int | None, pending: bool) -> None:
+        """Take ``handle`` from an init/split: READY, or INITIALIZING if non-blocking."""
+        if not handle:
+            from ..errors import NcclError
+
+            raise NcclError(
+                Result.INTERNAL_ERROR, "ncclCommInit", "NCCL returned a NULL communicator"
+            )
+        self._handle = handle
+        self._set_state(State.INITIALIZING if pending else State.READY)
+
+    def _mark_pending(self) -> None:
+        """A non-blocking call returned ncclInProgress: poll before the next call."""
+        if self._state is State.READY:
+            self._set_state(State.INITIALIZING)
+
+    # -- the gate ------------------------------------------------------------------------
+
+    def _wait_gate(self) -> None:
+        """The gate is held (another thread's call, or a teardown): wait, bounded."""
+        if self._gate.acquire(timeout=self.GATE_TIMEOUT):
+            return
+        raise NcclInvalidUsage(
+            Result.INVALID_USAGE,
+            "",
+            f"communicator rank {self._rank} is in use by another thread whose call has "
+            f"not returned after {self.GATE_TIMEOUT:g} s; a communicator's calls are "
+            "serialized: issue from one thread, or use one communicator per thread",
+        )
+
+    def _gone(self) -> int:
+        """Raise why there is no handle to call with (called holding the gate)."""
+        if self._error is not None:
+            raise self._error
+        raise NcclInvalidUsage(
+            Result.INVALID_USAGE,
+            "",
+            f"communicator rank {self._rank} is {self._state.value}; it cannot be used any more",
+        )
+
+    def _live(self) -> int:
+        """The handle for a call, waiting for a non-blocking communicator if needed."""
+        h = self._h
+        if h is not None:
+            return h
+        if self._state is State.INITIALIZING and self._error is None:
+            self.wait_ready()
+            if self._h is not None:
+                return self._h
+        return self._gone()
+
+    def _call_locked(self, function: str, *args: object, ready: bool = True) -> int:
+        """A C call outside the hot path, checked, under the gate; the handle replaces
+        :data:`HANDLE` in ``args``. With ``ready=False`` the
+        raw handle is used in any non-terminal state (async-error queries during init)."""
+        if ready:
+            self._live()
+        gate = self._gate
+        if not gate.acquire(False):
+            self._wait_gate()
+        try:
+            h = self._h if ready else self._handle
+            if h is None:
+                h = self._gone()
+            call = tuple(h if a is HANDLE else a for a in args)
+            rc = int(self._lib.raw(function)(*call))
+        finally:
+            gate.release()
+        if rc and rc != Result.IN_PROGRESS:
+            raise self._lib.make_error(rc, function)
+        return rc
+
+    # -- readiness -------------------------------------------------------------------------
+
+    def get_async_error(self) -> Result:
+        """``ncclCommGetAsyncError``: ``SUCCESS``, ``IN_PROGRESS`` or the error of the comm."""
+        value = c_int()
+        self._call_locked("ncclCommGetAsyncError", HANDLE, byref(value), ready=False)
+        try:
+            return Result(value.value)
+        except ValueError:
+            return value.value  # type: ignore[return-value]
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Poll ``ncclCommGetAsyncError`` until a non-blocking call completes.
+
+        Raises the asynchronous error if one occurred, and
+        :class:`~pynccl.NcclTimeoutError` after ``timeout`` seconds.
+        """
+        from .._limits import check_timeout
+
+        seconds = check_timeout(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        delay = _POLL_FIRST
+        while True:
+            if self._state is State.READY:
+                return
+            result = self.get_async_error()
+            if result == Result.SUCCESS:
+                if self._state is State.INITIALIZING:
+                    self._set_state(State.READY)
+                return
+            if result != Result.IN_PROGRESS:
+                raise self._lib.make_error(result, "ncclCommGetAsyncError")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NcclTimeoutError(
+                    Result.TIMEOUT,
+                    "ncclCommGetAsyncError",
+                    f"communicator rank {self._rank} not ready after {seconds:g} s",
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _POLL_MAX)
+
+    # -- the one teardown ----------------------------------------------------------------
+
+    def _teardown(self, kind: str, reason: BaseException | None = None) -> None:
+        """Retire the handle: ``kind`` is ``"destroy"``, ``"abort"`` or ``"watchdog"``.
+
+        The handle leaves the communicator under the gate, so no call can pick it up
+        afterwards; the C call that frees it runs after. ``abort``/``watchdog`` proceed
+        without the gate if a call on another thread hangs (abort is what releases
+        hung work); ``destroy`` refuses then.
+        """
+        watch = self._watch
+        if watch is not None and kind != "watchdog":
+            self._watch = None
+            watch.stop()  # joins the watchdog thread, unless called from it
+        gate = self._gate
+        got = gate.acquire(timeout=self.GATE_TIMEOUT)
+        if not got and kind == "destroy":
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "ncclCommDestroy",
+                f"cannot destroy communicator rank {self._rank}: another thread's call on it "
+                f"has not returned after {self.GATE_TIMEOUT:g} s; abort() releases hung work",
+            )
+        try:
+            if self._state in TERMINAL:
+                return
+            handle = self._handle
+            if reason is not None:
+                self._error = reason
+            if kind == "watchdog":
+                self._watch = None
+            if not self._owner:
+                final = State.CLOSED
+            else:
+                final = State.DESTROYED if kind == "destroy" else State.ABORTED
+            self._handle = None
+            self._set_state(final)
+        finally:
+            if got:
+                gate.release()
+        if self._owner and handle:
+            if kind == "destroy":
+                self._lib.ncclCommDestroy(handle)
+            elif kind == "abort":
+                self._lib.ncclCommAbort(handle)
+            else:  # the watchdog thread: never raise there
+                self._lib.raw("ncclCommAbort")(handle)
