@@ -43,6 +43,7 @@
  * that would deadlock one after the other complete.
  */
 #include "nccl_lb_internal.h"
+#include "lb_env.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -92,10 +93,11 @@ static void spin_params(void) {
     /* With few cores, spinning (or sched_yield, which only looks at this core's run
      * queue) steals the core a peer needs: sleep on the futex at once. */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    int pause = (int)lb_env_ll("PYNCCL_LOOPBACK_SPIN", ncpu >= 8 ? 2000 : 0);
-    int yield = (int)lb_env_ll("PYNCCL_LOOPBACK_YIELDS", 0);
-    __atomic_store_n(&g_spin_yield, yield < 0 ? 0 : yield, __ATOMIC_RELAXED);
-    __atomic_store_n(&g_spin_pause, pause < 0 ? 0 : pause, __ATOMIC_RELEASE);
+    unsigned long long pause, yield;
+    lb_env_uint("PYNCCL_LOOPBACK_SPIN", ncpu >= 8 ? 2000 : 0, LB_ENV_MAX_INT, &pause, NULL, 0);
+    lb_env_uint("PYNCCL_LOOPBACK_YIELDS", 0, LB_ENV_MAX_INT, &yield, NULL, 0);
+    __atomic_store_n(&g_spin_yield, (int)yield, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_spin_pause, (int)pause, __ATOMIC_RELEASE);
 }
 
 void lbw_notify(struct lb_comm *c) {
@@ -238,8 +240,10 @@ static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 static void layout(struct lbw_hdr *h, int nranks) {
     size_t R = (size_t)nranks;
-    long long slot = lb_env_ll("PYNCCL_LOOPBACK_CHUNK_BYTES", 0);
-    long long ring = lb_env_ll("PYNCCL_LOOPBACK_RING_BYTES", 0);
+    unsigned long long slot_env, ring_env;
+    lb_env_uint("PYNCCL_LOOPBACK_CHUNK_BYTES", 0, LB_ENV_MAX_INT, &slot_env, NULL, 0);
+    lb_env_uint("PYNCCL_LOOPBACK_RING_BYTES", 0, LB_ENV_MAX_INT, &ring_env, NULL, 0);
+    long long slot = (long long)slot_env, ring = (long long)ring_env;
     if (slot <= 0) { /* big enough to amortise the barriers, small enough for the caches */
         slot = (long long)((4u << 20) / R);
         if (slot > (1 << 20)) slot = 1 << 20;
@@ -796,7 +800,9 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
         memcpy(&scalar, op->rop.scalar_ptr, E); /* device scalar: read when the op runs */
     if (!c->probed) { /* direct mode needs every rank in this process */
         c->probed = 1;
-        c->direct = lb_env_ll("PYNCCL_LOOPBACK_DIRECT", 1) != 0;
+        bool direct;
+        lb_env_bool("PYNCCL_LOOPBACK_DIRECT", true, &direct, NULL, 0);
+        c->direct = direct;
         for (int s = 0; s < c->nranks; s++) c->direct &= c->ranks[s].pid == c->pid;
     }
     const uint64_t seq = ++c->cseq, g = c->gchunk++;
