@@ -442,3 +442,18 @@ def test_the_call_graph_check_sees_a_cycle(tmp_path: Path) -> None:
     core.write_text(core.read_text() + "\nvoid lb_test_back_edge(void) { lb_mem_reap(); }\n")
     assert cudart_call_graph(tmp_path)["core"] == {"mem"}
     assert "core" in cudart_call_graph(tmp_path)["mem"]  # mem.c uses core: now a cycle
+
+
+def test_package_data_ships_every_source() -> None:
+    """A wheel must carry every C source and header, or an installed pynccl cannot build."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    globs = config["tool"]["setuptools"]["package-data"]["pynccl.testing.loopback"]
+    root = loopback.SOURCE_DIR
+    files = {p.relative_to(root) for p in root.rglob("*") if p.suffix in (".c", ".h")}
+    assert files, root
+    shipped = {
+        f for f in files if any(f.match(g) and len(f.parts) == len(Path(g).parts) for g in globs)
+    }
+    assert shipped == files
+    assert {f.parts[0] for f in files if len(f.parts) > 1} >= {"cudart", "include"}

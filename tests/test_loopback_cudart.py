@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_void_p
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -1013,6 +1014,89 @@ def test_free_ignores_other_devices_work(rt: ctypes.CDLL) -> None:
     ok(rt, rt.cudaStreamSynchronize(s))
     ok(rt, rt.cudaFree(a))
     ok(rt, rt.cudaStreamDestroy(s))
+
+
+@pytest.fixture(scope="module")
+def nccl_lib(rt: ctypes.CDLL) -> object:
+    """The loopback libnccl, linked to the very cudart ``rt`` is (one instance)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _lb_nccl import Lib
+
+    b = loopback.build()
+    assert b.cudart == loopback.build_cudart()
+    return Lib(b.nccl, b.cudart)
+
+
+def _free_in_thread(
+    rt: ctypes.CDLL, ptr: int
+) -> tuple[threading.Thread, threading.Event, list[int]]:
+    returned = threading.Event()
+    results: list[int] = []
+
+    def free() -> None:
+        results.append(rt.cudaFree(ptr))
+        returned.set()
+
+    t = threading.Thread(target=free)
+    t.start()
+    return t, returned, results
+
+
+def test_free_waits_for_a_pending_collective(rt: ctypes.CDLL, nccl_lib: Any) -> None:
+    """A collective still waiting for its peer never sees its send buffer freed."""
+    from _lb_nccl import GroupWorld
+
+    lib, n = nccl_lib, 1 << 14
+    w = GroupWorld(lib, 2)
+    send = [lib.malloc(4 * n, r) for r in range(2)]
+    try:
+        recv = [w.alloc(r, 4 * n) for r in range(2)]
+        data = [np.arange(n, dtype=np.float32) * (r + 1) - r for r in range(2)]
+        for r in range(2):
+            lib.upload(send[r], data[r])
+        # Rank 0 alone: its all-reduce waits on its stream for rank 1.
+        assert lib.ncclAllReduce(send[0], recv[0], n, 7, 0, w.comms[0], w.streams[0]) == 0
+        t, returned, results = _free_in_thread(rt, send[0])
+        assert not returned.wait(0.3)  # cudaFree waits for device 0's pending work
+        assert rt.pynccl_lb_find_alloc(send[0], 4 * n, None) == 1
+        assert lib.ncclAllReduce(send[1], recv[1], n, 7, 0, w.comms[1], w.streams[1]) == 0
+        assert returned.wait(30)
+        t.join()
+        assert results == [0]
+        assert rt.cudaStreamQuery(w.streams[0]) == 0  # the collective had finished
+        for r in range(2):
+            assert lib.sync(w.streams[r]) == 0
+            np.testing.assert_array_equal(lib.download(recv[r], np.float32, n), data[0] + data[1])
+    finally:
+        w.close()
+        lib.free(send[1])
+
+
+def test_free_waits_for_a_hung_operation_until_abort(
+    rt: ctypes.CDLL, nccl_lib: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from _lb_nccl import GroupWorld
+
+    lib = nccl_lib
+    monkeypatch.setenv("PYNCCL_LOOPBACK_HANG", "1")  # every rank's first operation hangs
+    w = GroupWorld(lib, 2)
+    monkeypatch.delenv("PYNCCL_LOOPBACK_HANG")
+    buf = [lib.malloc(64, r) for r in range(2)]
+    try:
+        for r in range(2):
+            assert lib.ncclAllReduce(buf[r], buf[r], 16, 7, 0, w.comms[r], w.streams[r]) == 0
+        t, returned, results = _free_in_thread(rt, buf[0])
+        assert not returned.wait(0.3)
+        assert lib.ncclCommAbort(w.comms[0]) == 0  # releases the hung operation
+        assert returned.wait(30)
+        t.join()
+        assert results == [0]
+        assert rt.pynccl_lb_find_alloc(buf[0], 1, None) == 0
+        assert lib.ncclCommAbort(w.comms[1]) == 0
+        w.comms = []
+    finally:
+        w.close()
+        lib.free(buf[1])
 
 
 def test_ncclmemfree_path_outlives_queued_work(rt: ctypes.CDLL) -> None:
