@@ -90,11 +90,7 @@ LB_HIDDEN void lb_config_load(void) {
     g_debug = debug;
     const char *visible = getenv("CUDA_VISIBLE_DEVICES");
     g_visible_set = visible != NULL;
-    if (visible != NULL) {
-        g_ndev = parse_visible(visible, g_nphys, g_phys);
-    } else {
-        g_ndev = g_nphys;
-    }
+    g_ndev = visible != NULL ? parse_visible(visible, g_nphys, g_phys) : g_nphys;
 }
 
 LB_HIDDEN const char *lb_devices_origin(void) {
@@ -120,8 +116,8 @@ LB_HIDDEN cudaError_t lb_fail(cudaError_t err, const char *fn, const char *fmt, 
 LB_HIDDEN cudaError_t lb_check_usable(const char *fn) {
     if (g_env_error[0] != '\0') {
         if (!atomic_exchange(&g_env_warned, 1))
-            fprintf(stderr, "pynccl loopback cudart: %s; every call fails until it is fixed\n",
-                    g_env_error);
+            fprintf(stderr, "pynccl loopback cudart: %s; every call of this process fails with "
+                            "cudaErrorInvalidValue (read when the library loaded)\n", g_env_error);
         return lb_fail(cudaErrorInvalidValue, fn, "%s", g_env_error);
     }
     if (atomic_load_explicit(&g_fork_poisoned, memory_order_relaxed)) {
