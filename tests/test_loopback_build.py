@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,9 +45,8 @@ int lb_test_current_device(void) { return pynccl_lb_current_device(); }
 def make_sources(dest: Path, with_nccl: bool = True) -> Path:
     """A source directory: the real cudart sources plus (optionally) the stand-in nccl.c."""
     dest.mkdir(parents=True, exist_ok=True)
-    for pattern in ("cudart*.c", "cudart*.h", "lb_cuda.h", "lb_internal.h"):
-        for f in loopback.SOURCE_DIR.glob(pattern):
-            shutil.copy(f, dest / f.name)
+    for sub in ("cudart", "include"):
+        shutil.copytree(loopback.SOURCE_DIR / sub, dest / sub, dirs_exist_ok=True)
     if with_nccl:
         (dest / "nccl.c").write_text(FAKE_NCCL)
     return dest
@@ -164,12 +164,12 @@ def test_cache_key_follows_sources_and_options(
     assert all(Path(p).name == "libnccl.so.2" for p in nccls)
     # Same inputs: same file. Edited source: a new build.
     assert _build._build_nccl((2, 18, 1), False, False, cudart, src) in nccls
-    with open(src / "cudart.c", "a") as f:
+    with open(src / "cudart" / "core.c", "a") as f:
         f.write("\n/* edited */\n")
     assert loopback.build_cudart(source_dir=src) != cudart
     # Where the sources live does not matter, only what they are.
     twin = make_sources(tmp_path / "twin")
-    shutil.copy(src / "cudart.c", twin / "cudart.c")
+    shutil.copy(src / "cudart" / "core.c", twin / "cudart" / "core.c")
     assert loopback.build_cudart(source_dir=twin) == loopback.build_cudart(source_dir=src)
     # A nccl-only header does not touch the cudart build.
     before = loopback.build_cudart(source_dir=src)
@@ -228,12 +228,12 @@ def test_missing_compiler_says_what_to_do(cache: Path, monkeypatch: pytest.Monke
 
 def test_compile_error_carries_the_compiler_output(cache: Path, tmp_path: Path) -> None:
     src = make_sources(tmp_path / "src")
-    with open(src / "cudart_mem.c", "a") as f:
+    with open(src / "cudart" / "mem.c", "a") as f:
         f.write("\n#error broken on purpose\n")
     with pytest.raises(loopback.LoopbackBuildError) as info:
         loopback.build_cudart(source_dir=src)
     assert "broken on purpose" in str(info.value)
-    assert "cudart_mem.c" in str(info.value)
+    assert "cudart/mem.c" in str(info.value)
     assert not any(p.name.startswith(".cudart-") and p.is_dir() for p in cache.iterdir())
 
 
@@ -241,7 +241,7 @@ def test_build_without_nccl_sources(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_build, "SOURCE_DIR", make_sources(tmp_path / "src", with_nccl=False))
-    with pytest.raises(loopback.LoopbackBuildError, match=r"no nccl\*\.c sources"):
+    with pytest.raises(loopback.LoopbackBuildError, match=r"no nccl/\*\.c or nccl\*\.c sources"):
         loopback.build()
 
 
@@ -374,3 +374,89 @@ def test_cli_prints_paths_and_exports(
     ]
     assert cli.main(["--nccl-version", "2.1.0"]) == 1
     assert "'2.1.0'" in capsys.readouterr().err
+
+
+# ---- the C tree ----------------------------------------------------------------------
+
+#: The cudart files bottom to top, as core.c's header comment lists them.
+CUDART_ORDER = ("core", "stream", "capture", "graph", "event", "mem", "api", "init")
+
+
+def _c_code(text: str) -> str:
+    """C source without comments, string and character literals."""
+    return re.sub(
+        r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'',
+        lambda m: "\n" * m.group(0).count("\n") if m.group(0).startswith("/") else '""',
+        text,
+        flags=re.S,
+    )
+
+
+def _shared_symbols(code: str) -> set[str]:
+    """Functions and variables a file defines for the others (not ``static``)."""
+    names = set()
+    for m in re.finditer(
+        r"^(?!static\b)([A-Za-z_][\w \t*]*?)\b(\w+)\s*\(([^;{]*?)\)\s*\{", code, re.M
+    ):
+        if not m.group(1).strip().startswith(("return", "else", "if", "while", "for")):
+            names.add(m.group(2))
+    names = {n for n in names if not n.startswith("__")}
+    for m in re.finditer(
+        r"^LB_HIDDEN\s+[^;(]*?\b(\w+)\s*(?:\[[^\]]*\])?\s*(?:=[^;]*)?;", code, re.M
+    ):
+        names.add(m.group(1))
+    return names
+
+
+def cudart_call_graph(root: Path) -> dict[str, set[str]]:
+    """file stem -> the stems of the other cudart files whose symbols it uses."""
+    codes = {f.stem: _c_code(f.read_text()) for f in sorted((root / "cudart").glob("*.c"))}
+    defined = {stem: _shared_symbols(code) for stem, code in codes.items()}
+    owner = {name: stem for stem, names in defined.items() for name in names}
+    graph: dict[str, set[str]] = {}
+    for stem, code in codes.items():
+        used = set(re.findall(r"\b\w+\b", code))
+        graph[stem] = {owner[n] for n in used if n in owner and owner[n] != stem}
+    return graph
+
+
+def test_cudart_files_form_a_dag_with_core_at_the_bottom() -> None:
+    graph = cudart_call_graph(loopback.SOURCE_DIR)
+    assert sorted(graph) == sorted(CUDART_ORDER)
+    core = _shared_symbols(_c_code((loopback.SOURCE_DIR / "cudart" / "core.c").read_text()))
+    assert {"lb_fail", "g_ndev", "cudaGetErrorName", "ptrset_add"} <= core  # the parser sees them
+    assert graph["core"] == set()
+    assert graph["init"] >= {"core", "stream", "capture", "graph", "event", "mem", "api"}
+    for stem, deps in graph.items():
+        below = set(CUDART_ORDER[: CUDART_ORDER.index(stem)])
+        assert deps <= below, f"cudart/{stem}.c uses {sorted(deps - below)}, above it"
+    order = re.search(
+        r"Files, bottom to top.*?\n \*/",
+        (loopback.SOURCE_DIR / "cudart" / "core.c").read_text(),
+        re.S,
+    )
+    assert order is not None
+    assert re.findall(r"\b(\w+)\.c\b", order.group(0)) == list(CUDART_ORDER)
+
+
+def test_the_call_graph_check_sees_a_cycle(tmp_path: Path) -> None:
+    make_sources(tmp_path)
+    core = tmp_path / "cudart" / "core.c"
+    core.write_text(core.read_text() + "\nvoid lb_test_back_edge(void) { lb_mem_reap(); }\n")
+    assert cudart_call_graph(tmp_path)["core"] == {"mem"}
+    assert "core" in cudart_call_graph(tmp_path)["mem"]  # mem.c uses core: now a cycle
+
+
+def test_package_data_ships_every_source() -> None:
+    """A wheel must carry every C source and header, or an installed pynccl cannot build."""
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    globs = config["tool"]["setuptools"]["package-data"]["pynccl.testing.loopback"]
+    root = loopback.SOURCE_DIR
+    files = {p.relative_to(root) for p in root.rglob("*") if p.suffix in (".c", ".h")}
+    assert files, root
+    shipped = {
+        f for f in files if any(f.match(g) and len(f.parts) == len(Path(g).parts) for g in globs)
+    }
+    assert shipped == files
+    assert {f.parts[0] for f in files if len(f.parts) > 1} >= {"cudart", "include"}

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_void_p
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -114,6 +115,7 @@ _SIGNATURES: dict[str, tuple[object, list[object]]] = {
     "pynccl_lb_find_alloc": (c_int, [c_void_p, c_size_t, POINTER(c_int)]),
     "pynccl_lb_current_device": (c_int, []),
     "pynccl_lb_device_count": (c_int, []),
+    "pynccl_lb_device_physical": (c_int, [c_int]),
     "pynccl_lb_malloc": (c_int, [POINTER(c_void_p), c_size_t, c_int]),
     "pynccl_lb_free": (c_int, [c_void_p]),
 }
@@ -306,7 +308,7 @@ print(rc, n.value, lib.cudaSetDevice(2))
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("3", "0 3 0"), ("2", "0 2 101"), ("0", "100 0 101"), ("lots", "0 8 0")],
+    [("3", "0 3 0"), ("2", "0 2 101"), ("0", "100 0 100"), ("lots", "1 -1 1"), ("", "1 -1 1")],
 )
 def test_device_count_from_environment(cudart_path: str, value: str, expected: str) -> None:
     env = {**os.environ, "PYNCCL_LOOPBACK_DEVICES": value}
@@ -319,8 +321,8 @@ def test_device_count_from_environment(cudart_path: str, value: str, expected: s
         check=True,
     )
     assert out.stdout.split() == expected.split()
-    if value == "lots":
-        assert "ignoring PYNCCL_LOOPBACK_DEVICES=lots" in out.stderr
+    if expected.startswith("1 "):  # malformed: every call fails, and says why once
+        assert out.stderr.count(f"PYNCCL_LOOPBACK_DEVICES='{value}' is malformed") == 1
 
 
 def _real_cudart() -> ctypes.CDLL | None:
@@ -970,12 +972,141 @@ def test_long_async_chain_keeps_stream_order(rt: ctypes.CDLL) -> None:
         ok(rt, rt.cudaFree(b))
 
 
-def test_free_while_queued_work_uses_the_buffer(rt: ctypes.CDLL) -> None:
+def test_free_waits_for_the_device(rt: ctypes.CDLL) -> None:
+    """cudaFree synchronizes the allocation's device, as CUDA's does."""
     s = stream(rt)
     a = malloc(rt, 1 << 16)
+    returned = threading.Event()
+    results: list[int] = []
+
+    def free() -> None:
+        results.append(rt.cudaFree(a))
+        returned.set()
+
+    with Gate(rt, s) as gate:
+        ok(rt, rt.cudaMemsetAsync(a, 1, 1 << 16, s))
+        t = threading.Thread(target=free)
+        t.start()
+        assert not returned.wait(0.3)  # the memset (behind the gate) is still pending
+        assert rt.pynccl_lb_find_alloc(a, 1, None) == 1  # and its memory still allocated
+        gate.open()
+        assert returned.wait(30)
+        t.join()
+    assert results == [0]
+    assert rt.cudaStreamQuery(s) == 0  # the queued work had completed
+    assert rt.pynccl_lb_find_alloc(a, 1, None) == 0
+    ok(rt, rt.cudaStreamDestroy(s))
+
+
+def test_free_ignores_other_devices_work(rt: ctypes.CDLL) -> None:
+    if ndev(rt) < 2:
+        pytest.skip("needs 2 loopback devices")
+    s = stream(rt)  # device 0
+    a = malloc(rt, 4096)
+    ok(rt, rt.cudaSetDevice(1))
+    try:
+        b = malloc(rt, 4096)
+        with Gate(rt, s):
+            ok(rt, rt.cudaFree(b))  # device 1 is idle: returns while device 0 is busy
+            assert rt.cudaStreamQuery(s) == NOT_READY
+    finally:
+        ok(rt, rt.cudaSetDevice(0))
+    ok(rt, rt.cudaStreamSynchronize(s))
+    ok(rt, rt.cudaFree(a))
+    ok(rt, rt.cudaStreamDestroy(s))
+
+
+@pytest.fixture(scope="module")
+def nccl_lib(rt: ctypes.CDLL) -> object:
+    """The loopback libnccl, linked to the very cudart ``rt`` is (one instance)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _lb_nccl import Lib
+
+    b = loopback.build()
+    assert b.cudart == loopback.build_cudart()
+    return Lib(b.nccl, b.cudart)
+
+
+def _free_in_thread(
+    rt: ctypes.CDLL, ptr: int
+) -> tuple[threading.Thread, threading.Event, list[int]]:
+    returned = threading.Event()
+    results: list[int] = []
+
+    def free() -> None:
+        results.append(rt.cudaFree(ptr))
+        returned.set()
+
+    t = threading.Thread(target=free)
+    t.start()
+    return t, returned, results
+
+
+def test_free_waits_for_a_pending_collective(rt: ctypes.CDLL, nccl_lib: Any) -> None:
+    """A collective still waiting for its peer never sees its send buffer freed."""
+    from _lb_nccl import GroupWorld
+
+    lib, n = nccl_lib, 1 << 14
+    w = GroupWorld(lib, 2)
+    send = [lib.malloc(4 * n, r) for r in range(2)]
+    try:
+        recv = [w.alloc(r, 4 * n) for r in range(2)]
+        data = [np.arange(n, dtype=np.float32) * (r + 1) - r for r in range(2)]
+        for r in range(2):
+            lib.upload(send[r], data[r])
+        # Rank 0 alone: its all-reduce waits on its stream for rank 1.
+        assert lib.ncclAllReduce(send[0], recv[0], n, 7, 0, w.comms[0], w.streams[0]) == 0
+        t, returned, results = _free_in_thread(rt, send[0])
+        assert not returned.wait(0.3)  # cudaFree waits for device 0's pending work
+        assert rt.pynccl_lb_find_alloc(send[0], 4 * n, None) == 1
+        assert lib.ncclAllReduce(send[1], recv[1], n, 7, 0, w.comms[1], w.streams[1]) == 0
+        assert returned.wait(30)
+        t.join()
+        assert results == [0]
+        assert rt.cudaStreamQuery(w.streams[0]) == 0  # the collective had finished
+        for r in range(2):
+            assert lib.sync(w.streams[r]) == 0
+            np.testing.assert_array_equal(lib.download(recv[r], np.float32, n), data[0] + data[1])
+    finally:
+        w.close()
+        lib.free(send[1])
+
+
+def test_free_waits_for_a_hung_operation_until_abort(
+    rt: ctypes.CDLL, nccl_lib: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from _lb_nccl import GroupWorld
+
+    lib = nccl_lib
+    monkeypatch.setenv("PYNCCL_LOOPBACK_HANG", "1")  # every rank's first operation hangs
+    w = GroupWorld(lib, 2)
+    monkeypatch.delenv("PYNCCL_LOOPBACK_HANG")
+    buf = [lib.malloc(64, r) for r in range(2)]
+    try:
+        for r in range(2):
+            assert lib.ncclAllReduce(buf[r], buf[r], 16, 7, 0, w.comms[r], w.streams[r]) == 0
+        t, returned, results = _free_in_thread(rt, buf[0])
+        assert not returned.wait(0.3)
+        assert lib.ncclCommAbort(w.comms[0]) == 0  # releases the hung operation
+        assert returned.wait(30)
+        t.join()
+        assert results == [0]
+        assert rt.pynccl_lb_find_alloc(buf[0], 1, None) == 0
+        assert lib.ncclCommAbort(w.comms[1]) == 0
+        w.comms = []
+    finally:
+        w.close()
+        lib.free(buf[1])
+
+
+def test_ncclmemfree_path_outlives_queued_work(rt: ctypes.CDLL) -> None:
+    """pynccl_lb_free (ncclMemFree) does not wait, but the memory outlives the queue."""
+    s = stream(rt)
+    a = c_void_p()
+    ok(rt, rt.pynccl_lb_malloc(byref(a), 1 << 16, 0))
     with Gate(rt, s):
         ok(rt, rt.cudaMemsetAsync(a, 1, 1 << 16, s))
-        ok(rt, rt.cudaFree(a))  # returns at once; the memory outlives the queued memset
+        ok(rt, rt.pynccl_lb_free(a))  # returns at once
         assert rt.pynccl_lb_find_alloc(a, 1, None) == 0
         assert rt.cudaStreamQuery(s) == NOT_READY
     ok(rt, rt.cudaStreamSynchronize(s))
@@ -1349,7 +1480,7 @@ def test_sanitized_build_runs_clean(tmp_path: Path) -> None:
     assert "runtime error" not in proc.stderr  # UBSan
 
 
-def _syntax_check(sources: list[Path], include: Path) -> subprocess.CompletedProcess[str]:
+def _syntax_check(sources: list[Path], root: Path) -> subprocess.CompletedProcess[str]:
     cc = os.environ.get("CC") or "cc"
     return subprocess.run(
         [
@@ -1360,7 +1491,8 @@ def _syntax_check(sources: list[Path], include: Path) -> subprocess.CompletedPro
             "-Wextra",
             "-Werror",
             "-DLB_USE_REAL_HEADERS",
-            f"-I{include}",
+            f"-I{root / 'include'}",
+            f"-I{root}",
             f"-I{REAL_HEADERS}",
             *map(str, sources),
         ],
@@ -1377,16 +1509,17 @@ def test_exports_match_the_real_cuda_headers(tmp_path: Path) -> None:
     if shutil.which(os.environ.get("CC") or "cc") is None:
         pytest.skip("no C compiler")
     src = loopback.SOURCE_DIR
-    sources = sorted(src.glob("cudart*.c"))
+    sources = sorted((src / "cudart").glob("*.c"))
+    assert len(sources) >= 8
     proc = _syntax_check(sources, src)
     assert proc.returncode == 0, proc.stderr
     # The check has teeth: one wrong parameter type is rejected by the real header.
-    for f in src.glob("*.[ch]"):
-        shutil.copy(f, tmp_path / f.name)
-    target = tmp_path / "cudart.c"
+    for sub in ("cudart", "include"):
+        shutil.copytree(src / sub, tmp_path / sub)
+    target = tmp_path / "cudart" / "api.c"
     text = target.read_text()
     assert "cudaError_t cudaSetDevice(int device) {" in text
     target.write_text(text.replace("cudaSetDevice(int device) {", "cudaSetDevice(long device) {"))
-    bad = _syntax_check(sorted(tmp_path.glob("cudart*.c")), tmp_path)
+    bad = _syntax_check(sorted((tmp_path / "cudart").glob("*.c")), tmp_path)
     assert bad.returncode != 0
     assert "cudaSetDevice" in bad.stderr

@@ -269,3 +269,29 @@ def test_duplicate_device_across_processes(lib: Lib, build: Any) -> None:
         assert ev[-1]["event"] == "init_done" and ev[-1]["rc"] == INVALID_USAGE, ev
         assert "Duplicate GPU detected" in ev[-1]["error"], ev
         assert "device 3" in ev[-1]["error"], ev
+
+
+def test_duplicate_device_compares_physical_devices(lib: Lib, build: Any) -> None:
+    """Each process sees its own CUDA_VISIBLE_DEVICES, as under a launcher: both ranks call
+    themselves device 0, and only the physical device behind it decides."""
+
+    def job(visible: tuple[str, str]) -> list[dict[str, Any]]:
+        uid = lib.unique_id()
+        procs = [
+            spawn(
+                build,
+                "orphan",
+                uid,
+                2,
+                env={"LB_TEST_DEVICE": "0", "CUDA_VISIBLE_DEVICES": v},
+                ranks=[r],
+            )[0]
+            for r, v in enumerate(visible)
+        ]
+        return [events(p, timeout=60)[-1] for p in procs]
+
+    for ev in job(("2", "5")):  # two GPUs, each process's device 0
+        assert ev["event"] == "init_done" and ev["rc"] == 0, ev
+    for ev in job(("4,1", "4")):  # one GPU: physical device 4 in both
+        assert ev["event"] == "init_done" and ev["rc"] == INVALID_USAGE, ev
+        assert "Duplicate GPU detected" in ev["error"] and "device 4" in ev["error"], ev

@@ -256,6 +256,7 @@ def test_sources_compile_against_the_real_nccl_header() -> None:
             "-DLB_USE_REAL_HEADERS",
             f"-I{inc}",
             f"-I{cuda}",
+            f"-I{LOOPBACK_DIR / 'include'}",
             f"-I{LOOPBACK_DIR}",
             *sources,
         ],

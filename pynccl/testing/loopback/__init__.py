@@ -10,8 +10,13 @@ The C sources in this package are compiled on demand with the system C compiler
 
 ``python -m pynccl.testing.loopback`` prints the two library paths. The loopback
 libcudart reads ``PYNCCL_LOOPBACK_DEVICES`` (default 8), ``PYNCCL_LOOPBACK_STRICT``
-(0: copies may use host pointers on the device side) and ``PYNCCL_LOOPBACK_DEBUG``
-(1: print each error) once, when it is loaded. Only the standard library is used.
+(0: copies may use host pointers on the device side), ``PYNCCL_LOOPBACK_DEBUG``
+(1: print each error) and ``CUDA_VISIBLE_DEVICES`` (as CUDA) once, when it is loaded;
+a malformed ``PYNCCL_LOOPBACK_*`` value makes every call fail with
+``cudaErrorInvalidValue`` naming it (the README lists every variable and its rules).
+
+Sources: ``cudart/*.c`` (libcudart), ``nccl/*.c`` and the top-level ``nccl*.c``
+(libnccl), ``include/`` (headers both share). Only the standard library is used.
 """
 
 from ._build import (

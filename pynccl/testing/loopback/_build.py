@@ -187,11 +187,13 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _digest(parts: dict[str, object], files: Sequence[Path]) -> str:
+def _digest(parts: dict[str, object], files: Sequence[Path], src: Path) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(parts, sort_keys=True).encode())
     for f in files:
-        h.update(f.name.encode() + b"\0")
+        # The path inside the source tree ("cudart/core.c"), not where the tree lives.
+        name = f.relative_to(src).as_posix() if f.is_relative_to(src) else f.name
+        h.update(name.encode() + b"\0")
         h.update(hashlib.sha256(f.read_bytes()).digest())
     return h.hexdigest()[:24]
 
@@ -218,6 +220,7 @@ def _compile(
     digest = _digest(
         {**key, "flags": portable, "link": list(link), "cc": list(cc.argv), "ccv": cc.version},
         [*sources, *headers],
+        src,
     )
     root = cache_dir()
     final = root / f"{tag}-{digest}"
@@ -256,12 +259,10 @@ def build_cudart(sanitize: bool = False, *, source_dir: Path | None = None) -> s
     exact file, so all of them, and pynccl, share one cudart instance in a process.
     """
     src = SOURCE_DIR if source_dir is None else Path(source_dir).resolve()
-    sources = sorted(src.glob("cudart*.c"))
-    if not sources:
-        raise LoopbackBuildError(f"no cudart*.c sources in {src}")
-    # Only what cudart*.c include: an edit to the nccl headers must not rebuild it.
-    headers = sorted({*src.glob("cudart*.h"), *src.glob("lb_cuda.h"), *src.glob("lb_internal.h")})
-    flags = [*_BASE_FLAGS, f"-I{src}", f"-Wl,-soname,{CUDART_SONAME}"]
+    sources = _cudart_sources(src)
+    # Only what cudart/*.c include: an edit to the nccl headers must not rebuild it.
+    headers = sorted({*(src / "cudart").glob("*.h"), *(src / "include").glob("*.h")})
+    flags = [*_BASE_FLAGS, *_include_flags(src), f"-Wl,-soname,{CUDART_SONAME}"]
     if sanitize:
         flags += _SANITIZE_FLAGS
     return _compile(
@@ -277,10 +278,26 @@ def build_cudart(sanitize: bool = False, *, source_dir: Path | None = None) -> s
     )
 
 
-def _nccl_sources(src: Path) -> list[Path]:
-    sources = sorted(src.glob("nccl*.c"))
+def _include_flags(src: Path) -> list[str]:
+    # include/ holds what both libraries share (the CUDA slice, the cudart<->nccl bridge,
+    # the environment parsers); src itself keeps the nccl side's top-level headers.
+    return [f"-I{src / 'include'}", f"-I{src}"]
+
+
+def _cudart_sources(src: Path) -> list[Path]:
+    sources = sorted((src / "cudart").glob("*.c"))
     if not sources:
-        raise LoopbackBuildError(f"no nccl*.c sources in {src}: the loopback libnccl is missing")
+        raise LoopbackBuildError(f"no cudart/*.c sources in {src}")
+    return sources
+
+
+def _nccl_sources(src: Path) -> list[Path]:
+    # nccl/*.c, plus (until the nccl side moves there) the top-level nccl*.c.
+    sources = sorted({*(src / "nccl").glob("*.c"), *src.glob("nccl*.c")})
+    if not sources:
+        raise LoopbackBuildError(
+            f"no nccl/*.c or nccl*.c sources in {src}: the loopback libnccl is missing"
+        )
     return sources
 
 
@@ -293,10 +310,10 @@ def _build_nccl(
 ) -> str:
     src = SOURCE_DIR if source_dir is None else Path(source_dir).resolve()
     sources = _nccl_sources(src)
-    headers = sorted(src.glob("*.h"))
+    headers = sorted({*src.glob("*.h"), *(src / "include").glob("*.h"), *src.glob("nccl/*.h")})
     flags = [
         *_BASE_FLAGS,
-        f"-I{src}",
+        *_include_flags(src),
         f"-DLB_NCCL_VERSION_CODE={_version_code(version)}",
         f"-Wl,-soname,{NCCL_SONAME}",
     ]

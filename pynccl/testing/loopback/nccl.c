@@ -16,6 +16,8 @@
  *                         moving data (measures the binding's own per-call cost).
  *   LB_USE_REAL_HEADERS   compile against the real <nccl.h> (signature check).
  *
+ * Every PYNCCL_LOOPBACK_* value is parsed strictly (lb_env.h): a malformed one makes
+ * every init and split fail with ncclInvalidArgument, naming the variable and value.
  * Environment, read when a communicator is created (init or split):
  *   PYNCCL_LOOPBACK_STRICT=0         accept buffers outside loopback allocations (host
  *                                    memory) and several ranks on one device; default 1.
@@ -30,7 +32,7 @@
  *                                    a non-blocking comm becomes ready only after K more
  *                                    ncclCommGetAsyncError polls returned ncclInProgress.
  *   PYNCCL_LOOPBACK_INIT_TIMEOUT=<s> give up waiting for ranks to join after s seconds
- *                                    (default 300; 0 = wait forever).
+ *                                    (default 300, fractions allowed; 0 = wait forever).
  *   NCCL_COMM_BLOCKING=0|1           overrides ncclConfig_t.blocking, like NCCL.
  *   NCCL_DEBUG=WARN|INFO|TRACE       print each error message on stderr, like NCCL.
  * Read when the world is created (the first rank to arrive decides for all):
@@ -48,6 +50,7 @@
  * within ~0.2 s with ncclRemoteError.
  */
 #include "nccl_lb_internal.h"
+#include "lb_env.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -260,19 +263,38 @@ ncclResult_t lb_comm_get(ncclComm_t comm, const char *opname, struct lb_comm **o
     return ncclSuccess;
 }
 
+/* Every PYNCCL_LOOPBACK_* variable libnccl reads, with lb_env.h's rules: checked at
+ * each init and split (env_check), so a malformed value is an init error naming it; the
+ * call sites below then read them with the same parsers. */
+static const lb_env_spec g_env_specs[] = {
+    {"PYNCCL_LOOPBACK_STRICT", LB_ENV_BOOL, 1},
+    {"PYNCCL_LOOPBACK_FAIL_INIT", LB_ENV_UINT, ncclNumResults - 1},
+    {"PYNCCL_LOOPBACK_ASYNC_ERROR_AFTER", LB_ENV_COUNT_CODE, ncclNumResults - 1},
+    {"PYNCCL_LOOPBACK_HANG", LB_ENV_UINT, LB_ENV_MAX_COUNT},
+    {"PYNCCL_LOOPBACK_NONBLOCKING_DELAY", LB_ENV_UINT, LB_ENV_MAX_INT},
+    {"PYNCCL_LOOPBACK_INIT_TIMEOUT", LB_ENV_SECONDS, 0},
+    {"PYNCCL_LOOPBACK_CHUNK_BYTES", LB_ENV_UINT, LB_ENV_MAX_INT},
+    {"PYNCCL_LOOPBACK_RING_BYTES", LB_ENV_UINT, LB_ENV_MAX_INT},
+    {"PYNCCL_LOOPBACK_DIRECT", LB_ENV_BOOL, 1},
+    {"PYNCCL_LOOPBACK_SPIN", LB_ENV_UINT, LB_ENV_MAX_INT},
+    {"PYNCCL_LOOPBACK_YIELDS", LB_ENV_UINT, LB_ENV_MAX_INT},
+};
+
+static ncclResult_t env_check(const char *opname) {
+    char why[256];
+    if (lb_env_check(g_env_specs, sizeof g_env_specs / sizeof *g_env_specs, why, sizeof why))
+        return ncclSuccess;
+    return lb_err(ncclInvalidArgument, "%s : %s", opname, why);
+}
+
 static void parse_fail_after(struct lb_comm *c) {
-    c->fail_after = -1;
-    c->fail_code = ncclSystemError;
-    const char *s = getenv("PYNCCL_LOOPBACK_ASYNC_ERROR_AFTER");
-    if (!s || !*s) return;
-    char *end;
-    long long n = strtoll(s, &end, 0);
-    if (end == s || n < 0) return;
-    c->fail_after = n;
-    if (*end == ':') {
-        long code = strtol(end + 1, NULL, 0);
-        if (code > 0) c->fail_code = (int)code;
-    }
+    bool set;
+    unsigned long long n;
+    int code;
+    lb_env_count_code("PYNCCL_LOOPBACK_ASYNC_ERROR_AFTER", LB_ENV_MAX_COUNT, ncclNumResults - 1,
+                      &set, &n, &code, ncclSystemError, NULL, 0);
+    c->fail_after = set ? (long long)n : -1;
+    c->fail_code = code;
 }
 
 static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
@@ -297,13 +319,18 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     c->blocking = 1;
     c->state = LBC_JOINING;
     c->async = ncclSuccess;
-    c->strict = lb_env_ll("PYNCCL_LOOPBACK_STRICT", 1) != 0;
+    bool strict;
+    unsigned long long hang, delay;
+    double tmo;
+    lb_env_bool("PYNCCL_LOOPBACK_STRICT", true, &strict, NULL, 0);
+    c->strict = strict;
     parse_fail_after(c);
-    c->hang_at = lb_env_ll("PYNCCL_LOOPBACK_HANG", 0);
-    long long delay = lb_env_ll("PYNCCL_LOOPBACK_NONBLOCKING_DELAY", 0);
-    c->nb_polls_left = delay > 0 ? (int)delay : 0;
-    long long tmo = lb_env_ll("PYNCCL_LOOPBACK_INIT_TIMEOUT", 300);
-    c->init_deadline_ns = tmo > 0 ? lb_now_ns() + (uint64_t)tmo * 1000000000ULL : 0;
+    lb_env_uint("PYNCCL_LOOPBACK_HANG", 0, LB_ENV_MAX_COUNT, &hang, NULL, 0);
+    c->hang_at = (long long)hang;
+    lb_env_uint("PYNCCL_LOOPBACK_NONBLOCKING_DELAY", 0, LB_ENV_MAX_INT, &delay, NULL, 0);
+    c->nb_polls_left = (int)delay;
+    lb_env_seconds("PYNCCL_LOOPBACK_INIT_TIMEOUT", 300, &tmo, NULL, 0);
+    c->init_deadline_ns = tmo > 0 ? lb_now_ns() + (uint64_t)(tmo * 1e9) : 0;
     return c;
 }
 
@@ -616,9 +643,12 @@ void lb_config_of(const struct lb_comm *c, ncclConfig_t *cfg) {
 /* ---- init ------------------------------------------------------------------------------ */
 
 ncclResult_t lb_fail_init_injected(const char *opname) {
-    long long code = lb_env_ll("PYNCCL_LOOPBACK_FAIL_INIT", 0);
+    ncclResult_t r = env_check(opname);
+    if (r != ncclSuccess) return r;
+    unsigned long long code;
+    lb_env_uint("PYNCCL_LOOPBACK_FAIL_INIT", 0, ncclNumResults - 1, &code, NULL, 0);
     if (code == 0) return ncclSuccess;
-    return lb_err((ncclResult_t)code, "%s : failing on purpose (PYNCCL_LOOPBACK_FAIL_INIT=%lld)",
+    return lb_err((ncclResult_t)code, "%s : failing on purpose (PYNCCL_LOOPBACK_FAIL_INIT=%llu)",
                   opname, code);
 }
 

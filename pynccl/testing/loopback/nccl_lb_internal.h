@@ -132,7 +132,7 @@ struct lbw_rank {
     int32_t pid;
     int32_t device;
     uint32_t state; /* enum lbw_rank_state */
-    uint32_t pad0;
+    int32_t phys; /* the physical device behind `device` (CUDA_VISIBLE_DEVICES may differ) */
     uint64_t split_post; /* number of the split whose color/key are posted below */
     int32_t split_color, split_key;
     uint64_t split_read; /* last split this rank has read everyone's post of */

@@ -44,6 +44,7 @@
  * that would deadlock one after the other complete.
  */
 #include "nccl_lb_internal.h"
+#include "lb_env.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -95,10 +96,11 @@ static void spin_params(void) {
     /* With few cores, spinning (or sched_yield, which only looks at this core's run
      * queue) steals the core a peer needs: sleep on the futex at once. */
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    int pause = (int)lb_env_ll("PYNCCL_LOOPBACK_SPIN", ncpu >= 8 ? 2000 : 0);
-    int yield = (int)lb_env_ll("PYNCCL_LOOPBACK_YIELDS", 0);
-    __atomic_store_n(&g_spin_yield, yield < 0 ? 0 : yield, __ATOMIC_RELAXED);
-    __atomic_store_n(&g_spin_pause, pause < 0 ? 0 : pause, __ATOMIC_RELEASE);
+    unsigned long long pause, yield;
+    lb_env_uint("PYNCCL_LOOPBACK_SPIN", ncpu >= 8 ? 2000 : 0, LB_ENV_MAX_INT, &pause, NULL, 0);
+    lb_env_uint("PYNCCL_LOOPBACK_YIELDS", 0, LB_ENV_MAX_INT, &yield, NULL, 0);
+    __atomic_store_n(&g_spin_yield, (int)yield, __ATOMIC_RELAXED);
+    __atomic_store_n(&g_spin_pause, (int)pause, __ATOMIC_RELEASE);
 }
 
 void lbw_notify(struct lb_comm *c) {
@@ -242,8 +244,10 @@ static size_t align_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 static void layout(struct lbw_hdr *h, int nranks, int nctx, int nsig) {
     size_t R = (size_t)nranks;
-    long long slot = lb_env_ll("PYNCCL_LOOPBACK_CHUNK_BYTES", 0);
-    long long ring = lb_env_ll("PYNCCL_LOOPBACK_RING_BYTES", 0);
+    unsigned long long slot_env, ring_env;
+    lb_env_uint("PYNCCL_LOOPBACK_CHUNK_BYTES", 0, LB_ENV_MAX_INT, &slot_env, NULL, 0);
+    lb_env_uint("PYNCCL_LOOPBACK_RING_BYTES", 0, LB_ENV_MAX_INT, &ring_env, NULL, 0);
+    long long slot = (long long)slot_env, ring = (long long)ring_env;
     if (slot <= 0) { /* big enough to amortise the barriers, small enough for the caches */
         slot = (long long)((4u << 20) / R);
         if (slot > (1 << 20)) slot = 1 << 20;
@@ -486,6 +490,7 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
                       opname, c->rank, (int)expected);
     }
     me->device = c->dev;
+    me->phys = pynccl_lb_device_physical(c->dev);
     me->enc_hash = lb_encryption_hash();
     __atomic_store_n(&me->state, LBR_JOINED, __ATOMIC_RELEASE);
     uint32_t n = __atomic_add_fetch(&w->joined, 1, __ATOMIC_SEQ_CST);
@@ -536,13 +541,14 @@ static ncclResult_t joined_checks(struct lb_comm *c, const char *opname) {
     if (!c->strict) return ncclSuccess;
     for (int a = 0; a < c->nranks; a++) {
         for (int b = a + 1; b < c->nranks; b++) {
-            /* NCCL compares the busId: one device is one GPU whatever the process */
-            if (c->ranks[a].device == c->ranks[b].device) {
+            /* NCCL compares the busId: one device is one GPU whatever the process and
+             * whatever CUDA_VISIBLE_DEVICES renumbered it to */
+            if (c->ranks[a].phys == c->ranks[b].phys) {
                 return lb_err(ncclInvalidUsage,
                               "%s : Duplicate GPU detected : rank %d and rank %d both on loopback "
-                              "device %d (processes %d and %d; call cudaSetDevice with a "
+                              "physical device %d (processes %d and %d; call cudaSetDevice with a "
                               "distinct device per rank, or set PYNCCL_LOOPBACK_STRICT=0)",
-                              opname, a, b, c->ranks[a].device, (int)c->ranks[a].pid,
+                              opname, a, b, c->ranks[a].phys, (int)c->ranks[a].pid,
                               (int)c->ranks[b].pid);
             }
         }
@@ -880,7 +886,9 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
         memcpy(&scalar, op->rop.scalar_ptr, E); /* device scalar: read when the op runs */
     if (!c->probed) { /* direct mode needs every rank in this process */
         c->probed = 1;
-        c->direct = lb_env_ll("PYNCCL_LOOPBACK_DIRECT", 1) != 0;
+        bool direct;
+        lb_env_bool("PYNCCL_LOOPBACK_DIRECT", true, &direct, NULL, 0);
+        c->direct = direct;
         for (int s = 0; s < c->nranks; s++) c->direct &= c->ranks[s].pid == c->pid;
     }
     const uint64_t seq = ++c->cseq, g = c->gchunk++;

@@ -90,8 +90,13 @@ LB_EXPORT int pynccl_lb_find_alloc(const void *ptr, size_t nbytes, int *device);
 /* The calling thread's current device (cudaGetDevice without the error path). */
 LB_EXPORT int pynccl_lb_current_device(void);
 
-/* Number of loopback devices (PYNCCL_LOOPBACK_DEVICES, default 8). */
+/* Number of visible loopback devices: PYNCCL_LOOPBACK_DEVICES (default 8) physical
+ * devices, selected and renumbered by CUDA_VISIBLE_DEVICES as CUDA does. */
 LB_EXPORT int pynccl_lb_device_count(void);
+
+/* The physical device behind visible ordinal `device` (what identifies a device across
+ * processes whose CUDA_VISIBLE_DEVICES differ); -1 if it is not a visible ordinal. */
+LB_EXPORT int pynccl_lb_device_physical(int device);
 
 /* Allocation for ncclMemAlloc/ncclMemFree (same registry as cudaMalloc). */
 LB_EXPORT int pynccl_lb_malloc(void **ptr, size_t size, int device);

@@ -1,15 +1,15 @@
 /*
- * Private to the loopback libcudart (cudart*.c): shared state and helpers.
+ * Private to the loopback libcudart (the files of cudart/): shared state and helpers.
  *
  * Locking rules (no global lock is ever held while a task runs):
  *   - g_streams (rwlock): the set of live streams; taken before any stream mutex.
  *   - a stream's mu: its queue and counters; never held together with another
  *     stream's mu or an event's mu.
  *   - an event's mu: its generation counters.
- *   - g_allocs (rwlock, cudart_mem.c): the allocation registry, a leaf lock.
- *   - g_cap_mu (cudart_graph.c): every capture's state, and the capture fields of
+ *   - g_allocs (rwlock, mem.c): the allocation registry, a leaf lock.
+ *   - g_cap_mu (capture.c): every capture's state, and the capture fields of
  *     streams and events; a leaf lock (no callback runs under it).
- *   - g_graph_mu (cudart_graph.c): the live graph / executable graph sets, a leaf lock.
+ *   - g_graph_mu (graph.c): the live graph / executable graph sets, a leaf lock.
  */
 #ifndef PYNCCL_LB_CUDART_INTERNAL_H
 #define PYNCCL_LB_CUDART_INTERNAL_H
@@ -90,59 +90,95 @@ struct CUevent_st {
     uint64_t cap_count;
 };
 
-/* A sorted set of pointers (live handles), binary-searched (cudart_stream.c). */
+/* A sorted set of pointers (live handles), binary-searched (core.c). */
 typedef struct {
     void **items;
     size_t n, cap;
 } lb_ptrset;
 
-/* cudart.c */
-LB_HIDDEN extern int g_ndev;
+/* A stream and how far its queue reached (enq_seq) when the snapshot was taken. */
+typedef struct {
+    struct CUstream_st *stream; /* referenced */
+    uint64_t seq;
+} lb_snap;
+
+enum lb_sync_scope { LB_SYNC_SELF, LB_SYNC_DEVICE };
+
+#define LB_MAX_DEVICES 1024
+
+/* Each file below calls only the files declared above it (tests/test_loopback_build.py
+ * checks that the call graph is a DAG). */
+
+/* core.c: configuration, errors, the calling thread, the clock, pointer sets. */
+LB_HIDDEN extern int g_ndev;   /* visible devices */
+LB_HIDDEN extern int g_nphys;  /* PYNCCL_LOOPBACK_DEVICES */
+LB_HIDDEN extern int g_phys[LB_MAX_DEVICES]; /* visible ordinal -> physical device */
+LB_HIDDEN extern bool g_visible_set;         /* CUDA_VISIBLE_DEVICES is set */
 LB_HIDDEN extern int g_strict;
 LB_HIDDEN extern int g_debug;
 LB_HIDDEN extern atomic_int g_shutdown;
 LB_HIDDEN extern atomic_int g_fork_poisoned;
+LB_HIDDEN void lb_config_load(void);
+LB_HIDDEN const char *lb_devices_origin(void);
 LB_HIDDEN cudaError_t lb_fail(cudaError_t err, const char *fn, const char *fmt, ...)
     LB_PRINTF(3, 4);
+/* Every API call starts here: a malformed environment, a poisoned fork, unloading. */
 LB_HIDDEN cudaError_t lb_check_usable(const char *fn);
+LB_HIDDEN cudaError_t lb_no_device(const char *fn);
+LB_HIDDEN cudaError_t lb_bad_device(const char *fn, int device);
 LB_HIDDEN int lb_current_device(void);
 LB_HIDDEN void lb_set_thread_device(int device);
 LB_HIDDEN double lb_now_ms(void);
+LB_HIDDEN bool ptrset_has(const lb_ptrset *set, const void *p);
+LB_HIDDEN bool ptrset_add(lb_ptrset *set, void *p);
+LB_HIDDEN bool ptrset_del(lb_ptrset *set, const void *p);
 
-/* cudart_stream.c */
+/* stream.c: stream objects, queues and workers (capture-blind). */
 LB_HIDDEN extern atomic_uint_fast64_t g_ticket;
 LB_HIDDEN extern atomic_long g_pending; /* tasks pushed and not yet finished */
 LB_HIDDEN extern atomic_int g_live_workers;
+LB_HIDDEN bool lb_is_default_handle(cudaStream_t h);
+LB_HIDDEN struct CUstream_st *lb_stream_new(int device, unsigned flags, enum lb_stream_kind kind);
+LB_HIDDEN void lb_stream_ref(struct CUstream_st *s);
 LB_HIDDEN cudaError_t lb_stream_get(cudaStream_t handle, const char *fn,
                                     struct CUstream_st **out);
 LB_HIDDEN void lb_stream_put(struct CUstream_st *s);
+LB_HIDDEN bool lb_stream_unlink(struct CUstream_st *s);
+/* Stop s's worker: join it if it drains within timeout_ms, else detach it. */
+LB_HIDDEN void lb_stream_retire(struct CUstream_st *s, long timeout_ms, const char *why);
+/* Queue a task on s to run (no capture check: see lb_stream_push); *seq: its number. */
+LB_HIDDEN cudaError_t lb_stream_enqueue(struct CUstream_st *s, lb_task_fn run,
+                                        lb_task_fn release, void *arg, uint64_t *seq);
+LB_HIDDEN cudaError_t lb_push_fail(cudaError_t err, const char *fn, const void *stream);
+LB_HIDDEN bool lb_stream_is_blocking(const struct CUstream_st *s);
+LB_HIDDEN void lb_stream_wait_seq(struct CUstream_st *s, uint64_t seq);
+/* Snapshot what a synchronize must wait for: s (and, s legacy, its device's blocking
+ * streams), or every stream of device; -1 when out of memory. */
+LB_HIDDEN long lb_sync_targets(struct CUstream_st *s, int device, enum lb_sync_scope scope,
+                               lb_snap **out);
+LB_HIDDEN void lb_wait_snaps(lb_snap *snaps, long n); /* waits, puts and frees */
+LB_HIDDEN uint64_t lb_min_pending_ticket(void);
+LB_HIDDEN void lb_streams_init(void (*per_thread_exit)(void *));
+LB_HIDDEN void lb_streams_fini(void);
+LB_HIDDEN void lb_streams_fork_prepare(void);
+LB_HIDDEN void lb_streams_fork_parent(void);
+LB_HIDDEN void lb_streams_fork_child(void);
+
+/* capture.c: stream capture. Every hook is a no-op costing one atomic load while no
+ * capture is under way (g_ncaptures == 0). */
+LB_HIDDEN extern atomic_int g_ncaptures;
+enum lb_cap_action { LB_CAP_PASS, LB_CAP_DONE, LB_CAP_NODE };
 /* Enqueue a task on s, or - s capturing - record it as a node (clone NULL: refused).
  * expect: -1 either, 0 / 1 only if s is not / is capturing (else cudaErrorIllegalState).
  * Capture errors already carry their detail (lb_push_fail keeps it). */
 LB_HIDDEN cudaError_t lb_stream_push(struct CUstream_st *s, lb_task_fn run, lb_task_fn release,
                                      lb_clone_fn clone, void *arg, uint64_t *seq, int expect);
-LB_HIDDEN cudaError_t lb_push_fail(cudaError_t err, const char *fn, const void *stream);
-LB_HIDDEN bool ptrset_has(const lb_ptrset *set, const void *p);
-LB_HIDDEN bool ptrset_add(lb_ptrset *set, void *p);
-LB_HIDDEN bool ptrset_del(lb_ptrset *set, const void *p);
-LB_HIDDEN bool lb_stream_is_blocking(const struct CUstream_st *s);
-LB_HIDDEN void lb_stream_wait_seq(struct CUstream_st *s, uint64_t seq);
-LB_HIDDEN uint64_t lb_min_pending_ticket(void);
-LB_HIDDEN void lb_streams_fork_prepare(void);
-LB_HIDDEN void lb_streams_fork_parent(void);
-LB_HIDDEN void lb_streams_fork_child(void);
-LB_HIDDEN void lb_streams_init(void);
-LB_HIDDEN void lb_streams_fini(void);
-
-/* cudart_graph.c: stream capture. Every hook is a no-op costing one atomic load
- * while no capture is under way (g_ncaptures == 0). */
-LB_HIDDEN extern atomic_int g_ncaptures;
-enum lb_cap_action { LB_CAP_PASS, LB_CAP_DONE, LB_CAP_NODE };
-/* Called by lb_stream_push: records the task (LB_CAP_DONE, arg taken), refuses it
- * (*err set, arg not taken), or lets it through (LB_CAP_PASS). */
+/* Records the task (LB_CAP_DONE, arg taken), refuses it (*err set, arg not taken), or
+ * lets it through (LB_CAP_PASS). */
 LB_HIDDEN enum lb_cap_action lb_capture_task(struct CUstream_st *s, lb_task_fn run,
                                              lb_task_fn release, lb_clone_fn clone, void *arg,
                                              int expect, cudaError_t *err);
+LB_HIDDEN bool lb_capture_active(struct CUstream_st *s);
 /* A "potentially unsafe" call (cudaMalloc, cudaFree, synchronous copies, device
  * synchronize): refused with cudaErrorStreamCaptureUnsupported where the capture modes
  * forbid it, invalidating the captures that forbid it. */
@@ -161,14 +197,33 @@ LB_HIDDEN enum lb_cap_action lb_capture_wait(struct CUstream_st *s, struct CUeve
 LB_HIDDEN cudaError_t lb_capture_event_check(struct CUevent_st *e, const char *fn);
 /* s is being destroyed: it leaves its capture (ending it if s is the origin). */
 LB_HIDDEN void lb_capture_stream_gone(struct CUstream_st *s);
+/* cudaStreamEndCapture's checks; on success *nodes[0..*n) are the caller's. */
+LB_HIDDEN cudaError_t lb_capture_end(struct CUstream_st *s, const char *fn, lb_node **nodes,
+                                     size_t *n);
+LB_HIDDEN void lb_nodes_release(lb_node *nodes, size_t n);
+LB_HIDDEN void lb_capture_fork_prepare(void);
+LB_HIDDEN void lb_capture_fork_parent(void);
+LB_HIDDEN void lb_capture_fork_child(void);
+
+/* graph.c: graphs and executable graphs (the public API only, and fork hooks). */
 LB_HIDDEN void lb_graph_fork_prepare(void);
 LB_HIDDEN void lb_graph_fork_parent(void);
 LB_HIDDEN void lb_graph_fork_child(void);
 
-/* cudart_mem.c */
+/* event.c: events (the public API only, and fork hooks). */
+LB_HIDDEN void lb_events_fork_prepare(void);
+LB_HIDDEN void lb_events_fork_parent(void);
+LB_HIDDEN void lb_events_fork_child(void);
+
+/* mem.c: allocations, copies and memsets. */
 LB_HIDDEN void lb_mem_reap(void);
 LB_HIDDEN void lb_mem_fork_prepare(void);
 LB_HIDDEN void lb_mem_fork_parent(void);
 LB_HIDDEN void lb_mem_fork_child(void);
+
+/* api.c: devices, the stream API, libnccl's enqueue hooks. */
+LB_HIDDEN void lb_per_thread_streams_exit(void *value);
+
+/* init.c: load, unload, fork (calls everything above). */
 
 #endif

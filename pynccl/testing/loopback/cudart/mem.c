@@ -5,18 +5,20 @@
  * The registry is a sorted array of allocations under a rwlock: lookups (several
  * per collective) are a binary search under the read lock.
  *
- * cudaFree never frees memory that queued or running stream work may still touch:
- * the allocation leaves the registry at once (later lookups fail, as on a GPU),
- * but the memory is released only when every task pushed before the free has
- * finished. That keeps a free racing a stream (or a blocked collective) from
- * crashing the process, without making cudaFree wait for other threads' work.
+ * cudaFree synchronizes the allocation's device first, as CUDA's does: work queued
+ * on that device's streams before the call (a collective still pending on the
+ * memory) completes before the memory goes. After that the allocation leaves the
+ * registry (later lookups fail, as on a GPU), but the memory is released only when
+ * every task pushed before the free has finished: work of another device that still
+ * touches it (a peer's collective), or ncclMemFree (pynccl_lb_free, which does not
+ * synchronize), never sees it freed.
  */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "cudart_internal.h"
+#include "internal.h"
 
 #define LB_ALIGNMENT 256
 
@@ -104,9 +106,8 @@ static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device
     if (err) return err;
     if ((err = lb_capture_unsafe(fn))) return err;
     if (ptr == NULL) return lb_fail(cudaErrorInvalidValue, fn, "devPtr is NULL");
-    if (device < 0 || device >= g_ndev)
-        return lb_fail(cudaErrorInvalidDevice, fn, "device %d is out of range [0, %d)", device,
-                       g_ndev);
+    if (g_ndev == 0) return lb_no_device(fn);
+    if (device < 0 || device >= g_ndev) return lb_bad_device(fn, device);
     if (size == 0) { /* as CUDA: success, and a NULL pointer */
         *ptr = NULL;
         return cudaSuccess;
@@ -141,11 +142,25 @@ static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device
     return cudaSuccess;
 }
 
-static cudaError_t lb_free(const char *fn, void *ptr) {
+/* Wait for the work queued so far on the streams of ptr's device (if ptr is the start
+ * of a live allocation: the caller reports the other cases). */
+static void sync_alloc_device(const void *ptr) {
+    pthread_rwlock_rdlock(&g_allocs_lock);
+    size_t i = alloc_upper((uintptr_t)ptr);
+    int device = i > 0 && g_allocs[i - 1].base == (uintptr_t)ptr ? g_allocs[i - 1].device : -1;
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (device < 0) return;
+    lb_snap *snaps;
+    long n = lb_sync_targets(NULL, device, LB_SYNC_DEVICE, &snaps);
+    if (n >= 0) lb_wait_snaps(snaps, n); /* out of memory: the graves still protect it */
+}
+
+static cudaError_t lb_free(const char *fn, void *ptr, bool sync) {
     cudaError_t err = lb_check_usable(fn);
     if (err) return err;
     if ((err = lb_capture_unsafe(fn))) return err;
     if (ptr == NULL) return cudaSuccess;
+    if (sync) sync_alloc_device(ptr);
     uintptr_t p = (uintptr_t)ptr;
     pthread_rwlock_wrlock(&g_allocs_lock);
     size_t i = alloc_upper(p);
@@ -184,13 +199,13 @@ int pynccl_lb_malloc(void **ptr, size_t size, int device) {
     return lb_malloc("pynccl_lb_malloc", ptr, size, device);
 }
 
-int pynccl_lb_free(void *ptr) { return lb_free("pynccl_lb_free", ptr); }
+int pynccl_lb_free(void *ptr) { return lb_free("pynccl_lb_free", ptr, false); }
 
 cudaError_t cudaMalloc(void **devPtr, size_t size) {
     return lb_malloc(__func__, devPtr, size, lb_current_device());
 }
 
-cudaError_t cudaFree(void *devPtr) { return lb_free(__func__, devPtr); }
+cudaError_t cudaFree(void *devPtr) { return lb_free(__func__, devPtr, true); }
 
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *attributes, const void *ptr) {
     cudaError_t err = lb_check_usable(__func__);

@@ -1,5 +1,6 @@
 /*
- * pynccl loopback libcudart: stream capture and CUDA graphs.
+ * pynccl loopback libcudart: stream capture (above stream.c; graph.c turns what a
+ * capture recorded into graphs).
  *
  * A capture sequence (cudaStreamBeginCapture .. cudaStreamEndCapture) records what is
  * enqueued on its streams as nodes instead of running it. The loopback's graph is the
@@ -27,7 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cudart_internal.h"
+#include "internal.h"
 
 struct lb_capture {
     struct lb_capture *next;
@@ -43,24 +44,10 @@ struct lb_capture {
     size_t nnodes, cap_nodes;
 };
 
-struct CUgraph_st {
-    lb_node *nodes;
-    size_t n;
-};
-
-struct CUgraphExec_st {
-    lb_node *nodes;
-    size_t n;
-    atomic_int refs; /* the handle's, plus one per launch in progress */
-};
-
 LB_HIDDEN atomic_int g_ncaptures;
 static pthread_mutex_t g_cap_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct lb_capture *g_captures;
 static uint64_t g_next_capture_id = 1;
-
-static pthread_mutex_t g_graph_mu = PTHREAD_MUTEX_INITIALIZER;
-static lb_ptrset g_graphs, g_execs;
 
 static const char *mode_name(enum cudaStreamCaptureMode mode) {
     switch (mode) {
@@ -73,25 +60,10 @@ static const char *mode_name(enum cudaStreamCaptureMode mode) {
 
 /* ---- nodes ------------------------------------------------------------------- */
 
-static void nodes_release(lb_node *nodes, size_t n) {
+LB_HIDDEN void lb_nodes_release(lb_node *nodes, size_t n) {
     for (size_t i = 0; i < n; i++)
         if (nodes[i].release != NULL) nodes[i].release(nodes[i].arg);
     free(nodes);
-}
-
-/* Template copies of nodes[0..n) (clone(arg, 0)); NULL when out of memory. */
-static lb_node *nodes_clone(const lb_node *nodes, size_t n) {
-    lb_node *copy = malloc((n ? n : 1) * sizeof *copy);
-    if (copy == NULL) return NULL;
-    for (size_t i = 0; i < n; i++) {
-        copy[i] = nodes[i];
-        copy[i].arg = nodes[i].clone(nodes[i].arg, 0);
-        if (copy[i].arg == NULL) {
-            nodes_release(copy, i);
-            return NULL;
-        }
-    }
-    return copy;
 }
 
 /* ---- capture sequences (g_cap_mu held) --------------------------------------- */
@@ -142,7 +114,7 @@ static void capture_unlink(struct lb_capture *c) {
 static void capture_free(struct lb_capture *c) {
     for (size_t i = 0; i < c->nmembers; i++) lb_stream_put(c->members[i]);
     free(c->members);
-    nodes_release(c->nodes, c->nnodes);
+    lb_nodes_release(c->nodes, c->nnodes);
     free(c);
 }
 
@@ -172,6 +144,25 @@ static cudaError_t invalidated_fail(struct lb_capture *c, const char *fn) {
 }
 
 /* ---- hooks for the stream and memory code ------------------------------------- */
+
+LB_HIDDEN cudaError_t lb_stream_push(struct CUstream_st *s, lb_task_fn run, lb_task_fn release,
+                                     lb_clone_fn clone, void *arg, uint64_t *seq, int expect) {
+    if (seq != NULL) *seq = 0;
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0 || expect == 1) {
+        cudaError_t err = cudaSuccess;
+        enum lb_cap_action act = lb_capture_task(s, run, release, clone, arg, expect, &err);
+        if (act != LB_CAP_PASS || err != cudaSuccess) return err;
+    }
+    return lb_stream_enqueue(s, run, release, arg, seq);
+}
+
+LB_HIDDEN bool lb_capture_active(struct CUstream_st *s) {
+    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) == 0) return false;
+    pthread_mutex_lock(&g_cap_mu);
+    bool capturing = s->cap != NULL;
+    pthread_mutex_unlock(&g_cap_mu);
+    return capturing;
+}
 
 LB_HIDDEN enum lb_cap_action lb_capture_task(struct CUstream_st *s, lb_task_fn run,
                                              lb_task_fn release, lb_clone_fn clone, void *arg,
@@ -427,73 +418,54 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMo
     return cudaSuccess;
 }
 
-cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph) {
-    cudaError_t err = lb_check_usable(__func__);
-    if (err) return err;
-    if (pGraph == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "pGraph is NULL");
-    *pGraph = NULL;
-    struct CUstream_st *s;
-    if ((err = lb_stream_get(stream, __func__, &s))) return err;
-    struct CUgraph_st *g = calloc(1, sizeof *g);
-    if (g == NULL) {
-        lb_stream_put(s);
-        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
-    }
+/* cudaStreamEndCapture's checks: on success the capture begun on s is over and its
+ * nodes (in capture order) are the caller's. */
+LB_HIDDEN cudaError_t lb_capture_end(struct CUstream_st *s, const char *fn, lb_node **nodes,
+                                     size_t *n) {
+    cudaError_t err = cudaSuccess;
     struct lb_capture *c, *ended = NULL;
+    *nodes = NULL;
+    *n = 0;
     pthread_mutex_lock(&g_cap_mu);
     c = s->cap;
     if (c == NULL) {
-        err = lb_fail(cudaErrorIllegalState, __func__, "stream %p is not capturing",
-                      (void *)stream);
+        err = lb_fail(cudaErrorIllegalState, fn, "stream %p is not capturing", (void *)s);
     } else if (c->origin != s) {
-        invalidate(c, "%s on stream %p, forked into the capture", __func__, (void *)s);
-        err = lb_fail(cudaErrorStreamCaptureUnmatched, __func__,
+        invalidate(c, "%s on stream %p, forked into the capture", fn, (void *)s);
+        err = lb_fail(cudaErrorStreamCaptureUnmatched, fn,
                       "the capture was begun on stream %p, not %p; the capture is invalidated",
-                      (void *)c->origin, (void *)stream);
+                      (void *)c->origin, (void *)s);
     } else if (c->mode != cudaStreamCaptureModeRelaxed &&
                !pthread_equal(c->thread, pthread_self())) {
-        err = lb_fail(cudaErrorStreamCaptureWrongThread, __func__,
+        err = lb_fail(cudaErrorStreamCaptureWrongThread, fn,
                       "the capture on stream %p was begun by another thread in %s: end it there "
                       "(or begin it in cudaStreamCaptureModeRelaxed)",
-                      (void *)stream, mode_name(c->mode));
+                      (void *)s, mode_name(c->mode));
     } else {
         capture_unlink(c);
         ended = c;
         if (c->invalidated) {
-            err = lb_fail(cudaErrorStreamCaptureInvalidated, __func__,
+            err = lb_fail(cudaErrorStreamCaptureInvalidated, fn,
                           "the capture on stream %p was invalidated (%s); no graph", (void *)s,
                           c->why);
         } else {
             for (size_t i = 1; i < c->nmembers && !err; i++)
                 if (c->members[i]->cap_joined != c->members[i]->cap_nodes)
-                    err = lb_fail(cudaErrorStreamCaptureUnjoined, __func__,
+                    err = lb_fail(cudaErrorStreamCaptureUnjoined, fn,
                                   "stream %p was forked into the capture by an event wait but "
                                   "its work was not joined back (record an event on it and make "
                                   "stream %p wait on it); no graph",
                                   (void *)c->members[i], (void *)s);
         }
         if (!err) {
-            g->nodes = c->nodes;
-            g->n = c->nnodes;
+            *nodes = c->nodes;
+            *n = c->nnodes;
             c->nodes = NULL;
             c->nnodes = 0;
         }
     }
     pthread_mutex_unlock(&g_cap_mu);
-    lb_stream_put(s);
     if (ended != NULL) capture_free(ended);
-    if (!err) {
-        pthread_mutex_lock(&g_graph_mu);
-        bool ok = ptrset_add(&g_graphs, g);
-        pthread_mutex_unlock(&g_graph_mu);
-        if (ok) {
-            *pGraph = g;
-            return cudaSuccess;
-        }
-        err = lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
-    }
-    nodes_release(g->nodes, g->n);
-    free(g);
     return err;
 }
 
@@ -539,144 +511,10 @@ int pynccl_lb_stream_capturing(void *stream) {
     return capturing;
 }
 
-/* ---- graphs and executable graphs ----------------------------------------------- */
-
-static cudaError_t graph_get(cudaGraph_t graph, const char *fn) {
-    if (graph == NULL) return lb_fail(cudaErrorInvalidValue, fn, "graph is NULL");
-    return cudaSuccess;
-}
-
-cudaError_t cudaGraphInstantiate(cudaGraphExec_t *pGraphExec, cudaGraph_t graph,
-                                 unsigned long long flags) {
-    cudaError_t err = lb_check_usable(__func__);
-    if (err) return err;
-    if (pGraphExec == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "pGraphExec is NULL");
-    *pGraphExec = NULL;
-    if ((err = graph_get(graph, __func__))) return err;
-    if (flags != 0)
-        return lb_fail(cudaErrorInvalidValue, __func__,
-                       "flags=%#llx (the loopback supports no instantiation flags)", flags);
-    struct CUgraphExec_st *x = calloc(1, sizeof *x);
-    if (x == NULL) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
-    atomic_init(&x->refs, 1);
-    /* The graph lock is held across the clones so that the graph cannot be destroyed
-     * under them; clone callbacks never call back into the graph API. */
-    pthread_mutex_lock(&g_graph_mu);
-    bool live = ptrset_has(&g_graphs, graph);
-    if (live) {
-        x->nodes = nodes_clone(graph->nodes, graph->n);
-        x->n = graph->n;
-        if (x->nodes != NULL && !ptrset_add(&g_execs, x)) {
-            pthread_mutex_unlock(&g_graph_mu);
-            nodes_release(x->nodes, x->n);
-            free(x);
-            return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
-        }
-    }
-    pthread_mutex_unlock(&g_graph_mu);
-    if (!live) {
-        free(x);
-        return lb_fail(cudaErrorInvalidValue, __func__, "graph %p is not a live graph",
-                       (void *)graph);
-    }
-    if (x->nodes == NULL) {
-        free(x);
-        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory copying nodes");
-    }
-    *pGraphExec = x;
-    return cudaSuccess;
-}
-
-static void exec_put(struct CUgraphExec_st *x) {
-    if (atomic_fetch_sub(&x->refs, 1) != 1) return;
-    nodes_release(x->nodes, x->n);
-    free(x);
-}
-
-cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream) {
-    cudaError_t err = lb_check_usable(__func__);
-    if (err) return err;
-    pthread_mutex_lock(&g_graph_mu);
-    bool live = graphExec != NULL && ptrset_has(&g_execs, graphExec);
-    if (live) atomic_fetch_add(&graphExec->refs, 1);
-    pthread_mutex_unlock(&g_graph_mu);
-    if (!live)
-        return lb_fail(cudaErrorInvalidValue, __func__,
-                       "graphExec %p is not a live executable graph", (void *)graphExec);
-    struct CUstream_st *s;
-    if ((err = lb_stream_get(stream, __func__, &s))) {
-        exec_put(graphExec);
-        return err;
-    }
-    /* Launched into a capturing stream, the graph's nodes become nodes of that capture
-     * (CUDA makes a child-graph node: the same order). */
-    int capturing = 0;
-    if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) > 0) {
-        pthread_mutex_lock(&g_cap_mu);
-        capturing = s->cap != NULL;
-        pthread_mutex_unlock(&g_cap_mu);
-    }
-    for (size_t i = 0; i < graphExec->n && !err; i++) {
-        const lb_node *node = &graphExec->nodes[i];
-        void *arg = node->clone(node->arg, !capturing);
-        if (arg == NULL) {
-            err = lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
-            break;
-        }
-        err = lb_stream_push(s, node->run, node->release, node->clone, arg, NULL, capturing);
-        if (err) {
-            if (node->release != NULL) node->release(arg);
-            err = lb_push_fail(err, __func__, (void *)stream);
-        }
-    }
-    lb_stream_put(s);
-    exec_put(graphExec);
-    return err;
-}
-
-cudaError_t cudaGraphExecDestroy(cudaGraphExec_t graphExec) {
-    cudaError_t err = lb_check_usable(__func__);
-    if (err) return err;
-    pthread_mutex_lock(&g_graph_mu);
-    bool live = graphExec != NULL && ptrset_del(&g_execs, graphExec);
-    pthread_mutex_unlock(&g_graph_mu);
-    if (!live)
-        return lb_fail(cudaErrorInvalidValue, __func__,
-                       "graphExec %p is not a live executable graph (destroyed twice?)",
-                       (void *)graphExec);
-    exec_put(graphExec); /* launches already enqueued own their copies */
-    return cudaSuccess;
-}
-
-cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
-    cudaError_t err = lb_check_usable(__func__);
-    if (err) return err;
-    if ((err = graph_get(graph, __func__))) return err;
-    pthread_mutex_lock(&g_graph_mu);
-    bool live = ptrset_del(&g_graphs, graph);
-    pthread_mutex_unlock(&g_graph_mu);
-    if (!live)
-        return lb_fail(cudaErrorInvalidValue, __func__,
-                       "graph %p is not a live graph (destroyed twice?)", (void *)graph);
-    /* Executable graphs made from it hold their own copies, as in CUDA. */
-    nodes_release(graph->nodes, graph->n);
-    free(graph);
-    return cudaSuccess;
-}
-
 /* ---- fork ------------------------------------------------------------------------ */
 
-LB_HIDDEN void lb_graph_fork_prepare(void) {
-    pthread_mutex_lock(&g_graph_mu);
-    pthread_mutex_lock(&g_cap_mu);
-}
+LB_HIDDEN void lb_capture_fork_prepare(void) { pthread_mutex_lock(&g_cap_mu); }
 
-LB_HIDDEN void lb_graph_fork_parent(void) {
-    pthread_mutex_unlock(&g_cap_mu);
-    pthread_mutex_unlock(&g_graph_mu);
-}
+LB_HIDDEN void lb_capture_fork_parent(void) { pthread_mutex_unlock(&g_cap_mu); }
 
-LB_HIDDEN void lb_graph_fork_child(void) {
-    pthread_mutex_init(&g_cap_mu, NULL);
-    pthread_mutex_init(&g_graph_mu, NULL);
-}
+LB_HIDDEN void lb_capture_fork_child(void) { pthread_mutex_init(&g_cap_mu, NULL); }
