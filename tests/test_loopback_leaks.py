@@ -146,7 +146,8 @@ def _driver(tmp_path: Path, b: Any, *defines: str) -> Path:
     nccl_dir = os.path.dirname(b.nccl)
     cmd = [
         "gcc", "-g", "-std=gnu11", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
-        *(f"-D{d}" for d in defines), f"-I{LOOPBACK_DIR}", str(src), "-o", str(exe), b.nccl,
+        *(f"-D{d}" for d in defines), f"-I{LOOPBACK_DIR}", f"-I{LOOPBACK_DIR / 'include'}",
+        str(src), "-o", str(exe), b.nccl,
         f"-L{cudart_dir}", "-lpynccl_loopback_cudart",
         f"-Wl,-rpath,{nccl_dir}", f"-Wl,-rpath,{cudart_dir}",
     ]  # fmt: skip
