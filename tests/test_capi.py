@@ -139,6 +139,38 @@ def test_binding_is_cached_and_thread_safe(tiny: NcclLibrary) -> None:
     assert tiny.ncclCommCount is seen[0]
 
 
+def test_binding_from_a_finalizer_during_binding_does_not_deadlock(tmp_path: Path) -> None:
+    """A __del__ that the GC runs while one name is being bound (DeviceBuffer.__del__ calls
+    cudaFree) binds another name on the same thread: the binding lock must let it."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "tiny.c"
+    src.write_text(TINY_SOURCE)
+    out = tmp_path / "libnccl_tiny2.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(out), str(src)], check=True)
+    lib = NcclLibrary(ctypes.CDLL(str(out)), str(out), "explicit")
+    bound: list[object] = []
+
+    class Finalized:
+        def __del__(self) -> None:
+            bound.append(lib.ncclGroupEnd)  # binds while the outer name is being bound
+
+    original = lib._bind
+
+    def bind_with_gc(name: str, proto: object) -> object:
+        if name == "ncclCommCount":
+            Finalized()  # collected here, inside the binding of ncclCommCount
+        return original(name, proto)  # type: ignore[arg-type]
+
+    lib._bind = bind_with_gc  # type: ignore[method-assign]
+    worker = threading.Thread(target=lambda: bound.append(lib.ncclCommCount), daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "binding deadlocked on its own lock"
+    assert len(bound) == 2
+
+
 def test_generated_wrappers_keep_c_argument_names(tiny: NcclLibrary) -> None:
     import inspect
 

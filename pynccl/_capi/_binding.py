@@ -84,7 +84,8 @@ class BoundLibrary:
         self.path = path or str(getattr(cdll, "_name", ""))
         self.rule = rule
         self.version = None
-        self._lock = threading.Lock()
+        # Reentrant: a __del__ that the GC runs while a name is being bound may bind another.
+        self._lock = threading.RLock()
         self._raw: dict[str, Any] = {}
 
     def has(self, name: str) -> bool:
