@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..comm._spec import COLLECTIVES as _SPEC
+
 _GB = 1.0e9  # nccl-tests' GB/s are 1e9 bytes per second
 _MAX_SIZES = 10_000
 
@@ -85,23 +87,33 @@ class Collective:
         return algbw, algbw * self.bus_factor(nranks)
 
 
-# perf's own list of the benchmarked operations (nccl-tests' count and bandwidth rules),
-# the one place to swap for the object API's spec table (pynccl.comm._spec.COLLECTIVES)
-# once it exists; _bench._Bench._runner and _reference._expected dispatch on these names.
-COLLECTIVES: dict[str, Collective] = {
-    c.name: c
-    for c in (
-        Collective("all_reduce", "flat", "2(n-1)/n", reduces=True),
-        Collective("all_gather", "gather", "(n-1)/n"),
-        Collective("reduce_scatter", "scatter", "(n-1)/n", reduces=True),
-        Collective("broadcast", "flat", "1", rooted=True),
-        Collective("reduce", "flat", "1", reduces=True, rooted=True),
-        Collective("gather", "gather", "(n-1)/n", rooted=True),
-        Collective("scatter", "scatter", "(n-1)/n", rooted=True),
-        Collective("all_to_all", "alltoall", "(n-1)/n", in_place=False),
-        Collective("sendrecv", "flat", "1", in_place=False),
-    )
+# The benchmarked operations are the object API's collectives (its spec table, the one list
+# of them) plus nccl-tests' sendrecv (a send and a recv in one group). What perf adds to a
+# row is nccl-tests' bus-bandwidth rule; the layout, op and root come from the row.
+_LAYOUTS = {("1", "1"): "flat", ("1", "n"): "gather", ("n", "1"): "scatter", ("n", "n"): "alltoall"}
+_BUS_RULES = {
+    "all_reduce": "2(n-1)/n",
+    "all_gather": "(n-1)/n",
+    "reduce_scatter": "(n-1)/n",
+    "broadcast": "1",
+    "reduce": "1",
+    "gather": "(n-1)/n",
+    "scatter": "(n-1)/n",
+    "all_to_all": "(n-1)/n",
 }
+COLLECTIVES: dict[str, Collective] = {
+    row.method: Collective(
+        row.method,
+        _LAYOUTS[(row.send, row.recv)],
+        _BUS_RULES[row.method],
+        reduces=row.has_op,
+        rooted=row.where == "root",
+        in_place=bool(row.in_place),
+    )
+    for row in _SPEC
+    if row.where != "peer"
+}
+COLLECTIVES["sendrecv"] = Collective("sendrecv", "flat", "1", in_place=False)
 
 # Spellings of the collectives people type: nccl-tests' binaries, NCCL's names.
 _COLL_ALIASES = {re.sub(r"[_\-]", "", name): name for name in COLLECTIVES} | {
