@@ -209,6 +209,7 @@ NCCL_VARIABLES = [
     ("PYNCCL_LOOPBACK_DIRECT", ["2", "no"], "0"),
     ("PYNCCL_LOOPBACK_SPIN", ["-5", "fast"], "10"),
     ("PYNCCL_LOOPBACK_YIELDS", ["+1", "1 "], "1"),
+    ("PYNCCL_LOOPBACK_RENDEZVOUS_DIR", ["tmp", "", "/no/such/dir", "/" + "d" * 40], "/tmp"),
 ]
 
 

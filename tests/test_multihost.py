@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -108,16 +109,21 @@ def _run(
     """Start each ``(host index, argv, extra env)`` in its namespace; their outputs."""
     outs = [tmp_path / f"out{i}.txt" for i in range(len(argvs))]
     procs = []
+    # The loopback libnccl's ranks meet through a unix socket; an abstract one is private to
+    # its network namespace, so the two "hosts" meet in a directory they share.
+    rendezvous = tempfile.mkdtemp(prefix="pynccl-rv-", dir="/tmp")
     try:
         for out, (node, argv, extra) in zip(outs, argvs):
-            env = h.loopback_env(**extra)
+            env = h.loopback_env(**extra, PYNCCL_LOOPBACK_RENDEZVOUS_DIR=rendezvous)
             procs.append(h.start(["ip", "netns", "exec", hosts[node], *argv], env, out))
         codes = h.wait_all(procs)
         texts = [out.read_text() for out in outs]
         assert codes == [0] * len(procs), "\n".join(texts)
+        assert os.listdir(rendezvous) == [], "a rendezvous socket was left behind"
         return texts
     finally:
         h.stop(procs)
+        shutil.rmtree(rendezvous, ignore_errors=True)
 
 
 def test_launch_nnodes(tmp_path: Path, hosts: tuple[str, str]) -> None:

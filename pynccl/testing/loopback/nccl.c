@@ -278,6 +278,7 @@ static const lb_env_spec g_env_specs[] = {
     {"PYNCCL_LOOPBACK_DIRECT", LB_ENV_BOOL, 1},
     {"PYNCCL_LOOPBACK_SPIN", LB_ENV_UINT, LB_ENV_MAX_INT},
     {"PYNCCL_LOOPBACK_YIELDS", LB_ENV_UINT, LB_ENV_MAX_INT},
+    {"PYNCCL_LOOPBACK_RENDEZVOUS_DIR", LB_ENV_DIR, 0},
 };
 
 static ncclResult_t env_check(const char *opname) {

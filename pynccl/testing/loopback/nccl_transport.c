@@ -298,10 +298,19 @@ static void sleep_ms(long ms) {
     nanosleep(&ts, NULL);
 }
 
-/* The abstract socket address of a world: "\0pynccl-lb-<hex>". */
+/* The rendezvous socket of a world: "\0pynccl-lb-<hex>" in the abstract namespace, or, with
+ * PYNCCL_LOOPBACK_RENDEZVOUS_DIR, the file <dir>/pynccl-lb-<hex>. Abstract names belong to
+ * a network namespace: ranks in different ones (the multi-host test's "hosts") meet in a
+ * directory they share; a creator killed before everyone joined leaves that file there. */
 static socklen_t rv_addr(const struct lb_comm *c, struct sockaddr_un *sa) {
     memset(sa, 0, sizeof *sa);
     sa->sun_family = AF_UNIX;
+    const char *dir = NULL;
+    lb_env_dir("PYNCCL_LOOPBACK_RENDEZVOUS_DIR", &dir, NULL, 0); /* checked at init */
+    if (dir) { /* LB_ENV_MAX_DIR keeps it inside sun_path */
+        int n = snprintf(sa->sun_path, sizeof sa->sun_path, "%s%s", dir, c->shm_name);
+        return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + (size_t)n + 1);
+    }
     size_t n = strlen(c->shm_name + 1); /* skip the leading '/' */
     memcpy(sa->sun_path + 1, c->shm_name + 1, n);
     return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
@@ -309,7 +318,12 @@ static socklen_t rv_addr(const struct lb_comm *c, struct sockaddr_un *sa) {
 
 /* Close the creator's rendezvous socket and memfd (the world stays mapped). */
 void lbw_rendezvous_close(struct lb_comm *c) {
-    if (c->rv_fd >= 0) close(c->rv_fd);
+    if (c->rv_fd >= 0) {
+        struct sockaddr_un sa;
+        rv_addr(c, &sa);
+        if (sa.sun_path[0]) unlink(sa.sun_path); /* a file socket: its name goes too */
+        close(c->rv_fd);
+    }
     if (c->seg_fd >= 0) close(c->seg_fd);
     c->rv_fd = c->seg_fd = -1;
 }

@@ -20,6 +20,8 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 
 /* Longest value quoted back in a message. */
 #define LB_ENV_QUOTE 64
@@ -128,8 +130,25 @@ static inline bool lb_env_count_code(const char *name, unsigned long long max_co
     return true;
 }
 
+/* The longest directory LB_ENV_DIR accepts: a unix socket path in it must fit in 108 bytes. */
+#define LB_ENV_MAX_DIR 40
+
+/* An existing directory, by an absolute path of at most LB_ENV_MAX_DIR characters; *out is
+ * NULL when the variable is unset. */
+static inline bool lb_env_dir(const char *name, const char **out, char *why, size_t n) {
+    const char *v = getenv(name);
+    struct stat st;
+    *out = NULL;
+    if (!v) return true;
+    if (v[0] != '/' || strlen(v) > LB_ENV_MAX_DIR || stat(v, &st) != 0 || !S_ISDIR(st.st_mode))
+        return lb_env_bad(name, v, "an existing directory by an absolute path of at most 40 "
+                          "characters", why, n);
+    *out = v;
+    return true;
+}
+
 /* One library's variables, checked together (at load, or when a communicator is made). */
-enum lb_env_kind { LB_ENV_UINT, LB_ENV_BOOL, LB_ENV_SECONDS, LB_ENV_COUNT_CODE };
+enum lb_env_kind { LB_ENV_UINT, LB_ENV_BOOL, LB_ENV_SECONDS, LB_ENV_COUNT_CODE, LB_ENV_DIR };
 
 typedef struct {
     const char *name;
@@ -146,6 +165,7 @@ static inline bool lb_env_check(const lb_env_spec *specs, size_t nspecs, char *w
         bool b, set;
         double d;
         int code;
+        const char *path;
         bool ok = true;
         switch (s->kind) {
         case LB_ENV_UINT: ok = lb_env_uint(s->name, 0, s->max, &u, why, n); break;
@@ -155,6 +175,7 @@ static inline bool lb_env_check(const lb_env_spec *specs, size_t nspecs, char *w
             ok = lb_env_count_code(s->name, LB_ENV_MAX_COUNT, (int)s->max, &set, &u, &code, 1,
                                    why, n);
             break;
+        case LB_ENV_DIR: ok = lb_env_dir(s->name, &path, why, n); break;
         }
         if (!ok) return false;
     }
