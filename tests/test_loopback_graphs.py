@@ -436,3 +436,49 @@ def test_graph_object_lifecycle_and_misuse(stream: Stream) -> None:
     other.close()
     comm.destroy()
     x.close()
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_capture_on_a_side_stream_is_seen_by_the_capture_guard(mode: str) -> None:
+    """A capture on a non-blocking side stream (the legacy stream cannot tell): refused where
+    CUDA forbids unsafe calls — this thread unless relaxed, other threads in global mode."""
+    side = Stream(non_blocking=True)
+    comm = Communicator(1, UniqueId(), 0, device=0)  # on the legacy default stream
+    x = DeviceBuffer(N, "float32")
+    other_thread: list[BaseException | None] = []
+
+    def elsewhere() -> None:
+        try:
+            Communicator(1, UniqueId(), 0, device=0).destroy()
+            other_thread.append(None)
+        except BaseException as exc:
+            other_thread.append(exc)
+
+    g = Graph()
+    with g.capture(side, mode):
+        here = [
+            lambda: Communicator(1, UniqueId(), 0, device=0),
+            lambda: comm.split(0),
+            lambda: comm.register(x),
+            lambda: comm.synchronize(),
+        ]
+        for call in here:
+            if mode == "relaxed":
+                continue
+            with pytest.raises(NcclInvalidUsage, match="captur"):
+                call()
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join(60)
+        comm.all_reduce(x, stream=side)
+    assert g.captured  # nothing above invalidated the capture
+    if mode == "global":
+        assert isinstance(other_thread[0], NcclInvalidUsage), other_thread
+    else:
+        assert other_thread == [None]
+    if mode == "relaxed":  # the calls CUDA allows ran for real
+        Communicator(1, UniqueId(), 0, device=0).destroy()
+    g.close()
+    comm.destroy()
+    x.close()
+    side.close()

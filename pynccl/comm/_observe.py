@@ -107,7 +107,7 @@ class Observed(CommHandle):
         if self._state is State.INITIALIZING:
             self.wait_ready(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
         self._live()
-        from ..cuda import _capture_blocks
+        from ..cuda import _capture_blocks, _unsafe_calls_prohibited
 
         if _capture_blocks(s):
             # cudaStreamQuery would fail and invalidate the capture: nothing captured has
@@ -117,6 +117,13 @@ class Observed(CommHandle):
                 "synchronize",
                 f"stream {s:#x} is being captured into a CUDA graph: its work runs when "
                 "the graph is launched; end the capture, launch the graph, then synchronize",
+            )
+        if _unsafe_calls_prohibited():  # waiting on s would invalidate that other capture
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "synchronize",
+                "a CUDA graph capture is in progress on another stream (pynccl.cuda.Graph): "
+                "synchronizing now would invalidate it; synchronize after the capture ends",
             )
         rt = cudart()
         current = c_int(-1)
@@ -218,11 +225,12 @@ class Observed(CommHandle):
         """Init, split and register cannot be captured in a CUDA graph: say so clearly,
         before they call anything that would invalidate the capture."""
         try:
-            from ..cuda import _capture_blocks
+            from ..cuda import _capture_blocks, _unsafe_calls_prohibited
 
-            # The legacy default stream (0) answers for the blocking streams of the device.
+            # The legacy default stream (0) answers for the blocking streams of the device;
+            # pynccl.cuda's registry for captures on other (non-blocking) streams.
             own = self._stream not in (0, 1) and _capture_blocks(self._stream)
-            if not own and not _capture_blocks(0):
+            if not own and not _capture_blocks(0) and not _unsafe_calls_prohibited():
                 return
         except (OSError, NcclError, NotSupportedError):  # no usable libcudart: nothing to check
             return

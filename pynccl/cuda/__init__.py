@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     )
     from ._event import Event
     from ._graph import CaptureMode, Graph
+    from ._graph import _unsafe_calls_prohibited as _unsafe_calls_prohibited
     from ._runtime import _rt as _rt
     from ._stream import Stream, is_capturing, stream_handle
     from ._stream import _capture_blocks as _capture_blocks
@@ -73,6 +74,7 @@ _LAZY = {
     "Event": "._event",
     "CaptureMode": "._graph",
     "Graph": "._graph",
+    "_unsafe_calls_prohibited": "._graph",
     "StreamLike": "..typing",
     "_rt": "._runtime",
     "Stream": "._stream",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from ctypes import byref, c_void_p
 from enum import IntEnum
@@ -22,6 +23,24 @@ class CaptureMode(IntEnum):
     GLOBAL = 0
     THREAD_LOCAL = 1
     RELAXED = 2
+
+
+# Captures begun through Graph.capture and not yet ended: stream handle -> (mode, thread).
+# CUDA cannot be asked whether *some* stream is capturing, only about a given one; this
+# registry lets the object API refuse work that would invalidate a capture on a side stream.
+_ACTIVE: dict[int, tuple[CaptureMode, int]] = {}
+
+
+def _unsafe_calls_prohibited() -> bool:
+    """True while CUDA would refuse this thread a potentially unsafe call (synchronisation,
+    allocation, a communicator's init) because of a capture begun with :meth:`Graph.capture`
+    on any stream: one of this thread's in global or thread-local mode, or another thread's
+    in global mode (CUDA's rule for a thread in the default global mode)."""
+    me = threading.get_ident()
+    return any(
+        mode is not CaptureMode.RELAXED and (tid == me or mode is CaptureMode.GLOBAL)
+        for mode, tid in list(_ACTIVE.values())
+    )
 
 
 class Graph:
@@ -85,6 +104,7 @@ class Graph:
         rt = _runtime._rt()
         rt.cudaStreamBeginCapture(handle, int(mode))
         self._capturing = True
+        _ACTIVE[handle] = (mode, threading.get_ident())
         graph = c_void_p()
         try:
             yield self
@@ -96,6 +116,7 @@ class Graph:
             raise
         finally:
             self._capturing = False
+            _ACTIVE.pop(handle, None)
         rt.cudaStreamEndCapture(handle, byref(graph))
         try:
             exe = c_void_p()
