@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_examples import EXAMPLES, gpu_command
 
 ROOT = Path(__file__).resolve().parent.parent
 HAS_DRIVER = os.path.exists("/proc/driver/nvidia/version")
@@ -464,3 +465,24 @@ def test_perf_on_the_gpu(ngpus: int, tmp_path: Path) -> None:
     for row in doc["results"]:
         for key in ("out_of_place", "in_place"):
             assert row[key]["nwrong"] == 0 and row[key]["time"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_examples_on_the_gpu(ngpus: int, name: str) -> None:
+    """Every program in examples/ as a user runs it on GPUs (the CuPy and torch ones too)."""
+    example = EXAMPLES[name]
+    if example.needs and (REHEARSAL or not _has(example.needs)):
+        pytest.skip(f"{name} needs {example.needs} and a GPU")
+    command = gpu_command(name, ngpus)
+    if command is None:
+        pytest.skip(f"{name} needs more GPUs than the {ngpus} here")
+    proc = subprocess.run(
+        [sys.executable, *command],
+        env=_env(),
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert example.says in proc.stdout, proc.stdout
