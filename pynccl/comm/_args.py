@@ -34,19 +34,28 @@ Plan = tuple[list[tuple[int, tuple[object, ...]]], int]
 # -- size_t counts: shared c_size_t objects, bounded --------------------------------------
 
 #: Counts repeat (the same buffers, call after call): ctypes converts a c_size_t object
-#: faster than an int. Shared, never mutated, keyed by the (checked) count.
-SIZE_ARGS: dict[int, c_size_t] = {}
+#: faster than an int. Shared, never mutated, keyed by the (checked) count; at most
+#: SIZE_ARGS_LIMIT of them are kept.
+
+
+class _SizeArgs(dict[int, c_size_t]):
+    """``SIZE_ARGS[count]``: the shared c_size_t for ``count`` (already checked to lie in
+    [0, 2**64)), made on a miss — one subscript on the hot path, no method call."""
+
+    def __missing__(self, count: int) -> c_size_t:
+        arg = c_size_t(count)
+        if len(self) < SIZE_ARGS_LIMIT:
+            self[count] = arg
+        return arg
+
+
+SIZE_ARGS: dict[int, c_size_t] = _SizeArgs()
 SIZE_ARGS_LIMIT = 4096
 
 
 def size_arg(count: int) -> c_size_t:
     """``count`` (already checked to lie in [0, 2**64)) as a shared c_size_t."""
-    arg = SIZE_ARGS.get(count)
-    if arg is None:
-        arg = c_size_t(count)
-        if len(SIZE_ARGS) < SIZE_ARGS_LIMIT:
-            SIZE_ARGS[count] = arg
-    return arg
+    return SIZE_ARGS[count]
 
 
 # -- ops ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .._capi.nccl import C_REDOP
 from ..enums import DataType, RedOp
-from ._args import SIZE_ARGS, size_arg
+from ._args import SIZE_ARGS
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -66,10 +66,11 @@ def _params(spec: CollSpec) -> tuple[str, str, str]:
 def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
     """The gate, the record, the C call and the result check, at indent ``pad``."""
     body = [
-        "if (cn := _SIZE_ARGS.get(n)) is None:",
-        "    cn = _size_arg(n)",
+        "cn = _SIZE_ARGS[n]",
         "gate = self._gate",
-        "if not gate.acquire(False):",
+        "try:",
+        "    gate.pop()",
+        "except IndexError:",
         "    self._wait_gate()",
         "try:",
         "    h = self._h",
@@ -81,7 +82,7 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
         f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.gid) if _OPEN else ({i}, args)",
         "    rc = fn(*args)",
         "finally:",
-        "    gate.release()",
+        "    gate.append(True)",
         "if rc:",
         f"    self._failed({i}, rc)",
         "return",
@@ -218,7 +219,6 @@ def _env() -> dict[str, object]:
             _P63=1 << 63,
             _MASK=RING_MASK,
             _SIZE_ARGS=SIZE_ARGS,
-            _size_arg=size_arg,
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
             _GROUPS=groups._state,

@@ -377,7 +377,9 @@ class Communicator(Extras):
             row = COLLECTIVES[index]
             raise NotSupportedError(row.cfunc, row.since, self._lib.version)
         gate = self._gate
-        if not gate.acquire(False):
+        try:
+            gate.pop()
+        except IndexError:
             self._wait_gate()
         try:
             h = self._h
@@ -391,7 +393,7 @@ class Communicator(Extras):
             )
             rc = fn(*args)
         finally:
-            gate.release()
+            gate.append(True)
         if rc:
             self._failed(index, rc)
 
