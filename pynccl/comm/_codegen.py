@@ -92,7 +92,9 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
 
 def _method_source(spec: CollSpec) -> str:
     """One row's method: the inline raw-pointer path, the inline array path (objects
-    whose handler is cached, no count/dtype), then the slow path for anything else."""
+    whose handler is cached, no count/dtype; a live DeviceBuffer's slots read inline,
+    exactly what its handler ``_from_device_buffer`` returns), then the slow path for
+    anything else."""
     sig, bufs, where = _params(spec)
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
@@ -151,7 +153,13 @@ def _method_source(spec: CollSpec) -> str:
         lines += [
             f"            if type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
             f"                {slow}",
-            f"            {p}, {nvar}, dt_{p}, dev_{p} = "
+            f"            if hd is _DEVBUF and not {b}._freed:",
+            f"                {p} = {b}._ptr",
+            f"                {nvar} = {b}._count",
+            f"                dt_{p} = {b}._dtype",
+            f"                dev_{p} = {b}._device",
+            "            else:",
+            f"                {p}, {nvar}, dt_{p}, dev_{p} = "
             f"hd({b}, None, None, {label}, {writable}, s)",
         ]
         conds.append(f"(dev_{p} is None or dev_{p} == dev)")
@@ -180,7 +188,7 @@ def _method_source(spec: CollSpec) -> str:
     lines += [
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
-        "                    if _GROUPS.depth:",
+        "                    if _OPEN:",
         f"                        _keep_alive(({bufs}))",
     ]
     lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20)
@@ -207,7 +215,7 @@ def _env() -> dict[str, object]:
     """The generated code's globals (built on first use: the groups/adapt imports)."""
     if not _ENV:
         from .. import groups
-        from .._adapt import _BUFFER_HANDLERS
+        from .._adapt import _BUFFER_HANDLERS, _from_device_buffer
 
         _ENV.update(
             __name__=_MODULE,
@@ -221,6 +229,7 @@ def _env() -> dict[str, object]:
             _SIZE_ARGS=SIZE_ARGS,
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
+            _DEVBUF=_from_device_buffer,
             _GROUPS=groups._state,
             _OPEN=groups.OPEN,
             _keep_alive=groups.keep_alive,
