@@ -79,7 +79,7 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
         f"    args = ({', '.join(cargs)})",
         "    seq = self._seq + 1",
         "    self._seq = seq",
-        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.gid) if _OPEN else ({i}, args)",
+        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
         "    rc = fn(*args)",
         "finally:",
         "    gate.append(True)",
@@ -230,7 +230,7 @@ def _env() -> dict[str, object]:
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
             _DEVBUF=_from_device_buffer,
-            _GROUPS=groups._state,
+            _GROUPS=groups._local,
             _OPEN=groups.OPEN,
             _keep_alive=groups.keep_alive,
         )

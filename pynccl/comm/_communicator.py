@@ -389,7 +389,7 @@ class Communicator(Extras):
             seq = self._seq + 1
             self._seq = seq
             self._ring[seq & _recorder.RING_MASK] = (
-                (index, args, _groups._state.gid) if _groups.OPEN else (index, args)
+                (index, args, _groups._local.s.gid) if _groups.OPEN else (index, args)
             )
             rc = fn(*args)
         finally:
