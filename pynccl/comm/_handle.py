@@ -241,6 +241,11 @@ class CommHandle:
 
     # -- the one teardown ----------------------------------------------------------------
 
+    def _reopen(self) -> None:
+        """Undo a teardown's closing mark (it refused or was interrupted)."""
+        self._closing = None
+        self._set_state(self._state)
+
     def _teardown(self, kind: str, reason: BaseException | None = None) -> None:
         """Retire the handle: ``kind`` is ``"destroy"``, ``"abort"`` or ``"watchdog"``.
 
@@ -258,11 +263,15 @@ class CommHandle:
         if closing is None:
             self._closing = kind
             self._h = None
-        got = self._take_gate(self.GATE_TIMEOUT)
+        try:
+            got = self._take_gate(self.GATE_TIMEOUT)
+        except BaseException:  # interrupted while waiting: usable again
+            if closing is None:
+                self._reopen()
+            raise
         if not got and kind == "destroy":
             if closing is None:
-                self._closing = None
-                self._set_state(self._state)  # usable again
+                self._reopen()
             raise NcclInvalidUsage(
                 Result.INVALID_USAGE,
                 "ncclCommDestroy",
