@@ -30,9 +30,14 @@ if TYPE_CHECKING:
 __all__ = ["group", "group_depth", "group_end", "group_start", "in_progress_later", "keep_alive"]
 
 
-class _GroupState(threading.local):
+class _GroupState:
+    """One thread's group bookkeeping (a plain object: attribute access is cheap)."""
+
+    __slots__ = ("depth", "gid", "ident", "keep", "pending")
+
     def __init__(self) -> None:
         self.depth = 0
+        self.ident = threading.get_ident()  # the thread's, for OPEN
         # Non-blocking communicators used inside the open group: after a group end
         # that returns ncclInProgress they must be polled before their next call.
         self.pending: list[GroupMember] = []
@@ -42,7 +47,13 @@ class _GroupState(threading.local):
         self.gid = 0
 
 
-_state = _GroupState()
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.s = _GroupState()
+
+
+#: ``_local.s``: the calling thread's state (one per-thread lookup, then plain slots).
+_local = _Local()
 #: Threads with a group open: the hot paths look up the thread-local group number only
 #: when this is not empty (set add/discard are atomic under the GIL).
 OPEN: set[int] = set()
@@ -51,29 +62,32 @@ _SERIAL = itertools.count(1)
 
 def group_depth() -> int:
     """How many groups the calling thread has open (through pynccl)."""
-    return _state.depth
+    return _local.s.depth
 
 
 def keep_alive(objs: object) -> None:
     """Keep ``objs`` referenced until the calling thread's outermost group has ended
     (called for operations queued inside a group; nothing happens outside one)."""
-    if _state.depth > 0:
-        _state.keep.append(objs)
+    st = _local.s
+    if st.depth > 0:
+        st.keep.append(objs)
 
 
 def in_progress_later(comm: GroupMember) -> None:
     """``comm`` returned ncclInProgress inside the open group: tell it at the group end
     if the group as a whole is still in progress."""
-    _state.pending.append(comm)
+    _local.s.pending.append(comm)
 
 
 def group_start() -> None:
     """``ncclGroupStart``: open a group on the calling thread (groups nest)."""
     lib().ncclGroupStart()
-    if _state.depth == 0:
-        _state.gid = next(_SERIAL)
-        OPEN.add(threading.get_ident())
-    _state.depth += 1
+    st = _local.s
+    depth = st.depth
+    if depth == 0:
+        st.gid = next(_SERIAL)
+        OPEN.add(st.ident)
+    st.depth = depth + 1
 
 
 def group_end() -> Result:
@@ -82,22 +96,27 @@ def group_end() -> Result:
     Returns ``Result.IN_PROGRESS`` when a non-blocking communicator's operations
     are still being set up (the communicators then wait before their next call).
     """
-    if _state.depth > 0:
-        _state.depth -= 1
-        if _state.depth == 0:
-            _state.gid = 0
-            OPEN.discard(threading.get_ident())
+    st = _local.s
+    depth = st.depth
+    if depth > 0:
+        depth -= 1
+        st.depth = depth
+        if depth == 0:
+            st.gid = 0
+            OPEN.discard(st.ident)
     try:
         result: Result = lib().ncclGroupEnd()
     except BaseException:
-        if _state.depth == 0:
-            _state.pending.clear()
-            _state.keep.clear()
+        if depth == 0:
+            st.pending.clear()
+            st.keep.clear()
         raise
-    if _state.depth == 0:
-        _state.keep.clear()
-        if _state.pending:
-            pending, _state.pending = _state.pending, []
+    if depth == 0:
+        keep = st.keep
+        if keep:
+            keep.clear()
+        if st.pending:
+            pending, st.pending = st.pending, []
             if result == Result.IN_PROGRESS:
                 for comm in pending:
                     comm.group_in_progress()

@@ -1001,7 +1001,7 @@ def test_count_arguments_cache_stays_bounded_and_exact(
 ) -> None:
     # all_reduce hands ctypes cached c_size_t objects for counts: the cache must stay
     # bounded, and every count (cached, fresh, 0) must reach C exactly.
-    from pynccl.comm import _args as comm_module
+    from pynccl._capi import _binding as comm_module  # the one shared cache
 
     saved = dict(comm_module.SIZE_ARGS)
     comm_module.SIZE_ARGS.clear()  # the generated methods hold this dict itself

@@ -143,6 +143,45 @@ def test_a_call_stuck_in_another_thread_is_reported_not_waited_on(
         comm.all_reduce(a, b)
 
 
+def test_a_refused_destroy_leaves_the_communicator_usable(
+    buffers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # destroy marks the communicator closing before it waits for the call in flight;
+    # when it gives up, the mark is undone: calls work again and the gate has one token.
+    a, b = buffers
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    monkeypatch.setattr(type(comm), "GATE_TIMEOUT", 0.2)
+    release, entered = threading.Event(), threading.Event()
+    real = comm._fn[0]
+
+    def stuck(*args: Any) -> int:
+        entered.set()
+        release.wait(30)
+        return int(real(*args))
+
+    comm._fn[0] = stuck
+    worker = threading.Thread(target=comm.all_reduce, args=(a, b))
+    worker.start()
+    try:
+        assert entered.wait(10)
+        with pytest.raises(NcclInvalidUsage, match="abort"):
+            comm.destroy()
+        assert comm.state == "ready"
+    finally:
+        release.set()
+        worker.join(30)
+    comm._fn[0] = real
+    b.copy_from(np.zeros(N, np.float32))
+    comm.all_reduce(a, b)
+    comm.synchronize(timeout=30)
+    assert np.array_equal(b.to_numpy(), np.arange(N, dtype=np.float32))
+    assert comm._gate == [True]
+    comm.destroy()
+    assert comm.state == "destroyed"
+    with pytest.raises(NcclInvalidUsage, match="destroyed; it cannot be used any more"):
+        comm.all_reduce(a, b)
+
+
 @pytest.fixture
 def init_in_progress(lb: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Communicator]:
     monkeypatch.setenv("PYNCCL_LOOPBACK_NONBLOCKING_DELAY", str(10**9))

@@ -10,13 +10,39 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from ctypes import c_char_p, c_int
+from ctypes import c_char_p, c_int, c_size_t
 from typing import Any, Callable, ClassVar, NamedTuple
 
 from ..enums import Release, release_str
 from ..errors import NotSupportedError
 
-__all__ = ["BoundLibrary", "Prototype"]
+__all__ = ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "BoundLibrary", "Prototype", "size_arg"]
+
+#: Most shared c_size_t objects :data:`SIZE_ARGS` keeps.
+SIZE_ARGS_LIMIT = 4096
+
+
+class _SizeArgs(dict[int, c_size_t]):
+    """``SIZE_ARGS[n]``: a shared c_size_t holding the int ``n``, made on a miss."""
+
+    def __missing__(self, count: int) -> c_size_t:
+        arg = c_size_t(count)
+        if len(self) < SIZE_ARGS_LIMIT:
+            self[count] = arg
+        return arg
+
+
+#: Counts repeat (the same buffers, call after call) and ctypes converts a c_size_t
+#: object for a ``size_t`` parameter much faster than an int, so the low-level wrappers'
+#: ``count`` and the Communicator's hot paths pass these: shared, never mutated, keyed by
+#: the int (at most SIZE_ARGS_LIMIT kept). One subscript, no method call, on a hit.
+SIZE_ARGS: dict[int, c_size_t] = _SizeArgs()
+
+
+def size_arg(count: int) -> c_size_t:
+    """``count`` as a shared c_size_t (the value ctypes would convert it to)."""
+    return SIZE_ARGS[count]
+
 
 
 class Prototype(NamedTuple):
@@ -41,11 +67,16 @@ def _generate(
     namespace: dict[str, Any] = {"_cfunc": cfunc, "_fail": fail, "_ok": ok}
     # An enum member for a C int parameter (DataType for `datatype`, ...) becomes the
     # same value as a shared c_int, which ctypes converts much faster; others pass as given.
+    # A plain int ``count`` (size_t) becomes its shared c_size_t (:data:`SIZE_ARGS`): the
+    # same value, converted faster.
     prologue = ""
     for arg, ctype in proto.args:
         if ctype is c_int and arg in enum_args:
             namespace[f"_E_{arg}"], namespace[f"_C_{arg}"] = enum_args[arg]
             prologue += f"    if type({arg}) is _E_{arg}:\n        {arg} = _C_{arg}[{arg}]\n"
+        elif ctype is c_size_t and arg == "count":
+            namespace["_SIZE_ARGS"] = SIZE_ARGS
+            prologue += f"    if type({arg}) is int:\n        {arg} = _SIZE_ARGS[{arg}]\n"
     if proto.restype is c_int and not value_result:
         # A nonzero code goes to _fail, which raises (or returns a non-error such as
         # ncclInProgress / cudaErrorNotReady).

@@ -12,6 +12,7 @@ from ctypes import c_int, c_size_t
 
 from .. import _adapt
 from .._adapt import _BUFFER_HANDLERS, as_stream, buffer_handler, check_device
+from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, size_arg
 from .._capi.nccl import C_REDOP
 from .._limits import U64, check_count, check_extent, check_index, check_pointer, index_int
 from ..dtypes import as_datatype, canonical_name
@@ -30,24 +31,6 @@ if TYPE_CHECKING:
 #: What the slow path hands back: ``[(row index, C arguments before (comm, stream))]``
 #: (several rows for a grouped fallback), the stream, and the objects to keep alive.
 Plan = tuple[list[tuple[int, tuple[object, ...]]], int]
-
-# -- size_t counts: shared c_size_t objects, bounded --------------------------------------
-
-#: Counts repeat (the same buffers, call after call): ctypes converts a c_size_t object
-#: faster than an int. Shared, never mutated, keyed by the (checked) count.
-SIZE_ARGS: dict[int, c_size_t] = {}
-SIZE_ARGS_LIMIT = 4096
-
-
-def size_arg(count: int) -> c_size_t:
-    """``count`` (already checked to lie in [0, 2**64)) as a shared c_size_t."""
-    arg = SIZE_ARGS.get(count)
-    if arg is None:
-        arg = c_size_t(count)
-        if len(SIZE_ARGS) < SIZE_ARGS_LIMIT:
-            SIZE_ARGS[count] = arg
-    return arg
-
 
 # -- ops ----------------------------------------------------------------------------------
 
@@ -282,4 +265,4 @@ def _args_for(
     return [(i, pre)]
 
 
-__all__ += ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "U64"]
+__all__ += ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "U64"]  # SIZE_ARGS: see pynccl._capi._binding

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .._capi.nccl import C_REDOP
 from ..enums import DataType, RedOp
-from ._args import SIZE_ARGS, size_arg
+from ._args import SIZE_ARGS
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -66,10 +66,11 @@ def _params(spec: CollSpec) -> tuple[str, str, str]:
 def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
     """The gate, the record, the C call and the result check, at indent ``pad``."""
     body = [
-        "if (cn := _SIZE_ARGS.get(n)) is None:",
-        "    cn = _size_arg(n)",
+        "cn = _SIZE_ARGS[n]",
         "gate = self._gate",
-        "if not gate.acquire(False):",
+        "try:",
+        "    gate.pop()",
+        "except IndexError:",
         "    self._wait_gate()",
         "try:",
         "    h = self._h",
@@ -78,10 +79,10 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
         f"    args = ({', '.join(cargs)})",
         "    seq = self._seq + 1",
         "    self._seq = seq",
-        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.gid) if _OPEN else ({i}, args)",
+        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
         "    rc = fn(*args)",
         "finally:",
-        "    gate.release()",
+        "    gate.append(True)",
         "if rc:",
         f"    self._failed({i}, rc)",
         "return",
@@ -91,7 +92,9 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
 
 def _method_source(spec: CollSpec) -> str:
     """One row's method: the inline raw-pointer path, the inline array path (objects
-    whose handler is cached, no count/dtype), then the slow path for anything else."""
+    whose handler is cached, no count/dtype; a live DeviceBuffer's slots read inline,
+    exactly what its handler ``_from_device_buffer`` returns), then the slow path for
+    anything else."""
     sig, bufs, where = _params(spec)
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
@@ -150,7 +153,13 @@ def _method_source(spec: CollSpec) -> str:
         lines += [
             f"            if type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
             f"                {slow}",
-            f"            {p}, {nvar}, dt_{p}, dev_{p} = "
+            f"            if hd is _DEVBUF and not {b}._freed:",
+            f"                {p} = {b}._ptr",
+            f"                {nvar} = {b}._count",
+            f"                dt_{p} = {b}._dtype",
+            f"                dev_{p} = {b}._device",
+            "            else:",
+            f"                {p}, {nvar}, dt_{p}, dev_{p} = "
             f"hd({b}, None, None, {label}, {writable}, s)",
         ]
         conds.append(f"(dev_{p} is None or dev_{p} == dev)")
@@ -179,7 +188,7 @@ def _method_source(spec: CollSpec) -> str:
     lines += [
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
-        "                    if _GROUPS.depth:",
+        "                    if _OPEN:",
         f"                        _keep_alive(({bufs}))",
     ]
     lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20)
@@ -206,7 +215,7 @@ def _env() -> dict[str, object]:
     """The generated code's globals (built on first use: the groups/adapt imports)."""
     if not _ENV:
         from .. import groups
-        from .._adapt import _BUFFER_HANDLERS
+        from .._adapt import _BUFFER_HANDLERS, _from_device_buffer
 
         _ENV.update(
             __name__=_MODULE,
@@ -218,10 +227,10 @@ def _env() -> dict[str, object]:
             _P63=1 << 63,
             _MASK=RING_MASK,
             _SIZE_ARGS=SIZE_ARGS,
-            _size_arg=size_arg,
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
-            _GROUPS=groups._state,
+            _DEVBUF=_from_device_buffer,
+            _GROUPS=groups._local,
             _OPEN=groups.OPEN,
             _keep_alive=groups.keep_alive,
         )

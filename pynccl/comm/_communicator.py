@@ -377,7 +377,9 @@ class Communicator(Extras):
             row = COLLECTIVES[index]
             raise NotSupportedError(row.cfunc, row.since, self._lib.version)
         gate = self._gate
-        if not gate.acquire(False):
+        try:
+            gate.pop()
+        except IndexError:
             self._wait_gate()
         try:
             h = self._h
@@ -387,11 +389,11 @@ class Communicator(Extras):
             seq = self._seq + 1
             self._seq = seq
             self._ring[seq & _recorder.RING_MASK] = (
-                (index, args, _groups._state.gid) if _groups.OPEN else (index, args)
+                (index, args, _groups._local.s.gid) if _groups.OPEN else (index, args)
             )
             rc = fn(*args)
         finally:
-            gate.release()
+            gate.append(True)
         if rc:
             self._failed(index, rc)
 
