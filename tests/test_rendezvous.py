@@ -498,6 +498,13 @@ def test_tcp_server_that_never_appears(no_leaks):
     assert "Connection refused" in message
 
 
+def test_tcp_server_names_one_missing_rank_in_the_singular(no_leaks):
+    server = _server(_payload(), 2, timeout=1.0)
+    with pytest.raises(RendezvousTimeoutError, match=r"rank 0: rank 1 of 2 did not fetch"):
+        server.wait()
+    server.close()
+
+
 def test_tcp_server_times_out_naming_missing_ranks(no_leaks):
     payload = _payload()
     server = _server(payload, 6, timeout=2.0)

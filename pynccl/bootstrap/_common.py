@@ -34,6 +34,12 @@ def check_share_args(
     return data
 
 
+def ranks_phrase(ranks: Iterable[int]) -> str:
+    """``[1]`` -> ``"rank 1"``, ``[1, 2, 3, 7]`` -> ``"ranks 1-3, 7"`` (for messages)."""
+    ranks = set(ranks)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}"
+
+
 def format_ranks(ranks: Iterable[int], limit: int = 20) -> str:
     """``[1, 2, 3, 7]`` -> ``"1-3, 7"``, truncated after ``limit`` groups."""
     groups: list[str] = []

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from ._common import check_share_args, format_ranks
+from ._common import check_share_args, ranks_phrase
 from ._seal import DIGEST, KEY_ENV, mac, nonce, normalize_key, open_box, seal
 from ._wire import DEFAULT_MAX_PAYLOAD
 from .errors import (
@@ -328,7 +328,7 @@ class FileRendezvous:
                     return
                 if time.monotonic() >= deadline:
                     raise RendezvousTimeoutError(
-                        f"rank 0: ranks {format_ranks(acks)} of {world_size} did not read "
+                        f"rank 0: {ranks_phrase(acks)} of {world_size} did not read "
                         f"{self.path} within {timeout:g} s (did they start, with the same path "
                         "and key?)"
                     )

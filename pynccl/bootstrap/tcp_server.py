@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 
-from ._common import check_share_args, format_ranks
+from ._common import check_share_args, ranks_phrase
 from ._net import open_listener
 from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, seal
 from ._wire import (
@@ -212,7 +212,7 @@ class TcpRendezvousServer:
             raise RuntimeError("TcpRendezvousServer.wait() before start()")
         if not self._finished.wait(timeout):
             raise RendezvousTimeoutError(
-                f"rank 0: still waiting for ranks {self._missing()} after {timeout} s"
+                f"rank 0: still waiting for {self._missing()} after {timeout} s"
             )
         if self._crash is not None:
             raise RendezvousError(
@@ -231,7 +231,7 @@ class TcpRendezvousServer:
             if self._rejections:
                 detail += "; refused meanwhile: " + "; ".join(self._rejections[-5:])
             raise RendezvousTimeoutError(
-                f"rank 0: ranks {self._missing()} of {self._world_size} did not fetch the id "
+                f"rank 0: {self._missing()} of {self._world_size} did not fetch the id "
                 f"from {self._host}:{self._port} within {self._timeout:g} s (did they start, "
                 f"with the same MASTER_ADDR/MASTER_PORT?){detail}"
             )
@@ -270,7 +270,7 @@ class TcpRendezvousServer:
 
     def _missing(self) -> str:
         with self._lock:
-            return format_ranks(set(range(1, self._world_size)) - self._served)
+            return ranks_phrase(set(range(1, self._world_size)) - self._served)
 
     def _run(self) -> None:
         try:
