@@ -456,7 +456,7 @@ def test_nccl_files_form_a_dag_but_for_comm_and_group() -> None:
     graph = call_graph(loopback.SOURCE_DIR, "nccl")
     assert sorted(graph) == sorted(NCCL_ORDER)
     core = _shared_symbols(_c_code((loopback.SOURCE_DIR / "nccl" / "core.c").read_text()))
-    assert {"lb_err", "lb_set_error", "ncclGetErrorString", "lb_kind_name"} <= core
+    assert {"lb_err", "lb_set_error", "ncclGetErrorString", "lb_kind", "lb_span_bytes"} <= core
     assert graph["core"] == set()
     assert graph["enqueue"] >= {"core", "comm", "group", "launch"}
     lower, upper = NCCL_CYCLE

@@ -273,12 +273,30 @@ void lb_derive_uid(const unsigned char *parent, uint64_t salt, unsigned char *ui
 
 /* ---- names --------------------------------------------------------------------------- */
 
-static const char *const k_kind[LB_K_COUNT] = {"AllReduce", "Broadcast",     "Reduce",
-                                               "AllGather", "ReduceScatter", "AlltoAll",
-                                               "Gather",    "Scatter",       "Send",
-                                               "Recv"};
+#define LB_X_COLL(Name, KIND, since, config_since, args, count, send, recv) \
+    [LB_K_##KIND] = {#Name, LB_HAS_ROOT_##args, LB_HAS_OP_##args, 0, LB_SPAN_##send, LB_SPAN_##recv},
+#define LB_X_P2P(Name, KIND, send, recv) \
+    [LB_K_##KIND] = {#Name, 0, 0, 1, LB_SPAN_##send, LB_SPAN_##recv},
+static const struct lb_kind_info k_kinds[LB_K_COUNT] = {LB_COLLECTIVES(LB_X_COLL) LB_P2P(LB_X_P2P)};
+#undef LB_X_COLL
+#undef LB_X_P2P
+static const struct lb_kind_info k_no_kind = {"?", 0, 0, 0, LB_SPAN_ZERO, LB_SPAN_ZERO};
 
-const char *lb_kind_name(int kind) { return (kind >= 0 && kind < LB_K_COUNT) ? k_kind[kind] : "?"; }
+const struct lb_kind_info *lb_kind(int kind) {
+    return (kind >= 0 && kind < LB_K_COUNT) ? &k_kinds[kind] : &k_no_kind;
+}
+
+const char *lb_kind_name(int kind) { return lb_kind(kind)->name; }
+
+size_t lb_span_bytes(int span, size_t nb, size_t all, int is_root) {
+    switch (span) {
+    case LB_SPAN_NB: return nb;
+    case LB_SPAN_ALL: return all;
+    case LB_SPAN_ROOT_NB: return is_root ? nb : 0;
+    case LB_SPAN_ROOT_ALL: return is_root ? all : 0;
+    default: return 0;
+    }
+}
 
 const char *lb_op_name(int op) {
     static const char *const names[] = {"sum", "prod", "max", "min", "avg"};

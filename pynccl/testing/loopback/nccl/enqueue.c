@@ -77,18 +77,14 @@ static ncclResult_t check_buf(const struct lb_comm *c, const void *p, size_t byt
     return ncclSuccess;
 }
 
-static int has_root(int kind) {
-    return kind == LB_K_BROADCAST || kind == LB_K_REDUCE || kind == LB_K_GATHER ||
-           kind == LB_K_SCATTER;
-}
-
 static ncclResult_t check_args(struct lb_comm *c, struct lb_op *op, cudaStream_t stream,
                                const char *opname) {
     ncclResult_t r = lb_comm_ensure_ready(c, opname);
     if (r != ncclSuccess) return r;
-    const int R = c->nranks, me = c->rank, kind = op->kind;
-    const int p2p = kind == LB_K_SEND || kind == LB_K_RECV;
-    if (p2p || has_root(kind)) {
+    const int R = c->nranks, me = c->rank;
+    const struct lb_kind_info *kind = lb_kind(op->kind);
+    const int p2p = kind->p2p;
+    if (p2p || kind->has_root) {
         if (op->root < 0 || op->root >= R)
             return lb_err(ncclInvalidArgument, "%s : invalid %s %d (%s should be in the 0..%d range)",
                           opname, p2p ? "peer" : "root", op->root, p2p ? "peer" : "root", R - 1);
@@ -99,7 +95,7 @@ static ncclResult_t check_args(struct lb_comm *c, struct lb_op *op, cudaStream_t
         return lb_err(ncclInvalidArgument, "%s : invalid type %d (NCCL %d.%d.%d has %d types)",
                       opname, (int)op->dtype, LB_NCCL_VERSION_CODE / 10000,
                       LB_NCCL_VERSION_CODE / 100 % 100, LB_NCCL_VERSION_CODE % 100, LB_NUM_TYPES);
-    if (kind == LB_K_ALLREDUCE || kind == LB_K_REDUCE || kind == LB_K_REDUCESCATTER) {
+    if (kind->has_op) {
         if ((r = resolve_op(c, op, opname)) != ncclSuccess) return r;
     } else {
         memset(&op->rop, 0, sizeof op->rop);
@@ -111,21 +107,9 @@ static ncclResult_t check_args(struct lb_comm *c, struct lb_op *op, cudaStream_t
         all > (size_t)PTRDIFF_MAX)
         return lb_err(ncclInvalidArgument, "%s : count %zu of %s overflows the address space", opname,
                       op->count, lb_type_name(op->dtype));
-    size_t s = 0, rv = 0;
     const int is_root = me == op->root;
-    switch (kind) {
-    case LB_K_ALLREDUCE: s = nb; rv = nb; break;
-    case LB_K_BROADCAST: s = is_root ? nb : 0; rv = nb; break;
-    case LB_K_REDUCE: s = nb; rv = is_root ? nb : 0; break;
-    case LB_K_ALLGATHER: s = nb; rv = all; break;
-    case LB_K_REDUCESCATTER: s = all; rv = nb; break;
-    case LB_K_ALLTOALL: s = all; rv = all; break;
-    case LB_K_GATHER: s = nb; rv = is_root ? all : 0; break;
-    case LB_K_SCATTER: s = is_root ? all : 0; rv = nb; break;
-    case LB_K_SEND: s = nb; break;
-    case LB_K_RECV: rv = nb; break;
-    default: break;
-    }
+    size_t s = lb_span_bytes(kind->send, nb, all, is_root);
+    size_t rv = lb_span_bytes(kind->recv, nb, all, is_root);
     if ((r = check_buf(c, op->sbuf, s, "sendbuff", opname)) != ncclSuccess) return r;
     if ((r = check_buf(c, op->rbuf, rv, "recvbuff", opname)) != ncclSuccess) return r;
     int sdev = pynccl_lb_stream_device(stream);
@@ -191,74 +175,26 @@ static struct lb_op mkop(int kind, const void *s, void *r, size_t count, ncclDat
 
 /* ---- the API -------------------------------------------------------------------------- */
 
-ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count,
-                           ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                           cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_ALLREDUCE, sendbuff, recvbuff, count, datatype, (int)op, -1);
-    return run_op(&o, comm, stream, "AllReduce");
-}
-LB_ALIAS(ncclAllReduce)
+/* ncclAllReduce ... ncclScatter, one per row of LB_COLLECTIVES (collectives.h). */
+#define LB_X_ENTRY(Name, KIND, since, config_since, args, count, send, recv)                 \
+    LB_SINCE_##since(                                                                       \
+        ncclResult_t nccl##Name(const void *sendbuff, void *recvbuff, size_t count,         \
+                                ncclDataType_t datatype LB_PARAMS_##args, ncclComm_t comm,  \
+                                cudaStream_t stream) {                                      \
+            struct lb_op o = mkop(LB_K_##KIND, sendbuff, recvbuff, count, datatype,         \
+                                  LB_OPV_##args, LB_ROOTV_##args);                          \
+            return run_op(&o, comm, stream, #Name);                                         \
+        } LB_ALIAS(nccl##Name))
+LB_COLLECTIVES(LB_X_ENTRY)
+#undef LB_X_ENTRY
 
-ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count,
-                           ncclDataType_t datatype, int root, ncclComm_t comm,
-                           cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_BROADCAST, sendbuff, recvbuff, count, datatype, -1, root);
-    return run_op(&o, comm, stream, "Broadcast");
-}
-LB_ALIAS(ncclBroadcast)
-
+/* The legacy in-place broadcast. */
 ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root,
                        ncclComm_t comm, cudaStream_t stream) {
     struct lb_op o = mkop(LB_K_BROADCAST, buff, buff, count, datatype, -1, root);
     return run_op(&o, comm, stream, "Broadcast");
 }
 LB_ALIAS(ncclBcast)
-
-ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count,
-                        ncclDataType_t datatype, ncclRedOp_t op, int root, ncclComm_t comm,
-                        cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_REDUCE, sendbuff, recvbuff, count, datatype, (int)op, root);
-    return run_op(&o, comm, stream, "Reduce");
-}
-LB_ALIAS(ncclReduce)
-
-ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount,
-                           ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_ALLGATHER, sendbuff, recvbuff, sendcount, datatype, -1, -1);
-    return run_op(&o, comm, stream, "AllGather");
-}
-LB_ALIAS(ncclAllGather)
-
-ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount,
-                               ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                               cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_REDUCESCATTER, sendbuff, recvbuff, recvcount, datatype, (int)op, -1);
-    return run_op(&o, comm, stream, "ReduceScatter");
-}
-LB_ALIAS(ncclReduceScatter)
-
-#if LB_AT_LEAST(2, 28, 3)
-ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count,
-                          ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_ALLTOALL, sendbuff, recvbuff, count, datatype, -1, -1);
-    return run_op(&o, comm, stream, "AlltoAll");
-}
-LB_ALIAS(ncclAlltoAll)
-
-ncclResult_t ncclGather(const void *sendbuff, void *recvbuff, size_t count,
-                        ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_GATHER, sendbuff, recvbuff, count, datatype, -1, root);
-    return run_op(&o, comm, stream, "Gather");
-}
-LB_ALIAS(ncclGather)
-
-ncclResult_t ncclScatter(const void *sendbuff, void *recvbuff, size_t count,
-                         ncclDataType_t datatype, int root, ncclComm_t comm, cudaStream_t stream) {
-    struct lb_op o = mkop(LB_K_SCATTER, sendbuff, recvbuff, count, datatype, -1, root);
-    return run_op(&o, comm, stream, "Scatter");
-}
-LB_ALIAS(ncclScatter)
-#endif
 
 #if LB_AT_LEAST(2, 7, 3)
 ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatype, int peer,
@@ -327,67 +263,17 @@ static ncclResult_t run_op_config(struct lb_op *op, ncclComm_t comm, cudaStream_
     return run_op(op, comm, stream, opname);
 }
 
-ncclResult_t ncclAllReduceConfig(const void *sendbuff, void *recvbuff, size_t count,
-                                 ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                                 cudaStream_t stream, const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_ALLREDUCE, sendbuff, recvbuff, count, datatype, (int)op, -1);
-    return run_op_config(&o, comm, stream, config, "AllReduce");
-}
-LB_ALIAS(ncclAllReduceConfig)
-
-ncclResult_t ncclBroadcastConfig(const void *sendbuff, void *recvbuff, size_t count,
-                                 ncclDataType_t datatype, int root, ncclComm_t comm,
-                                 cudaStream_t stream, const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_BROADCAST, sendbuff, recvbuff, count, datatype, -1, root);
-    return run_op_config(&o, comm, stream, config, "Broadcast");
-}
-LB_ALIAS(ncclBroadcastConfig)
-
-ncclResult_t ncclReduceConfig(const void *sendbuff, void *recvbuff, size_t count,
-                              ncclDataType_t datatype, ncclRedOp_t op, int root, ncclComm_t comm,
-                              cudaStream_t stream, const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_REDUCE, sendbuff, recvbuff, count, datatype, (int)op, root);
-    return run_op_config(&o, comm, stream, config, "Reduce");
-}
-LB_ALIAS(ncclReduceConfig)
-
-ncclResult_t ncclAllGatherConfig(const void *sendbuff, void *recvbuff, size_t sendcount,
-                                 ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream,
-                                 const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_ALLGATHER, sendbuff, recvbuff, sendcount, datatype, -1, -1);
-    return run_op_config(&o, comm, stream, config, "AllGather");
-}
-LB_ALIAS(ncclAllGatherConfig)
-
-ncclResult_t ncclReduceScatterConfig(const void *sendbuff, void *recvbuff, size_t recvcount,
-                                     ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
-                                     cudaStream_t stream, const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_REDUCESCATTER, sendbuff, recvbuff, recvcount, datatype, (int)op, -1);
-    return run_op_config(&o, comm, stream, config, "ReduceScatter");
-}
-LB_ALIAS(ncclReduceScatterConfig)
-
-ncclResult_t ncclAlltoAllConfig(const void *sendbuff, void *recvbuff, size_t count,
-                                ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream,
-                                const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_ALLTOALL, sendbuff, recvbuff, count, datatype, -1, -1);
-    return run_op_config(&o, comm, stream, config, "AlltoAll");
-}
-LB_ALIAS(ncclAlltoAllConfig)
-
-ncclResult_t ncclGatherConfig(const void *sendbuff, void *recvbuff, size_t count,
-                              ncclDataType_t datatype, int root, ncclComm_t comm,
-                              cudaStream_t stream, const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_GATHER, sendbuff, recvbuff, count, datatype, -1, root);
-    return run_op_config(&o, comm, stream, config, "Gather");
-}
-LB_ALIAS(ncclGatherConfig)
-
-ncclResult_t ncclScatterConfig(const void *sendbuff, void *recvbuff, size_t count,
-                               ncclDataType_t datatype, int root, ncclComm_t comm,
-                               cudaStream_t stream, const ncclCollConfig_t *config) {
-    struct lb_op o = mkop(LB_K_SCATTER, sendbuff, recvbuff, count, datatype, -1, root);
-    return run_op_config(&o, comm, stream, config, "Scatter");
-}
-LB_ALIAS(ncclScatterConfig)
+/* ncclAllReduceConfig ... ncclScatterConfig, one per row of LB_COLLECTIVES. */
+#define LB_X_CONFIG(Name, KIND, since, config_since, args, count, send, recv)                \
+    LB_SINCE_##config_since(                                                                \
+        ncclResult_t nccl##Name##Config(const void *sendbuff, void *recvbuff, size_t count, \
+                                        ncclDataType_t datatype LB_PARAMS_##args,           \
+                                        ncclComm_t comm, cudaStream_t stream,               \
+                                        const ncclCollConfig_t *config) {                   \
+            struct lb_op o = mkop(LB_K_##KIND, sendbuff, recvbuff, count, datatype,         \
+                                  LB_OPV_##args, LB_ROOTV_##args);                          \
+            return run_op_config(&o, comm, stream, config, #Name);                          \
+        } LB_ALIAS(nccl##Name##Config))
+LB_COLLECTIVES(LB_X_CONFIG)
+#undef LB_X_CONFIG
 #endif

@@ -74,21 +74,12 @@ static ncclResult_t wait_steps(struct lb_comm *c, int who, uint64_t target, cons
     }
 }
 
-static int kind_has_root(int kind) {
-    return kind == LB_K_BROADCAST || kind == LB_K_REDUCE || kind == LB_K_GATHER ||
-           kind == LB_K_SCATTER;
-}
-
-static int kind_has_op(int kind) {
-    return kind == LB_K_ALLREDUCE || kind == LB_K_REDUCE || kind == LB_K_REDUCESCATTER;
-}
-
 static void describe(char *out, size_t n, const struct lbw_desc *d) {
     int k = snprintf(out, n, "%s(count=%llu, %s", lb_kind_name(d->kind),
                      (unsigned long long)d->count, lb_type_name(d->dtype));
     if (k < 0 || (size_t)k >= n) return;
-    if (kind_has_op(d->kind)) k += snprintf(out + k, n - (size_t)k, ", %s", lb_op_name(d->op));
-    if ((size_t)k < n && kind_has_root(d->kind))
+    if (lb_kind(d->kind)->has_op) k += snprintf(out + k, n - (size_t)k, ", %s", lb_op_name(d->op));
+    if ((size_t)k < n && lb_kind(d->kind)->has_root)
         k += snprintf(out + k, n - (size_t)k, ", root=%d", d->root);
     if ((size_t)k < n) snprintf(out + k, n - (size_t)k, ")");
 }
@@ -96,12 +87,12 @@ static void describe(char *out, size_t n, const struct lbw_desc *d) {
 static int desc_equal(const struct lbw_desc *a, const struct lbw_desc *b) {
     if (a->seq != b->seq || a->kind != b->kind || a->count != b->count || a->dtype != b->dtype)
         return 0;
-    if (kind_has_op(a->kind)) {
+    if (lb_kind(a->kind)->has_op) {
         /* user PreMulSum ops are per-communicator handles: compare the class only */
         int ua = a->op >= ncclNumOps, ub = b->op >= ncclNumOps;
         if (ua != ub || (!ua && a->op != b->op)) return 0;
     }
-    if (kind_has_root(a->kind) && a->root != b->root) return 0;
+    if (lb_kind(a->kind)->has_root && a->root != b->root) return 0;
     return 1;
 }
 

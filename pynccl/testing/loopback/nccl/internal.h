@@ -83,19 +83,7 @@ struct lb_op {
 
 enum lbw_rank_state { LBR_EMPTY = 0, LBR_JOINED = 1, LBR_LEFT = 2, LBR_FAILED = 3 };
 
-enum lb_kind {
-    LB_K_ALLREDUCE,
-    LB_K_BROADCAST,
-    LB_K_REDUCE,
-    LB_K_ALLGATHER,
-    LB_K_REDUCESCATTER,
-    LB_K_ALLTOALL,
-    LB_K_GATHER,
-    LB_K_SCATTER,
-    LB_K_SEND,
-    LB_K_RECV,
-    LB_K_COUNT
-};
+#include "collectives.h" /* enum lb_kind, struct lb_kind_info */
 
 /* What each rank posts for its current collective, compared by every rank. */
 struct lbw_desc {
@@ -419,7 +407,11 @@ uint64_t lb_encryption_hash(void);
 /* ---- operations and groups (enqueue.c, launch.c) ------------------------------------- */
 
 
+/* The kind's row of the LB_COLLECTIVES / LB_P2P tables (a nameless row for a bad kind). */
+const struct lb_kind_info *lb_kind(int kind);
 const char *lb_kind_name(int kind);
+/* Bytes a rank's buffer spans (enum lb_span): nb = count elements, all = nb x nranks. */
+size_t lb_span_bytes(int span, size_t nb, size_t all, int is_root);
 const char *lb_op_name(int api_op);
 int lb_group_depth(void);
 /* Record the blocking mode of a comm joining the thread's group; mixing is an error. */
