@@ -270,7 +270,9 @@ static ncclResult_t exec_staged(struct lb_comm *c, const struct lb_op *op, uint6
     const uint64_t *scalars = rank_scalars(c, seq);
     const int R = c->nranks, me = c->rank, root = op->root, kind = op->kind;
     const size_t E = lb_type_size(op->dtype), count = op->count;
-    const int sub = kind == LB_K_REDUCESCATTER || kind == LB_K_ALLTOALL || kind == LB_K_SCATTER;
+    /* a send buffer of one segment per rank (ReduceScatter, AlltoAll, Scatter) */
+    const int send_span = lb_kind(kind)->send;
+    const int sub = send_span == LB_SPAN_ALL || send_span == LB_SPAN_ROOT_ALL;
     const size_t per = sub ? c->slot_bytes / ((size_t)R * E) : c->slot_bytes / E;
     const size_t nch = count ? (count + per - 1) / per : 1;
     const char *sb = (const char *)op->sbuf;
