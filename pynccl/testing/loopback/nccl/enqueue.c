@@ -1,7 +1,10 @@
 /*
  * Collective and point-to-point entry points of the loopback libnccl: the argument
- * checks NCCL makes, then the op goes into the thread's group or is launched at once
- * as a group of one (launch.c).
+ * checks NCCL makes (comm, readiness, root/peer, type, op, sizes, and - the loopback's
+ * strict mode - that each buffer lies inside a loopback allocation on the comm's
+ * device), synchronously; then the op goes into the thread's group or is launched at
+ * once as a group of one (launch.c). The collectives' entry points and *Config variants
+ * are generated from LB_COLLECTIVES (collectives.h).
  */
 #include "internal.h"
 

@@ -1,10 +1,8 @@
 /*
- * Collectives, point-to-point and groups of the loopback libnccl.
- *
- * Every call checks its arguments synchronously, the way NCCL does (comm, readiness,
- * root/peer, type, op, sizes, and - the loopback's strict mode - that each buffer lies
- * inside a loopback allocation on the comm's device), then either queues the op in
- * the calling thread's group or launches it at once as a group of one.
+ * Launching the loopback libnccl's operations: tasks on the loopback streams, and
+ * ncclGroupEnd / ncclGroupSimulateEnd, which launch the items of the thread's group
+ * (group.c); an op issued outside a group is launched at once as a group of one
+ * (enqueue.c checks its arguments first).
  *
  * A launch makes one task per communicator (its collectives in issue order, then all
  * its p2p ops, which progress together) and enqueues it on the stream of the comm's

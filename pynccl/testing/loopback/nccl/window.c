@@ -1,7 +1,8 @@
 /*
  * NCCL memory and windows in the loopback libnccl: ncclMemAlloc/ncclMemFree, the window
- * objects and their lookups, ncclWinGetUserPtr. Registration and deregistration are in
- * winreg.c, the window pointer functions of nccl_device/host.h in props.c.
+ * objects and their lookups, and a communicator's RMA state (signal counts, set up at
+ * init). Registration, deregistration and ncclWinGetUserPtr are in winreg.c, the window
+ * pointer functions of nccl_device/host.h in props.c.
  *
  * ncclMemAlloc memory is a loopback device allocation (so every buffer check accepts
  * it) whose pages are a memfd mapped over the allocation's page-aligned middle. Peers

@@ -11,7 +11,8 @@
  * Inside ncclGroupStart/End the operations queue in the calling thread and run at the
  * outermost group end, in waves of one operation per communicator whose posts all go
  * out before anyone waits: one thread may drive every rank (ncclCommInitAll), as NCCL
- * allows. Outside a group an operation is a wave of one.
+ * allows. Outside a group an operation is a wave of one. ncclWinGetUserPtr (2.29.2)
+ * closes the file.
  */
 #include "internal.h"
 
