@@ -15,7 +15,7 @@ libcudart reads ``PYNCCL_LOOPBACK_DEVICES`` (default 8), ``PYNCCL_LOOPBACK_STRIC
 a malformed ``PYNCCL_LOOPBACK_*`` value makes every call fail with
 ``cudaErrorInvalidValue`` naming it (the README lists every variable and its rules).
 
-Sources: ``cudart/*.c`` (libcudart), ``nccl/*.c`` and the top-level ``nccl*.c``
+Sources: ``cudart/*.c`` (libcudart), ``nccl/*.c``
 (libnccl), ``include/`` (headers both share). Only the standard library is used.
 """
 

@@ -280,8 +280,9 @@ def build_cudart(sanitize: bool = False, *, source_dir: Path | None = None) -> s
 
 def _include_flags(src: Path) -> list[str]:
     # include/ holds what both libraries share (the CUDA slice, the cudart<->nccl bridge,
-    # the environment parsers); src itself keeps the nccl side's top-level headers.
-    return [f"-I{src / 'include'}", f"-I{src}"]
+    # the environment parsers, libnccl's C API); each library's private header is the
+    # internal.h next to its sources.
+    return [f"-I{src / 'include'}"]
 
 
 def _cudart_sources(src: Path) -> list[Path]:
@@ -292,12 +293,9 @@ def _cudart_sources(src: Path) -> list[Path]:
 
 
 def _nccl_sources(src: Path) -> list[Path]:
-    # nccl/*.c, plus (until the nccl side moves there) the top-level nccl*.c.
-    sources = sorted({*(src / "nccl").glob("*.c"), *src.glob("nccl*.c")})
+    sources = sorted((src / "nccl").glob("*.c"))
     if not sources:
-        raise LoopbackBuildError(
-            f"no nccl/*.c or nccl*.c sources in {src}: the loopback libnccl is missing"
-        )
+        raise LoopbackBuildError(f"no nccl/*.c sources in {src}: the loopback libnccl is missing")
     return sources
 
 
@@ -310,7 +308,7 @@ def _build_nccl(
 ) -> str:
     src = SOURCE_DIR if source_dir is None else Path(source_dir).resolve()
     sources = _nccl_sources(src)
-    headers = sorted({*src.glob("*.h"), *(src / "include").glob("*.h"), *src.glob("nccl/*.h")})
+    headers = sorted({*(src / "nccl").glob("*.h"), *(src / "include").glob("*.h")})
     flags = [
         *_BASE_FLAGS,
         *_include_flags(src),

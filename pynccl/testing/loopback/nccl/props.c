@@ -3,10 +3,10 @@
  * ncclCommQueryProperties, the team functions and the window pointer queries.
  *
  * Every rank of a loopback communicator can load and store every other rank's window
- * (nccl_window.c), so the LSA team is the whole world and there is one rail of one
+ * (window.c), so the LSA team is the whole world and there is one rail of one
  * rank. There is no device API, multicast, GIN or CFT: the properties say so.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <string.h>
 

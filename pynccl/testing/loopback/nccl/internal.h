@@ -1,19 +1,6 @@
 /*
- * Private to the loopback libnccl (nccl*.c): shared types and helpers.
- *
- * Layers, bottom to top:
- *   nccl_reduce.c     numerics: element types, conversions, reduction kernels
- *   nccl_transport.c  the shared-memory "world" of one communicator: join, waits with
- *                     failure detection, the collective algorithms and the p2p rings
- *   nccl.c            communicators: init, split, config, teardown, errors, versions
- *   nccl_enqueue.c    argument checks, groups, and tasks on the loopback streams
- *   nccl_fault.c      revoke, shrink, grow (on top of communicators)
- *   nccl_suspend.c    suspend/resume and memory statistics
- *   nccl_window.c     ncclMemAlloc (shareable memory), the window objects
- *   nccl_winreg.c     collective window registration / deregistration (also in groups)
- *   nccl_signal.c     one-sided put/signal/wait (stream tasks over the world's counts)
- *   nccl_props.c      ncclCommQueryProperties, teams (nccl_device/host.h)
- *   nccl_param.c      the parameter API; nccl_crypto.c: ncclSetEncryption
+ * Private to the loopback libnccl (the nccl/ sources): shared types and helpers.
+ * The files and their order, bottom to top, head core.c.
  *
  * Locking: a communicator's mu guards its task counters, refs, user ops and
  * registrations; it is never held while waiting on other ranks. The executor state
@@ -47,7 +34,7 @@
 #define LB_NULL 0
 #endif
 
-/* ---- numerics (nccl_reduce.c) ---------------------------------------------------- */
+/* ---- numerics (reduce.c) ---------------------------------------------------- */
 
 enum lb_rkind { LB_R_SUM, LB_R_PROD, LB_R_MAX, LB_R_MIN, LB_R_PREMULSUM, LB_R_SUMPOSTDIV };
 
@@ -87,7 +74,7 @@ struct lb_op {
     cudaEvent_t launch_event; /* ncclCollConfig_t.launchCompletionEvent (2.32) */
 };
 
-/* ---- shared memory world (nccl_transport.c) ------------------------------------- */
+/* ---- shared memory world (world.c) ------------------------------------- */
 
 #define LBW_MAGIC 0x314457424c4e4350ULL /* "PCNLBWD1" */
 #define LBW_LAYOUT 1
@@ -96,19 +83,7 @@ struct lb_op {
 
 enum lbw_rank_state { LBR_EMPTY = 0, LBR_JOINED = 1, LBR_LEFT = 2, LBR_FAILED = 3 };
 
-enum lb_kind {
-    LB_K_ALLREDUCE,
-    LB_K_BROADCAST,
-    LB_K_REDUCE,
-    LB_K_ALLGATHER,
-    LB_K_REDUCESCATTER,
-    LB_K_ALLTOALL,
-    LB_K_GATHER,
-    LB_K_SCATTER,
-    LB_K_SEND,
-    LB_K_RECV,
-    LB_K_COUNT
-};
+#include "collectives.h" /* enum lb_kind, struct lb_kind_info */
 
 /* What each rank posts for its current collective, compared by every rank. */
 struct lbw_desc {
@@ -120,7 +95,7 @@ struct lbw_desc {
     uint64_t scalar;     /* PreMulSum: this rank's scalar, as raw bits of the op's type */
 };
 
-/* A rank's post for window registration round `seq` (nccl_window.c). */
+/* A rank's post for window registration round `seq` (window.c). */
 struct lbw_winpost {
     uint64_t seq;  /* round posted, 1-based */
     uint64_t read; /* last round this rank has read everyone's post of */
@@ -138,8 +113,8 @@ struct lbw_rank {
     uint64_t split_read; /* last split this rank has read everyone's post of */
     uint64_t cstep __attribute__((aligned(LB_CACHELINE))); /* collective phase counter */
     struct lbw_desc desc[2] __attribute__((aligned(LB_CACHELINE)));
-    struct lbw_winpost win __attribute__((aligned(LB_CACHELINE))); /* nccl_window.c */
-    uint64_t enc_hash; /* ncclSetEncryption key digest (nccl_crypto.c), 0 = none */
+    struct lbw_winpost win __attribute__((aligned(LB_CACHELINE))); /* window.c */
+    uint64_t enc_hash; /* ncclSetEncryption key digest (crypto.c), 0 = none */
 };
 
 /* One direction of a p2p channel: bytes written by the sender and consumed by the
@@ -158,7 +133,7 @@ struct lbw_hdr {
     uint64_t ranks_off, rings_off, slots_off, ringdata_off;
     int32_t creator_pid;
     int32_t lib_version;
-    /* one-sided signals (nccl_signal.c): uint64 counts [receiver][ctx][sig][sender] */
+    /* one-sided signals (signal.c): uint64 counts [receiver][ctx][sig][sender] */
     uint64_t sig_off;
     int32_t rma_nctx, rma_nsig;
     uint32_t joined __attribute__((aligned(LB_CACHELINE)));
@@ -176,7 +151,7 @@ struct lbw_hdr {
     unsigned char grow_uid[NCCL_UNIQUE_ID_BYTES];
 };
 
-/* ---- communicators (nccl.c) ------------------------------------------------------ */
+/* ---- communicators (comm.c) ------------------------------------------------------ */
 
 enum lb_comm_state { LBC_JOINING = 0, LBC_READY = 1, LBC_FAILED = 2 };
 
@@ -256,14 +231,14 @@ struct lb_comm {
     int nuops;
     struct lb_reg *regs;
 
-    /* fault tolerance and suspend (nccl_fault.c, nccl_suspend.c) */
+    /* fault tolerance and suspend (fault.c, suspend.c) */
     int stopped;     /* atomic: 0, or why operations stopped (enum lb_stop) */
     int suspended;   /* atomic: ncclCommSuspend(NCCL_SUSPEND_MEM) until ncclCommResume */
     uint64_t nshrinks, ngrows;
     int grow_pending; /* an id from ncclCommGetUniqueId not yet consumed by ncclCommGrow */
     unsigned char grow_uid[NCCL_UNIQUE_ID_BYTES];
 
-    /* windows and signals (nccl_window.c, nccl_signal.c) */
+    /* windows and signals (window.c, signal.c) */
     int rma_ctx, rma_sig;    /* numRmaCtx / numRmaSig of the config (world sizes) */
     uint64_t *sig;           /* the world's signal counts */
     uint64_t *sig_waited;    /* [ctx][sig][sender]: counts already consumed by waits */
@@ -341,7 +316,7 @@ ncclResult_t lb_fail_init_injected(const char *opname);
 ncclResult_t lb_comm_start(const unsigned char *uid, int nranks, int rank, int dev,
                            const ncclConfig_t *cfg, const char *opname, ncclComm_t *newcomm);
 
-/* fault tolerance and suspend (nccl_fault.c, nccl_suspend.c) */
+/* fault tolerance and suspend (fault.c, suspend.c) */
 /* ncclInvalidUsage while the comm is revoked, shrunk with NCCL_SHRINK_ABORT or suspended. */
 ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname);
 /* A revoked comm's async state: its error, else ncclInProgress until quiescent. */
@@ -386,7 +361,7 @@ ncclResult_t lbw_wait_for(struct lb_comm *c, lbw_ready_fn ready, void *arg, cons
 
 /* ---- windows, signals, properties, encryption ------------------------------------ */
 
-/* nccl_window.c: ncclMemAlloc memory and the window objects. */
+/* window.c: ncclMemAlloc memory and the window objects. */
 #define LB_WIN_MAGIC 0x4e49574c42434e50ULL
 struct lb_win { /* an ncclWindow_t */
     uint64_t magic;
@@ -409,7 +384,7 @@ void lb_win_publish(struct lb_comm *c, struct lb_win *w);
 void lb_win_unlink(struct lb_comm *c, struct lb_win *w);
 /* A comm's windows are released at teardown. */
 void lb_win_release_all(struct lb_comm *c);
-/* nccl_winreg.c: window calls queued in the calling thread's group run at its outermost
+/* winreg.c: window calls queued in the calling thread's group run at its outermost
  * end (discard: the group failed, drop them). */
 ncclResult_t lb_win_group_end(int discard);
 /* The window containing [p, p+bytes) among c's windows with all `flags`, or NULL (mu). */
@@ -421,18 +396,22 @@ int lb_win_lookup(struct lb_comm *c, ncclWindow_t win, void **user, size_t *size
 /* Any live window by handle (no comm needed): 1 with its rank count and, for a valid
  * peer, the peer's window base in this process and its size. */
 int lb_win_peer(ncclWindow_t window, int peer, int *nranks, char **base, size_t *size);
-/* nccl_signal.c: numRmaCtx/numRmaSig from the parsed config (before joining the world),
+/* window.c: numRmaCtx/numRmaSig from the parsed config (before joining the world),
  * waiting out running signal tasks of a halted comm, and freeing at comm_free. */
 ncclResult_t lb_rma_setup(struct lb_comm *c, const ncclConfig_t *cfg, const char *opname);
 void lb_rma_quiesce(struct lb_comm *c);
 void lb_rma_free(struct lb_comm *c);
-/* nccl_crypto.c: digest of the process's encryption key (0: none). */
+/* crypto.c: digest of the process's encryption key (0: none). */
 uint64_t lb_encryption_hash(void);
 
-/* ---- operations and groups (nccl_enqueue.c) ------------------------------------- */
+/* ---- operations and groups (enqueue.c, launch.c) ------------------------------------- */
 
 
+/* The kind's row of the LB_COLLECTIVES / LB_P2P tables (a nameless row for a bad kind). */
+const struct lb_kind_info *lb_kind(int kind);
 const char *lb_kind_name(int kind);
+/* Bytes a rank's buffer spans (enum lb_span): nb = count elements, all = nb x nranks. */
+size_t lb_span_bytes(int span, size_t nb, size_t all, int is_root);
 const char *lb_op_name(int api_op);
 int lb_group_depth(void);
 /* Record the blocking mode of a comm joining the thread's group; mixing is an error. */
@@ -440,6 +419,45 @@ ncclResult_t lb_group_join_mode(int blocking, const char *opname);
 ncclResult_t lb_group_defer_init(struct lb_comm *c);
 ncclResult_t lb_group_defer_split(struct lb_split *s);
 ncclResult_t lb_group_error(ncclResult_t r);
+
+/* ---- the shared-memory world: waits (sync.c) -------------------------------------- */
+
+#define LB_SWEEP_MS 100       /* peer liveness check period while waiting */
+#define LB_SLEEP_MS 10        /* futex sleep; bounds abort / failure latency */
+#define LB_MSG_HDR 32         /* p2p message header bytes */
+#define LB_MSG_MAGIC 0x47534d4e43424cULL
+#define LB_REMOTE_ERR (LB_HAS_REMOTE_ERROR ? ncclRemoteError : ncclSystemError)
+
+extern int g_spin_pause, g_spin_yield; /* busy-wait tuning, set at load */
+void lbw_backoff(struct lb_comm *c, uint32_t e, int *spins);
+ncclResult_t lbw_trouble(struct lb_comm *c, int blocker, int *recheck);
+ncclResult_t lbw_gone(struct lb_comm *c, int blocker, const char *what);
+
+/* ---- communicators (config.c, comm.c, core.c) -------------------------------------- */
+
+void lb_apply_config(struct lb_comm *c, const ncclConfig_t *cfg);
+ncclResult_t lb_comm_create(const unsigned char *uid, int nranks, int rank, int dev,
+                            const ncclConfig_t *cfg, const char *opname, struct lb_comm **out);
+void lb_comm_abandon(struct lb_comm *c);
+void lb_splits_progress_all(void);
+
+/* ---- groups (group.c) and launching them (launch.c) -------------------------------- */
+
+enum { LBG_OP, LBG_INIT, LBG_SPLIT };
+
+struct lb_gitem {
+    int type;
+    struct lb_comm *c; /* ref held (OP, INIT) */
+    cudaStream_t stream;
+    struct lb_op op;
+    struct lb_split *split;
+};
+
+ncclResult_t lb_group_push(const struct lb_gitem *it);
+void lb_group_release(struct lb_gitem *items, int n);
+ncclResult_t lb_group_pop(struct lb_gitem **items, int *n, int *blocking, ncclResult_t *err);
+ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, const int *idx,
+                             int n);
 
 #pragma GCC visibility pop
 

@@ -1,7 +1,8 @@
 /*
  * NCCL memory and windows in the loopback libnccl: ncclMemAlloc/ncclMemFree, the window
- * objects and their lookups, ncclWinGetUserPtr. Registration and deregistration are in
- * nccl_winreg.c, the window pointer functions of nccl_device/host.h in nccl_props.c.
+ * objects and their lookups, and a communicator's RMA state (signal counts, set up at
+ * init). Registration, deregistration and ncclWinGetUserPtr are in winreg.c, the window
+ * pointer functions of nccl_device/host.h in props.c.
  *
  * ncclMemAlloc memory is a loopback device allocation (so every buffer check accepts
  * it) whose pages are a memfd mapped over the allocation's page-aligned middle. Peers
@@ -9,7 +10,7 @@
  * process world each rank maps the peer's memfd (opened as /proc/<pid>/fd/<fd>) when
  * the window is registered, so the peer pointers read and write the peer's bytes.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <errno.h>
 #include <stdlib.h>
@@ -226,22 +227,44 @@ int lb_win_peer(ncclWindow_t window, int peer, int *nranks, char **base, size_t 
     return found;
 }
 
-#if LB_AT_LEAST(2, 29, 2)
-ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUserPtr) {
-    const char *opname = "ncclWinGetUserPtr";
-    struct lb_comm *c;
-    ncclResult_t r = lb_comm_get(comm, opname, &c);
-    if (r != ncclSuccess) return r;
-    if (outUserPtr == NULL)
-        return lb_err(ncclInvalidArgument, "%s : outUserPtr argument is NULL", opname);
-    if (win == NULL) return lb_err(ncclInvalidArgument, "%s : win argument is NULL", opname);
-    pthread_mutex_lock(&c->mu);
-    int known = lb_win_lookup(c, win, outUserPtr, NULL, -1, NULL);
-    pthread_mutex_unlock(&c->mu);
-    if (!known)
-        return lb_err(ncclInvalidArgument, "%s : window %p is not registered with communicator %p",
-                      opname, (void *)win, (void *)comm);
+/* ---- a communicator's RMA state ------------------------------------------------------ */
+
+#define LB_RMA_MAX_BYTES (64u << 20) /* cap on the world's signal area */
+
+ncclResult_t lb_rma_setup(struct lb_comm *c, const ncclConfig_t *cfg, const char *opname) {
+    int nctx = 1, nsig = 1;
+#if LB_AT_LEAST(2, 29, 0)
+    if (cfg->numRmaCtx != NCCL_CONFIG_UNDEF_INT) nctx = cfg->numRmaCtx;
+#endif
+#if LB_AT_LEAST(2, 31, 0)
+    if (cfg->numRmaSig != NCCL_CONFIG_UNDEF_INT) nsig = cfg->numRmaSig;
+#endif
+    (void)cfg;
+    if (nctx < 0 || nsig < 0)
+        return lb_err(ncclInvalidArgument, "%s : Invalid config numRmaCtx %d / numRmaSig %d",
+                      opname, nctx, nsig);
+    size_t R = (size_t)c->nranks;
+    if ((double)R * (double)R * nctx * nsig * 8.0 > LB_RMA_MAX_BYTES)
+        return lb_err(ncclInvalidArgument,
+                      "%s : numRmaCtx=%d x numRmaSig=%d signals for %d ranks exceed the loopback's "
+                      "%u MiB of signal space",
+                      opname, nctx, nsig, c->nranks, LB_RMA_MAX_BYTES >> 20);
+    c->rma_ctx = nctx;
+    c->rma_sig = nsig;
+    size_t n = R * (size_t)nctx * (size_t)nsig;
+    c->sig_waited = calloc(n ? n : 1, sizeof *c->sig_waited);
+    if (!c->sig_waited) return lb_err(ncclSystemError, "%s : out of memory", opname);
     return ncclSuccess;
 }
-LB_ALIAS(ncclWinGetUserPtr)
-#endif /* 2.29.2 */
+
+void lb_rma_quiesce(struct lb_comm *c) {
+    pthread_mutex_lock(&c->mu);
+    while (c->rma_running) pthread_cond_wait(&c->cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void lb_rma_free(struct lb_comm *c) {
+    lb_win_release_all(c);
+    free(c->sig_waited);
+    c->sig_waited = NULL;
+}

@@ -5,15 +5,16 @@
  * lbw_winpost). Round 1: every rank posts its buffer (or its deregistration) with the
  * result of its own checks; everyone checks every post the same way (matching calls,
  * flags, and for NCCL_WIN_COLL_SYMMETRIC equal sizes and 4096-byte alignment) and maps
- * its peers' memory (nccl_window.c). Round 2: every rank posts whether its part
+ * its peers' memory (window.c). Round 2: every rank posts whether its part
  * succeeded, so that all return the same result.
  *
  * Inside ncclGroupStart/End the operations queue in the calling thread and run at the
  * outermost group end, in waves of one operation per communicator whose posts all go
  * out before anyone waits: one thread may drive every rank (ncclCommInitAll), as NCCL
- * allows. Outside a group an operation is a wave of one.
+ * allows. Outside a group an operation is a wave of one. ncclWinGetUserPtr (2.29.2)
+ * closes the file.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -441,3 +442,24 @@ ncclResult_t lb_win_group_end(int discard) {
     free(ops);
     return r;
 }
+
+
+#if LB_AT_LEAST(2, 29, 2)
+ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUserPtr) {
+    const char *opname = "ncclWinGetUserPtr";
+    struct lb_comm *c;
+    ncclResult_t r = lb_comm_get(comm, opname, &c);
+    if (r != ncclSuccess) return r;
+    if (outUserPtr == NULL)
+        return lb_err(ncclInvalidArgument, "%s : outUserPtr argument is NULL", opname);
+    if (win == NULL) return lb_err(ncclInvalidArgument, "%s : win argument is NULL", opname);
+    pthread_mutex_lock(&c->mu);
+    int known = lb_win_lookup(c, win, outUserPtr, NULL, -1, NULL);
+    pthread_mutex_unlock(&c->mu);
+    if (!known)
+        return lb_err(ncclInvalidArgument, "%s : window %p is not registered with communicator %p",
+                      opname, (void *)win, (void *)comm);
+    return ncclSuccess;
+}
+LB_ALIAS(ncclWinGetUserPtr)
+#endif /* 2.29.2 */

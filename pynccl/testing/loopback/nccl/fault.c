@@ -14,7 +14,7 @@
  *           read it. Everyone then joins the id's world: existing ranks keep their
  *           numbers, new ranks take theirs from the caller.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <string.h>
 
@@ -28,43 +28,6 @@
 
 LBN_UNUSED static const char k_not_ready[] =
     "%s : Attempt to use communicator before the previous operation returned ncclSuccess";
-
-ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname) {
-    int st = __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE);
-    if (st == LB_STOP_REVOKED)
-        return lb_err(ncclInvalidUsage,
-                      "%s : communicator %p was revoked (ncclCommRevoke): only ncclCommShrink, "
-                      "ncclCommAbort and ncclCommDestroy may use it",
-                      opname, (void *)c->handle);
-    if (st == LB_STOP_SHRUNK)
-        return lb_err(ncclInvalidUsage,
-                      "%s : communicator %p was shrunk with NCCL_SHRINK_ABORT, which terminated "
-                      "its operations: destroy or abort it",
-                      opname, (void *)c->handle);
-    if (__atomic_load_n(&c->suspended, __ATOMIC_ACQUIRE))
-        return lb_err(ncclInvalidUsage,
-                      "%s : communicator %p is suspended (ncclCommSuspend): call ncclCommResume "
-                      "first",
-                      opname, (void *)c->handle);
-    return ncclSuccess;
-}
-
-static int quiescent(struct lb_comm *c) {
-    pthread_mutex_lock(&c->mu);
-    int q = c->running == 0;
-    pthread_mutex_unlock(&c->mu);
-    return q;
-}
-
-ncclResult_t lb_comm_revoke_state(struct lb_comm *c) {
-    int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
-    if (a != ncclSuccess) return (ncclResult_t)a;
-#if LB_HAS_IN_PROGRESS
-    return quiescent(c) ? ncclSuccess : ncclInProgress;
-#else
-    return ncclSuccess;
-#endif
-}
 
 /* Stop the comm's operations (first reason wins) and wake its waits. */
 LBN_UNUSED static void stop_ops(struct lb_comm *c, int why) {

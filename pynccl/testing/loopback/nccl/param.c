@@ -16,7 +16,7 @@
  * with ncclParamGetU32 only, a string with ncclParamGetStr only); ncclParamGet copies
  * the native bytes. A malformed environment value falls back to the default.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>

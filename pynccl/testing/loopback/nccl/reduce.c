@@ -12,7 +12,7 @@
  *  - avg is NCCL's: integers sum then divide (truncating), floats pre-multiply by
  *    1/nranks rounded to the type (PreMulSum).
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <math.h>
 #include <string.h>

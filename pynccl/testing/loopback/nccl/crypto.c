@@ -2,10 +2,10 @@
  * ncclSetEncryption (NCCL 2.32.3): the process's encryption of NCCL's TCP sockets.
  *
  * The loopback moves no bytes over sockets, so it records the setting as a digest that
- * each rank posts when it joins a world (nccl_transport.c); ranks whose settings differ
+ * each rank posts when it joins a world (world.c); ranks whose settings differ
  * are refused at init, as their TLS handshake would fail with NCCL.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <string.h>
 

@@ -1,7 +1,7 @@
 /*
  * ncclCommSuspend / ncclCommResume / ncclCommMemStats (2.29) of the loopback libnccl.
  *
- * The communicator's internal "device" memory is its world (nccl_transport.c): a
+ * The communicator's internal "device" memory is its world (world.c): a
  * persistent control part (header, rank records, ring counters) and a data part (the
  * collective slots and the p2p ring buffers) that only holds data while an operation
  * runs. Each rank accounts for its share: the control part divided by the ranks, and
@@ -15,7 +15,7 @@
  * again (MADV_POPULATE_WRITE, so that exhausted memory is an error here rather than
  * a SIGBUS in a collective). ncclCommMemStats reports the shares as they are now.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <errno.h>
 #include <string.h>

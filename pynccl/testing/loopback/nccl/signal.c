@@ -4,7 +4,7 @@
  * Signal counts live in the communicator's world (uint64 per receiver, context, signal
  * index and sender; sized from numRmaCtx / numRmaSig at init, which every rank must
  * agree on). A put copies into the peer's window through this process's view of it
- * (nccl_window.c), then adds one to the peer's count; a wait consumes its descriptors'
+ * (window.c), then adds one to the peer's count; a wait consumes its descriptors'
  * counts: each wait reserves opCnt more signals per (peer, signal, context) when it runs
  * and blocks its stream until they have arrived.
  *
@@ -12,52 +12,13 @@
  * collective order: they only touch their windows and counts), captured into CUDA
  * graphs like collectives: a capture keeps a template, each launch runs a copy.
  */
-#include "nccl_lb_internal.h"
+#include "internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LB_RMA_MAX_BYTES (64u << 20) /* cap on the world's signal area */
 #define LB_WIN_SYMMETRIC 0x01
-
-ncclResult_t lb_rma_setup(struct lb_comm *c, const ncclConfig_t *cfg, const char *opname) {
-    int nctx = 1, nsig = 1;
-#if LB_AT_LEAST(2, 29, 0)
-    if (cfg->numRmaCtx != NCCL_CONFIG_UNDEF_INT) nctx = cfg->numRmaCtx;
-#endif
-#if LB_AT_LEAST(2, 31, 0)
-    if (cfg->numRmaSig != NCCL_CONFIG_UNDEF_INT) nsig = cfg->numRmaSig;
-#endif
-    (void)cfg;
-    if (nctx < 0 || nsig < 0)
-        return lb_err(ncclInvalidArgument, "%s : Invalid config numRmaCtx %d / numRmaSig %d",
-                      opname, nctx, nsig);
-    size_t R = (size_t)c->nranks;
-    if ((double)R * (double)R * nctx * nsig * 8.0 > LB_RMA_MAX_BYTES)
-        return lb_err(ncclInvalidArgument,
-                      "%s : numRmaCtx=%d x numRmaSig=%d signals for %d ranks exceed the loopback's "
-                      "%u MiB of signal space",
-                      opname, nctx, nsig, c->nranks, LB_RMA_MAX_BYTES >> 20);
-    c->rma_ctx = nctx;
-    c->rma_sig = nsig;
-    size_t n = R * (size_t)nctx * (size_t)nsig;
-    c->sig_waited = calloc(n ? n : 1, sizeof *c->sig_waited);
-    if (!c->sig_waited) return lb_err(ncclSystemError, "%s : out of memory", opname);
-    return ncclSuccess;
-}
-
-void lb_rma_quiesce(struct lb_comm *c) {
-    pthread_mutex_lock(&c->mu);
-    while (c->rma_running) pthread_cond_wait(&c->cv, &c->mu);
-    pthread_mutex_unlock(&c->mu);
-}
-
-void lb_rma_free(struct lb_comm *c) {
-    lb_win_release_all(c);
-    free(c->sig_waited);
-    c->sig_waited = NULL;
-}
 
 #if LB_AT_LEAST(2, 29, 2)
 
