@@ -424,6 +424,26 @@ static void drop_splits_of(struct lb_comm *parent) {
     pthread_mutex_unlock(&g_splits_mu);
 }
 
+/* ---- streams ----------------------------------------------------------------------------- */
+
+int lb_is_default_stream(cudaStream_t s) {
+    return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread;
+}
+
+ncclResult_t lb_check_stream(const struct lb_comm *c, cudaStream_t stream, const char *opname) {
+    int sdev = pynccl_lb_stream_device(stream);
+    if (sdev < 0)
+        return lb_err(ncclUnhandledCudaError,
+                      "%s : Cuda failure 'invalid resource handle': stream %p is not a live "
+                      "loopback stream",
+                      opname, (void *)stream);
+    if (c->strict && !lb_is_default_stream(stream) && sdev != c->dev)
+        return lb_err(ncclInvalidArgument,
+                      "%s : stream %p belongs to device %d but the communicator is on device %d",
+                      opname, (void *)stream, sdev, c->dev);
+    return ncclSuccess;
+}
+
 /* ---- stops: revoked, shrunk, suspended ------------------------------------------------ */
 
 ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname) {

@@ -11,10 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int is_default_stream(cudaStream_t s) {
-    return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread;
-}
-
 /* ---- argument checks -------------------------------------------------------------------- */
 
 static ncclResult_t resolve_op(struct lb_comm *c, struct lb_op *op, const char *opname) {
@@ -115,17 +111,7 @@ static ncclResult_t check_args(struct lb_comm *c, struct lb_op *op, cudaStream_t
     size_t rv = lb_span_bytes(kind->recv, nb, all, is_root);
     if ((r = check_buf(c, op->sbuf, s, "sendbuff", opname)) != ncclSuccess) return r;
     if ((r = check_buf(c, op->rbuf, rv, "recvbuff", opname)) != ncclSuccess) return r;
-    int sdev = pynccl_lb_stream_device(stream);
-    if (sdev < 0)
-        return lb_err(ncclUnhandledCudaError,
-                      "%s : Cuda failure 'invalid resource handle': stream %p is not a live "
-                      "loopback stream",
-                      opname, (void *)stream);
-    if (c->strict && !is_default_stream(stream) && sdev != c->dev)
-        return lb_err(ncclInvalidArgument,
-                      "%s : stream %p belongs to device %d but the communicator is on device %d",
-                      opname, (void *)stream, sdev, c->dev);
-    return ncclSuccess;
+    return lb_check_stream(c, stream, opname);
 }
 
 static ncclResult_t submit(struct lb_comm *c, cudaStream_t stream, const struct lb_op *op,

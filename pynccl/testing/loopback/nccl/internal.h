@@ -316,6 +316,12 @@ ncclResult_t lb_fail_init_injected(const char *opname);
 ncclResult_t lb_comm_start(const unsigned char *uid, int nranks, int rank, int dev,
                            const ncclConfig_t *cfg, const char *opname, ncclComm_t *newcomm);
 
+/* streams (comm.c): NULL, cudaStreamLegacy or cudaStreamPerThread */
+int lb_is_default_stream(cudaStream_t s);
+/* ncclUnhandledCudaError for a stream that is not a live loopback stream; with strict
+ * checks, ncclInvalidArgument for one of another device than the communicator's. */
+ncclResult_t lb_check_stream(const struct lb_comm *c, cudaStream_t stream, const char *opname);
+
 /* fault tolerance and suspend (fault.c, suspend.c) */
 /* ncclInvalidUsage while the comm is revoked, shrunk with NCCL_SHRINK_ABORT or suspended. */
 ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname);

@@ -23,10 +23,6 @@
 #pragma weak cudaStreamWaitEvent
 #pragma weak cudaEventDestroy
 
-static int is_default_stream(cudaStream_t s) {
-    return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread;
-}
-
 /* ---- tasks ------------------------------------------------------------------------------ */
 
 struct lb_task {

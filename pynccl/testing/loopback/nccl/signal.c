@@ -133,24 +133,6 @@ static void *sig_clone(void *arg, int launch) {
     return copy;
 }
 
-static int is_default_stream(cudaStream_t s) {
-    return s == NULL || s == cudaStreamLegacy || s == cudaStreamPerThread;
-}
-
-static ncclResult_t check_stream(const struct lb_comm *c, cudaStream_t stream, const char *opname) {
-    int sdev = pynccl_lb_stream_device(stream);
-    if (sdev < 0)
-        return lb_err(ncclUnhandledCudaError,
-                      "%s : Cuda failure 'invalid resource handle': stream %p is not a live "
-                      "loopback stream",
-                      opname, (void *)stream);
-    if (c->strict && !is_default_stream(stream) && sdev != c->dev)
-        return lb_err(ncclInvalidArgument,
-                      "%s : stream %p belongs to device %d but the communicator is on device %d",
-                      opname, (void *)stream, sdev, c->dev);
-    return ncclSuccess;
-}
-
 /* Queue t on stream (or into the capture under way there); takes t in every case. */
 static ncclResult_t sig_enqueue(struct lb_comm *c, cudaStream_t stream, struct lb_sigtask *t,
                                 const char *opname) {
@@ -160,7 +142,7 @@ static ncclResult_t sig_enqueue(struct lb_comm *c, cudaStream_t stream, struct l
     return ncclSuccess;
 #else
     int cur = pynccl_lb_current_device(), switched = 0;
-    if (cur != c->dev && is_default_stream(stream)) {
+    if (cur != c->dev && lb_is_default_stream(stream)) {
         cudaSetDevice(c->dev); /* the default streams mean the comm's device's */
         switched = 1;
     }
@@ -216,7 +198,7 @@ static ncclResult_t common_checks(ncclComm_t comm, int peer, int sig, int ctx, u
     if ((r = check_peer(c, peer, opname)) != ncclSuccess) return r;
     if ((r = check_index(c, sig, ctx, opname, "")) != ncclSuccess) return r;
     if (flags != 0) return lb_err(ncclInvalidArgument, "%s : Flags %u is invalid (must be 0)", opname, flags);
-    return check_stream(c, stream, opname);
+    return lb_check_stream(c, stream, opname);
 }
 
 ncclResult_t ncclPutSignal(const void *localbuff, size_t count, ncclDataType_t datatype, int peer,
@@ -304,7 +286,7 @@ ncclResult_t ncclWaitSignal(int nDesc, ncclWaitSignalDesc_t *signalDescs, ncclCo
         if ((r = check_index(c, d->sigIdx, d->ctx, opname, where)) != ncclSuccess)
             return lb_group_error(r);
     }
-    if ((r = check_stream(c, stream, opname)) != ncclSuccess) return lb_group_error(r);
+    if ((r = lb_check_stream(c, stream, opname)) != ncclSuccess) return lb_group_error(r);
     struct lb_sigtask *t = calloc(1, sizeof *t + (size_t)nDesc * sizeof t->d[0]);
     if (!t) return lb_group_error(lb_err(ncclSystemError, "%s : out of memory", opname));
     t->kind = LBS_WAIT;
