@@ -32,18 +32,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-
-class CaiArray:
-    """A minimal device-array object, as CuPy or Numba would expose it."""
-
-    def __init__(self, ptr: int, n: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (n,),
-            "typestr": "<f4",
-            "data": (ptr, False),
-            "strides": None,
-            "version": 3,
-        }
+from bench_overhead import CaiArray  # the same stand-in for a CuPy array
 
 
 class TorchLikeStream:
