@@ -1,10 +1,11 @@
 """Shared fixtures: the loopback libraries and worlds of communicators over them.
 
-Nothing here is autouse: a test module opts in by asking for ``lb`` (the default
-loopback build made this process's libnccl/libcudart for the module), or uses
-``_worlds.use_loopback(version)`` for other emulated releases. Each swap is undone
-when its scope ends (the previously loaded libraries and environment come back),
-so modules that test the real libnccl or library discovery are unaffected.
+``build``/``lib``/``world`` (from ``_lb_fixtures``) are the raw-ctypes loopback libnccl of
+the test_loopback_*.py modules. Nothing here is autouse: a test module opts in by asking for
+``lb`` (the default loopback build made this process's libnccl/libcudart for the module), or
+uses ``_worlds.use_loopback(version)`` for other emulated releases. Each swap is undone when
+its scope ends (the previously loaded libraries and environment come back), so modules that
+test the real libnccl or library discovery are unaffected.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from typing import Any
 
 import pytest
 
+# The raw-ctypes loopback libnccl fixtures (build, lib, world) of the test_loopback_*.py modules.
+from _lb_fixtures import build, lib, world  # noqa: F401
+
 
 @pytest.fixture(scope="module")
 def lb() -> Iterator[Any]:
     """The default loopback (NCCL 2.32.3) as this process's libraries, for one module."""
     from _worlds import use_loopback
 
-    with use_loopback() as build:
-        yield build
+    with use_loopback() as made:
+        yield made
 
 
 @pytest.fixture(scope="session")

@@ -32,14 +32,6 @@ from _lb_nccl import INVALID_ARG, REMOTE, GroupWorld, Lib  # noqa: E402
 NO_DEVICE, INVALID_VALUE, INVALID_DEVICE = 100, 1, 101
 
 
-@pytest.fixture(scope="module")
-def build() -> Any:
-    try:
-        return loopback.build()
-    except loopback.LoopbackBuildError as exc:
-        pytest.skip(f"cannot build the loopback libraries: {exc}")
-
-
 def _child_env(**extra: str | None) -> dict[str, str]:
     env = {
         k: v
@@ -211,11 +203,6 @@ NCCL_VARIABLES = [
     ("PYNCCL_LOOPBACK_YIELDS", ["+1", "1 "], "1"),
     ("PYNCCL_LOOPBACK_RENDEZVOUS_DIR", ["tmp", "", "/no/such/dir", "/" + "d" * 40], "/tmp"),
 ]
-
-
-@pytest.fixture(scope="module")
-def lib(build: Any) -> Lib:
-    return Lib(build.nccl, build.cudart)
 
 
 @pytest.fixture

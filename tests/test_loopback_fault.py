@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
 from ctypes import byref, c_int, c_uint64, c_void_p
 from pathlib import Path
 from typing import Any
@@ -38,37 +37,13 @@ from _lb_nccl import (  # noqa: E402
     fold,
     make_input,
 )
-from test_loopback_nccl import _build, events, rendezvous_open, spawn  # noqa: E402
+from test_loopback_nccl import events, rendezvous_open, spawn  # noqa: E402
 
 from pynccl._capi.structs import ncclUniqueId  # noqa: E402
 
 SHRINK_DEFAULT, SHRINK_ABORT = 0, 1
 SUSPEND_MEM = 1
 STAT_SUSPEND, STAT_SUSPENDED, STAT_PERSIST, STAT_TOTAL = range(4)
-
-
-@pytest.fixture(scope="module")
-def build() -> Any:
-    return _build()
-
-
-@pytest.fixture(scope="module")
-def lib(build: Any) -> Lib:
-    return Lib(build.nccl, build.cudart)
-
-
-@pytest.fixture
-def world(lib: Lib) -> Iterator[Any]:
-    made: list[GroupWorld] = []
-
-    def make(n: int) -> GroupWorld:
-        w = GroupWorld(lib, n)
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
 
 
 def allreduce_checked(

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _lb_nccl import INVALID_USAGE, REMOTE, Lib  # noqa: E402
-from test_loopback_nccl import _build, events, rendezvous_open, spawn  # noqa: E402
+from test_loopback_nccl import events, rendezvous_open, spawn  # noqa: E402
 
 LOOPBACK_DIR = HERE.parent / "pynccl" / "testing" / "loopback"
 
@@ -178,16 +178,6 @@ def test_the_leak_check_sees_a_leak(tmp_path: Path) -> None:
 
 
 # ---- mappings ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def build() -> Any:
-    return _build()
-
-
-@pytest.fixture(scope="module")
-def lib(build: Any) -> Lib:
-    return Lib(build.nccl, build.cudart)
 
 
 def _maps() -> int:

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from ctypes import byref, c_int, c_void_p
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _lb_fixtures import _build  # noqa: E402
 from _lb_nccl import (  # noqa: E402
     AVG,
     DTYPES,
@@ -66,48 +66,6 @@ from pynccl._capi.structs import (  # noqa: E402
 
 HELPER = str(HERE / "_lb_nccl.py")
 LOOPBACK_DIR = HERE.parent / "pynccl" / "testing" / "loopback"
-
-
-def _asan_loaded() -> bool:
-    with open("/proc/self/maps") as maps:
-        return any("libasan" in line for line in maps)
-
-
-SANITIZE = _asan_loaded()
-
-
-def _build(version: str | None = None, null: bool = False) -> Any:
-    from pynccl.testing import loopback
-
-    try:
-        return loopback.build(version, null=null, sanitize=SANITIZE)
-    except loopback.LoopbackBuildError as exc:
-        pytest.skip(f"cannot build the loopback libraries: {exc}")
-
-
-@pytest.fixture(scope="module")
-def build() -> Any:
-    return _build()
-
-
-@pytest.fixture(scope="module")
-def lib(build: Any) -> Lib:
-    return Lib(build.nccl, build.cudart)
-
-
-@pytest.fixture
-def world(lib: Lib) -> Iterator[Any]:
-    """world(n) -> a GroupWorld, closed after the test."""
-    made: list[GroupWorld] = []
-
-    def make(n: int) -> GroupWorld:
-        w = GroupWorld(lib, n)
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
 
 
 @pytest.fixture(params=["direct", "staged"])

@@ -25,26 +25,6 @@ from _lb_rma import INVALID_ARG, INVALID_USAGE, SYSTEM, Rank, set_encryption, sp
 from pynccl._capi.nccl_device import make_comm_properties, ncclCommProperties_t, ncclTeam_t  # noqa: E402
 
 
-def _asan_loaded() -> bool:
-    with open("/proc/self/maps") as maps:
-        return any("libasan" in line for line in maps)
-
-
-@pytest.fixture(scope="module")
-def build() -> Any:
-    from pynccl.testing import loopback
-
-    try:
-        return loopback.build(sanitize=_asan_loaded())
-    except loopback.LoopbackBuildError as exc:
-        pytest.skip(f"cannot build the loopback libraries: {exc}")
-
-
-@pytest.fixture(scope="module")
-def lib(build: Any) -> Lib:
-    return Lib(build.nccl, build.cudart)
-
-
 def test_properties_of_every_rank(lib: Lib) -> None:
     n = 3
     uid = lib.unique_id()

@@ -15,7 +15,6 @@ import sys
 import time
 from ctypes import byref, c_void_p
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _lb_fixtures import _asan_loaded, _build  # noqa: E402
 from _lb_nccl import Lib  # noqa: E402
 from _lb_rma import (  # noqa: E402
     INVALID_ARG,
@@ -53,26 +53,6 @@ LOOPBACK_DEVICE_FUNCTIONS = {
     "ncclTeamRankToWorld",
     "ncclTeamWorld",
 }
-
-
-def _asan_loaded() -> bool:
-    with open("/proc/self/maps") as maps:
-        return any("libasan" in line for line in maps)
-
-
-def _build(version: str | None = None) -> Any:
-    from pynccl.testing import loopback
-
-    try:
-        return loopback.build(version, sanitize=_asan_loaded())
-    except loopback.LoopbackBuildError as exc:
-        pytest.skip(f"cannot build the loopback libraries: {exc}")
-
-
-@pytest.fixture(scope="module")
-def lib() -> Lib:
-    b = _build()
-    return Lib(b.nccl, b.cudart)
 
 
 def query(lib: Lib, stream: int) -> int:

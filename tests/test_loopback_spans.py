@@ -19,7 +19,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _lb_nccl import INVALID_ARG, SUM, GroupWorld, Lib, call_collective  # noqa: E402
-from test_loopback_nccl import _build  # noqa: E402
 
 N, COUNT, FLOAT32, E = 2, 4, 7, 4
 ROOT = 0
@@ -37,12 +36,6 @@ EXTENTS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
     "Gather": ((COUNT, N * COUNT), (COUNT, 0)),
     "Scatter": ((N * COUNT, COUNT), (0, COUNT)),
 }
-
-
-@pytest.fixture(scope="module")
-def lib() -> Lib:
-    build = _build()
-    return Lib(build.nccl, build.cudart)
 
 
 @pytest.fixture

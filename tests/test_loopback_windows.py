@@ -38,26 +38,6 @@ from _lb_rma import (  # noqa: E402
 from pynccl._capi.nccl_device import ncclMultimemHandle_t  # noqa: E402
 
 
-def _asan_loaded() -> bool:
-    with open("/proc/self/maps") as maps:
-        return any("libasan" in line for line in maps)
-
-
-@pytest.fixture(scope="module")
-def build() -> Any:
-    from pynccl.testing import loopback
-
-    try:
-        return loopback.build(sanitize=_asan_loaded())
-    except loopback.LoopbackBuildError as exc:
-        pytest.skip(f"cannot build the loopback libraries: {exc}")
-
-
-@pytest.fixture(scope="module")
-def lib(build: Any) -> Lib:
-    return Lib(build.nccl, build.cudart)
-
-
 def test_mem_alloc_is_page_aligned_device_memory(lib: Lib) -> None:
     p = c_void_p()
     assert lib.ncclMemAlloc(byref(p), 10_000) == 0
