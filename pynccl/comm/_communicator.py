@@ -1,6 +1,7 @@
 """``Communicator``: constructors, properties, lifecycle verbs, split, custom ops,
-registration, synchronize and the watchdog. The collectives are generated from the spec
-table (:mod:`._codegen`) and attached at import; their one slow path is :meth:`_slow`."""
+memory, registration, windows, one-sided signals, synchronize and the watchdog. The
+collectives are generated from the spec table (:mod:`._codegen`) and attached at import;
+their one slow path is :meth:`_slow`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from ._codegen import install
 from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
+from ._signals import Signals, rma_limits
 from ._spec import COLLECTIVES, CollSpec
 from ._uid import UniqueId, as_unique_ids
 
@@ -39,7 +41,7 @@ _IN_PROGRESS = 7
 _P63 = 1 << 63
 
 
-class Communicator(Extras):
+class Communicator(Signals, Extras):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -58,7 +60,7 @@ class Communicator(Extras):
     destroy or abort from another thread waits for the call in flight.
     """
 
-    __slots__ = ("_array_ops", "_fast_n", "_ops")
+    __slots__ = ("_array_ops", "_fast_n", "_ops", "_regs", "_rma", "_wins")
 
     def __init__(
         self,
@@ -89,6 +91,7 @@ class Communicator(Extras):
         comm = c_void_p()
         cfg = None if config is None else config.to_struct(L.version)
         self._config = cfg  # NCCL keeps the commName pointer: keep the struct alive
+        self._rma = rma_limits(L.version, cfg)
         if len(ids) > 1:
             L.require("ncclCommInitRankScalable (several unique ids)", (2, 23, 4))
             id_array = (ncclUniqueId * len(ids))(*(uid.struct for uid in ids))
@@ -121,9 +124,12 @@ class Communicator(Extras):
         self._stream = as_stream(stream) if stream is not None else 0
         self._custom_ops: set[int] = set()
         self._config = None
+        self._regs = {}
+        self._wins = {}
         self._seq = 0
         self._ring: list[object] = [None] * _recorder.RING_SIZE
         version = L.version
+        self._rma = rma_limits(version, None)
         # The ncclDataType_t argument for each type this library accepts (its shared
         # c_int); None for a type it is too old for.
         self._codes: dict[DataType, c_int | None] = {
@@ -156,6 +162,8 @@ class Communicator(Extras):
         self._init_handle(L, owner)
         self._setup(L, rank, size, device, None, stream)
         self._blocking = blocking
+        if not owner:
+            self._rma = None  # a borrowed handle's config is unknown
         self._adopt(handle, pending)
         return self
 
@@ -167,6 +175,7 @@ class Communicator(Extras):
             stream=self._stream or None, pending=not blocking,
         )  # fmt: skip
         child._config = cfg  # NCCL keeps the commName pointer
+        child._rma = self._rma if cfg is None else rma_limits(L.version, cfg)
         if not blocking:
             child.wait_ready()
         value = c_int()
@@ -309,11 +318,24 @@ class Communicator(Extras):
                 "ncclCommDestroy",
                 "cannot destroy a communicator inside a group; end the group first",
             )
-        self._teardown("destroy")
+        try:
+            self._close_resources(abort=False)
+        finally:
+            self._teardown("destroy")
 
     def abort(self) -> None:
         """``ncclCommAbort``: stop pending work and free the communicator (also when hung)."""
+        self._close_resources(abort=True)
         self._teardown("abort")
+
+    def _close_resources(self, abort: bool) -> None:
+        """Windows, then registrations: deregistered before a destroy (windows
+        collectively, as every rank destroys), only marked closed before an abort (which
+        frees them; nothing that could hang is called)."""
+        try:
+            self._close_windows(abort)
+        finally:
+            self._close_registrations(abort)
 
     def close(self) -> None:
         """Destroy the communicator if this object owns it; forget a borrowed one."""

@@ -1,5 +1,5 @@
-"""The communicator's verbs beyond collectives: ``split``, custom reduction ops
-(``create_premul_sum`` / ``destroy_op``) and buffer registration."""
+"""The communicator's verbs beyond collectives: ``split`` and custom reduction ops
+(``create_premul_sum`` / ``destroy_op``). Buffer registration is in :mod:`._memory`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from ctypes import byref, c_int, c_void_p
 
 from .._adapt import as_buffer
 from .._capi.structs import NCCL_SPLIT_NOCOLOR
-from .._limits import C_INT_MAX, check_c_int, check_count, check_pointer
+from .._limits import C_INT_MAX, check_c_int
 from ..dtypes import as_datatype
 from ..enums import DataType, Result, ScalarResidence
 from ..errors import NotSupportedError
@@ -20,13 +20,13 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ctypes import c_int as _CInt
 
-    from ..typing import BufferLike, DTypeLike
+    from ..typing import DTypeLike
     from ._communicator import Communicator
     from ._config import Config
 
 
 class Extras(Observed):
-    """split, custom ops, registration (a base of Communicator)."""
+    """split and custom ops (a base of Communicator)."""
 
     __slots__ = ("_blocking", "_codes", "_config", "_custom_ops")
 
@@ -119,25 +119,3 @@ class Extras(Observed):
             raise ValueError(f"op {op!r} was not created on this communicator")
         self._call_locked("ncclRedOpDestroy", op, HANDLE)
         self._custom_ops.discard(op)
-
-    # -- registration --------------------------------------------------------------------
-
-    def register(self, buf: BufferLike, *, nbytes: int | None = None) -> int:
-        """``ncclCommRegister`` (NCCL >= 2.19): register a buffer; returns the handle."""
-        self._live()
-        self._refuse_if_capturing("ncclCommRegister")
-        if type(buf) is int:
-            if nbytes is None:
-                raise TypeError("register(ptr) with a raw pointer needs nbytes=")
-            size = check_count(nbytes, "nbytes")
-            ptr = check_pointer(buf, "buf", size)
-        else:
-            ptr, n, dt, _ = as_buffer(buf, name="buf")
-            size = n * dt.itemsize if nbytes is None else check_count(nbytes, "nbytes")
-        out = c_void_p()
-        self._call_locked("ncclCommRegister", HANDLE, ptr, size, byref(out))
-        return int(out.value or 0)
-
-    def deregister(self, handle: int) -> None:
-        """``ncclCommDeregister`` (NCCL >= 2.19)."""
-        self._call_locked("ncclCommDeregister", HANDLE, handle)

@@ -92,6 +92,10 @@ class DeviceBuffer:
     bfloat16) and ``|V1``, so consumers that move bytes work, and pynccl reads
     the real type from ``dtype`` (a :class:`~pynccl.DataType`).
 
+    ``allocator="nccl"`` allocates with ``ncclMemAlloc`` (NCCL >= 2.19; memory NCCL can
+    register and map for its peers: symmetric windows, one-sided puts) and frees with
+    ``ncclMemFree``; the default ``"cuda"`` uses ``cudaMalloc`` / ``cudaFree``.
+
     The allocation is freed by :meth:`close` (alias :meth:`free`), at the end of
     a ``with`` block, or quietly when the object is garbage-collected.
     """
@@ -104,12 +108,14 @@ class DeviceBuffer:
         "_freed",
         "_lanes",
         "_nbytes",
+        "_nccl",
         "_ptr",
         "_shape",
     )
 
     _ptr: int
     _freed: bool
+    _nccl: bool  # allocated by ncclMemAlloc (freed by ncclMemFree)
     _nbytes: int
     _count: int  # elements as NCCL counts them (2 floats per complex element)
     _device: int
@@ -122,9 +128,14 @@ class DeviceBuffer:
         shape: IndexLike | Sequence[IndexLike],
         dtype: DTypeLike = DataType.FLOAT32,
         device: IndexLike | None = None,
+        *,
+        allocator: str = "cuda",
     ) -> None:
         self._ptr = 0
         self._freed = False
+        self._nccl = False
+        if allocator not in ("cuda", "nccl"):
+            raise ValueError(f"allocator must be 'cuda' or 'nccl', got {allocator!r}")
         self._shape = _shape_of(shape)
         self._dtype, self._lanes = _element_type(dtype)
         size = 1
@@ -136,10 +147,23 @@ class DeviceBuffer:
         with _DeviceScope(device) as dev:
             if dev < 0:
                 dev = get_device()
-            if self._nbytes:  # cudaMalloc(0) gives NULL anyway; skip the call
+            if allocator == "nccl":
+                self._nccl_alloc(out)
+            elif self._nbytes:  # cudaMalloc(0) gives NULL anyway; skip the call
                 _runtime._rt().cudaMalloc(byref(out), self._nbytes)
         self._device = dev
         self._ptr = out.value or 0
+
+    def _nccl_alloc(self, out: c_void_p) -> None:
+        """``ncclMemAlloc`` of :attr:`nbytes` into ``out`` (nothing for 0 bytes, which
+        ncclMemAlloc refuses: an empty buffer holds no memory, as with cudaMalloc)."""
+        from .. import library
+
+        L = library.lib()
+        L.require("DeviceBuffer(allocator='nccl') (ncclMemAlloc)", (2, 19, 1))
+        self._nccl = True
+        if self._nbytes:
+            L.ncclMemAlloc(byref(out), self._nbytes)
 
     # -- properties
 
@@ -180,6 +204,11 @@ class DeviceBuffer:
         return self._nbytes // (self._dtype.itemsize * self._lanes)
 
     @property
+    def allocator(self) -> str:
+        """``"nccl"`` (``ncclMemAlloc``) or ``"cuda"`` (``cudaMalloc``): how it was allocated."""
+        return "nccl" if self._nccl else "cuda"
+
+    @property
     def closed(self) -> bool:
         """True once the allocation has been freed."""
         return self._freed
@@ -203,17 +232,23 @@ class DeviceBuffer:
 
     @classmethod
     def from_numpy(
-        cls, array: Any, device: IndexLike | None = None, stream: StreamLike = None
+        cls,
+        array: Any,
+        device: IndexLike | None = None,
+        stream: StreamLike = None,
+        *,
+        allocator: str = "cuda",
     ) -> DeviceBuffer:
         """A new buffer holding a copy of ``array`` (any array-like numpy accepts).
 
         With ``stream`` the copy is queued on it and the stream is synchronized
-        before returning, so ``array`` may be modified right away.
+        before returning, so ``array`` may be modified right away. ``allocator`` as
+        for the constructor.
         """
         import numpy as np
 
         arr = np.ascontiguousarray(array)
-        buf = cls(arr.shape, arr.dtype, device)
+        buf = cls(arr.shape, arr.dtype, device, allocator=allocator)
         try:
             buf._copy(buf._ptr, arr.ctypes.data, _H2D, stream)
         except BaseException:
@@ -293,7 +328,11 @@ class DeviceBuffer:
         """Free the allocation (idempotent). Work still queued on it must have finished."""
         ptr, self._ptr = self._ptr, 0
         self._freed = True
-        if ptr:
+        if ptr and self._nccl:
+            from .. import library
+
+            library.lib().ncclMemFree(ptr)
+        elif ptr:
             _runtime._rt().cudaFree(ptr)
 
     free = close
@@ -316,5 +355,5 @@ class DeviceBuffer:
         return (
             f"<pynccl.cuda.DeviceBuffer shape={self._shape} "
             f"dtype={_element_name(self._dtype, self._lanes)} "
-            f"device={self._device} {state}>"
+            f"device={self._device}{' nccl' if self._nccl else ''} {state}>"
         )

@@ -1,0 +1,213 @@
+"""One-sided operations (NCCL >= 2.29): ``put_signal``, ``signal`` and ``wait_signal``,
+with :class:`SignalWait` describing what a wait waits for.
+
+They are stream-ordered like collectives (they capture into CUDA graphs and replay).
+Signal indices and contexts are checked against the communicator's configuration
+(``Config(num_rma_sig=..., num_rma_ctx=...)``; one of each by default, and before 2.31
+only signal 0 and context 0) and peers against its size, before anything reaches C.
+"""
+
+from __future__ import annotations
+
+from .. import groups as _groups
+from .._adapt import as_buffer, as_stream, check_device
+from .._capi.structs import ncclWaitSignalDesc_t
+from .._limits import C_INT_MAX, check_c_int, check_index
+from ..enums import Result, WinFlag
+from ..errors import NotSupportedError
+from ._handle import HANDLE
+from ._window import Window, Windows
+
+__all__ = ["SignalWait", "Signals", "rma_limits"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from ctypes import c_int
+
+    from ..enums import DataType, Release
+    from ..typing import BufferLike, DTypeLike, StreamLike
+
+_SIGNALS = (2, 29, 2)  # ncclPutSignal, ncclSignal, ncclWaitSignal
+_SIGNAL_INDICES = (2, 31, 0)  # numRmaSig; contexts above 0
+_UNDEF = -(1 << 31)  # NCCL_CONFIG_UNDEF_INT
+
+
+def rma_limits(version: Release, cfg: object) -> tuple[int, int]:
+    """``(contexts, signals)`` a communicator made with ``cfg`` (an ``ncclConfig_t`` or
+    None) offers: the config's numRmaCtx / numRmaSig, 1 each by default; before 2.31
+    only context 0 and signal 0."""
+    nctx = getattr(cfg, "numRmaCtx", _UNDEF) if version >= (2, 29, 0) else _UNDEF
+    nsig = getattr(cfg, "numRmaSig", _UNDEF) if version >= _SIGNAL_INDICES else _UNDEF
+    nctx = 1 if nctx == _UNDEF else nctx
+    nsig = 1 if nsig == _UNDEF else nsig
+    if version < _SIGNAL_INDICES:
+        nctx, nsig = min(nctx, 1), 1
+    return nctx, nsig
+
+
+class SignalWait:
+    """What :meth:`Communicator.wait_signal` waits for: ``count`` signals from ``peer``
+    on signal index ``signal`` of context ``context`` (an ``ncclWaitSignalDesc_t``).
+    Frozen: compare and hash by value."""
+
+    __slots__ = ("context", "count", "peer", "signal")
+
+    peer: int
+    count: int
+    signal: int
+    context: int
+
+    def __init__(self, peer: int, count: int = 1, signal: int = 0, context: int = 0) -> None:
+        set_ = object.__setattr__
+        set_(self, "peer", check_c_int(peer, "peer", 0))
+        set_(self, "count", check_c_int(count, "count", 1))
+        set_(self, "signal", check_c_int(signal, "signal", 0))
+        set_(self, "context", check_c_int(context, "context", 0))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"SignalWait is frozen: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"SignalWait is frozen: cannot delete {name!r}")
+
+    def _key(self) -> tuple[int, int, int, int]:
+        return (self.peer, self.count, self.signal, self.context)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not SignalWait:
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (SignalWait, self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"SignalWait(peer={self.peer}, count={self.count}, signal={self.signal}, "
+            f"context={self.context})"
+        )
+
+
+class Signals(Windows):
+    """put_signal, signal, wait_signal (a base of Communicator)."""
+
+    __slots__ = ()
+
+    _codes: dict[DataType, c_int | None]
+    _rma: tuple[int, int] | None
+
+    def _rma_ready(self, function: str) -> None:
+        self._live()
+        if not self._lib.has(function):
+            raise NotSupportedError(function, _SIGNALS, self._lib.version)
+
+    def _indices(self, signal: object, context: object, where: str = "") -> tuple[int, int]:
+        """``(signal, context)`` checked against the communicator's numRmaSig/numRmaCtx."""
+        rma = self._rma
+        if rma is None:  # a borrowed handle: its config is unknown, NCCL checks
+            sig = check_c_int(signal, where + "signal", 0)
+            return sig, check_c_int(context, where + "context", 0)
+        nctx, nsig = rma
+        has = f"(the communicator has numRmaSig={nsig}, numRmaCtx={nctx})"
+        sig = check_index(signal, where + "signal", nsig, has)
+        ctx = check_index(context, where + "context", nctx, has)
+        return sig, ctx
+
+    def _peer(self, peer: object, name: str = "peer") -> int:
+        return check_index(peer, name, self._size, f"for a communicator of size {self._size}")
+
+    def _rma_issue(self, function: str, *args: object) -> None:
+        rc = self._call_locked(function, *args)
+        if rc == Result.IN_PROGRESS:
+            if _groups.group_depth() > 0:
+                _groups.in_progress_later(self)  # type: ignore[arg-type]
+            else:
+                self._mark_pending()
+
+    def put_signal(
+        self, sendbuf: BufferLike, peer: int, window: Window, *, offset: int = 0,
+        count: int | None = None, dtype: DTypeLike = None, signal: int = 0, context: int = 0,
+        stream: StreamLike = None,
+    ) -> None:  # fmt: skip
+        """``ncclPutSignal`` (NCCL >= 2.29): write ``sendbuf`` (``count`` elements; a raw
+        pointer needs ``count=`` and ``dtype=``) into ``peer``'s part of ``window``,
+        ``offset`` elements of the buffer's type in, then add one to ``peer``'s signal
+        ``signal`` of context ``context``. ``sendbuf`` must lie in a symmetric window of
+        this communicator. Stream-ordered (captures into CUDA graphs)."""
+        self._rma_ready("ncclPutSignal")
+        s = self._stream if stream is None else as_stream(stream)
+        p = self._peer(peer)
+        if not isinstance(window, Window):
+            raise TypeError(f"window must be a pynccl.Window, got {type(window).__name__}")
+        if window._comm is not self:
+            raise ValueError(f"{window!r} was registered on another communicator")
+        h = window.handle
+        ptr, n, dt, dev = as_buffer(sendbuf, count, dtype, name="sendbuf", stream=s)
+        check_device(dev, self._device, "sendbuf")
+        if self._codes[dt] is None:
+            raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
+        off = window._byte_offset(offset, n, dt.itemsize)
+        sig, ctx = self._indices(signal, context)
+        self._source_window(ptr, n * dt.itemsize)
+        self._rma_issue("ncclPutSignal", ptr, n, int(dt), p, h, off, sig, ctx, 0, HANDLE, s)
+        _groups.keep_alive((sendbuf, window))
+
+    def _source_window(self, ptr: int, nbytes: int) -> None:
+        """NCCL reads a put's source through a symmetric window: refuse one outside them."""
+        for (base, size, bits), win in self._wins.items():
+            inside = base <= ptr and ptr + nbytes <= base + size
+            if inside and bits & WinFlag.COLL_SYMMETRIC and not win._closed:
+                return
+        raise ValueError(
+            f"sendbuf {ptr:#x} ({nbytes} bytes) is not inside a symmetric window of this "
+            "communicator: register it (or the buffer it is in) with register_window first"
+        )
+
+    def signal(
+        self, peer: int, *, signal: int = 0, context: int = 0, stream: StreamLike = None
+    ) -> None:
+        """``ncclSignal`` (NCCL >= 2.29): add one to ``peer``'s signal ``signal`` of
+        context ``context``, without data. Stream-ordered."""
+        self._rma_ready("ncclSignal")
+        s = self._stream if stream is None else as_stream(stream)
+        p = self._peer(peer)
+        sig, ctx = self._indices(signal, context)
+        self._rma_issue("ncclSignal", p, sig, ctx, 0, HANDLE, s)
+
+    def wait_signal(
+        self, waits: SignalWait | Iterable[SignalWait], *, stream: StreamLike = None
+    ) -> None:
+        """``ncclWaitSignal`` (NCCL >= 2.29): make ``stream`` wait until every
+        :class:`SignalWait` in ``waits`` (one, or a list) has its signals; they are then
+        consumed. Stream-ordered (captures into CUDA graphs)."""
+        self._rma_ready("ncclWaitSignal")
+        s = self._stream if stream is None else as_stream(stream)
+        items = [waits] if isinstance(waits, SignalWait) else _wait_list(waits)
+        if not items:
+            raise ValueError("waits must hold at least one SignalWait, got none")
+        if len(items) > C_INT_MAX:
+            raise ValueError(f"waits holds {len(items)} SignalWaits; at most {C_INT_MAX}")
+        descs = (ncclWaitSignalDesc_t * len(items))()
+        for i, (w, d) in enumerate(zip(items, descs)):
+            where = f"waits[{i}]."
+            d.opCnt = w.count
+            d.peer = self._peer(w.peer, where + "peer")
+            d.sigIdx, d.ctx = self._indices(w.signal, w.context, where)
+        self._rma_issue("ncclWaitSignal", len(items), descs, HANDLE, s)
+
+
+def _wait_list(waits: object) -> list[SignalWait]:
+    try:
+        items: list[SignalWait] = list(waits)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"waits must be a SignalWait or a list of them, got {type(waits).__name__}"
+        ) from None
+    for i, w in enumerate(items):
+        if type(w) is not SignalWait:
+            raise TypeError(f"waits[{i}] must be a pynccl.SignalWait, got {type(w).__name__}")
+    return items
