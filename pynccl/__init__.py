@@ -45,6 +45,9 @@ _LAZY: dict[str, str] = {
     "Communicator": "comm",
     "Config": "comm",
     "UniqueId": "comm",
+    "Registration": "comm",
+    "SignalWait": "comm",
+    "Window": "comm",
     "group": "groups",
     "group_start": "groups",
     "group_end": "groups",
@@ -57,7 +60,7 @@ _LAZY: dict[str, str] = {
 # `typing` costs milliseconds to import; mypy treats any name TYPE_CHECKING as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from .comm import Communicator, Config, UniqueId
+    from .comm import Communicator, Config, Registration, SignalWait, UniqueId, Window
     from .cuda import DeviceBuffer, Event, Stream, device_count
     from .groups import group, group_end, group_start
     from .library import cudart, lib, load_cudart, load_library, version
@@ -81,10 +84,13 @@ __all__ = [
     "NcclUnhandledCudaError",
     "NotSupportedError",
     "RedOp",
+    "Registration",
     "Result",
     "ScalarResidence",
+    "SignalWait",
     "Stream",
     "UniqueId",
+    "Window",
     "__version__",
     "as_datatype",
     "cudart",

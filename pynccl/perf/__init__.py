@@ -13,8 +13,10 @@ ranks), ``-n``/``-w``/``-m``/``-N`` iterations, warm-up, aggregation in a group 
 cycles, ``-c`` checks, ``-o``/``-d`` op and type (names, lists or ``all``), ``-r`` root
 (``all``/``-1``: every rank), ``-z`` blocking, ``-y`` NULL stream, ``-T`` timeout of each
 wait, ``-G`` CUDA graphs, ``-C`` cputime, ``-S`` timestamps, ``-J`` JSON, ``-a`` averaging,
-``-u`` unalign. Flags it lacks (``-R`` registered buffers, ``-x``, ``-D``, ``-V``, ``-M``,
-``-I``, ``-K``) are refused by name, except with their default value.
+``-u`` unalign, ``-R`` registered buffers (1: ``ncclMemAlloc`` buffers registered with
+``ncclCommRegister``, NCCL >= 2.19; 2: in symmetric windows, ``ncclCommWindowRegister``
+with ``NCCL_WIN_COLL_SYMMETRIC``, NCCL >= 2.27). Flags it lacks (``-x``, ``-D``, ``-V``,
+``-M``, ``-I``, ``-K``) are refused by name, except with their default value.
 
 The output is nccl-tests 2.19's, line for line (a golden test holds it to formats
 captured from nccl-tests' source): version, "Collective test starting", the

@@ -90,10 +90,19 @@ class _Bench:
         # Every layout keeps both sides within maxbytes (per-rank blocks are count/n);
         # -u shifts both buffers by up to 8 bytes per element of misalignment.
         nbytes = max(opts.maxbytes, 64) + 8 * opts.unalign
+        self.regs: list[Any] = []  # -R: registrations or windows, closed before the buffers
         try:
-            self.send = self._alloc(DeviceBuffer, nbytes)
-            self.recv = self._alloc(DeviceBuffer, nbytes)
+            # -R 1/2 as nccl-tests' local_register: send and recv from ncclMemAlloc,
+            # registered (1) or in symmetric windows (2) for the whole run.
+            allocator = "nccl" if opts.local_register else "cuda"
+            self.send = self._alloc(DeviceBuffer, nbytes, allocator)
+            self.recv = self._alloc(DeviceBuffer, nbytes, allocator)
             self.scratch = self._alloc(DeviceBuffer, 64)
+            for buf in (self.send, self.recv):
+                if opts.local_register == 1:
+                    self.regs.append(comm.register(buf))
+                elif opts.local_register == 2:
+                    self.regs.append(comm.register_window(buf))
             for buf in (self.send, self.recv):
                 buf.fill_zero(self.s)  # timed runs without -c still see defined data
             self.sync()
@@ -108,12 +117,20 @@ class _Bench:
 
             self.np = numpy
 
-    def _alloc(self, cls: Any, nbytes: int) -> Any:
-        buf = cls(nbytes, DataType.UINT8)
+    def _alloc(self, cls: Any, nbytes: int, allocator: str = "cuda") -> Any:
+        buf = cls(nbytes, DataType.UINT8, allocator=allocator)
         self.bufs.append(buf)
         return buf
 
     def close(self) -> None:
+        regs, self.regs = self.regs, []
+        try:
+            for reg in reversed(regs):
+                reg.close()  # a window's close is collective: every rank closes the same
+        finally:
+            self._free()
+
+    def _free(self) -> None:
         for buf in self.bufs:
             buf.close()
         self.bufs.clear()
@@ -500,6 +517,24 @@ _ENV_J_PATH = "PYNCCL_PERF_J_PATH"
 _ENV_NGPUS = "PYNCCL_PERF_NGPUS"
 
 
+#: -R: what each level uses and the first NCCL release that has it.
+_REGISTER = {
+    1: ("registered buffers (ncclMemAlloc, ncclCommRegister)", (2, 19, 1)),
+    2: ("symmetric windows (ncclMemAlloc, ncclCommWindowRegister)", (2, 27, 3)),
+}
+
+
+def _check_register(opts: Options, version: tuple[int, ...], text: str) -> None:
+    if not opts.local_register:
+        return
+    what, first = _REGISTER[opts.local_register]
+    if version < first:
+        raise PerfError(
+            f"-R {opts.local_register}: {what} need NCCL >= {'.'.join(map(str, first))}; "
+            f"the loaded libnccl is {text}"
+        )
+
+
 def _run_rank(opts: Options, comm: Any, backend: _Backend) -> int:
     """The sweep on this rank; rank 0 prints. Returns 0, or 1 when results were wrong.
 
@@ -509,6 +544,7 @@ def _run_rank(opts: Options, comm: Any, backend: _Backend) -> int:
     lead = comm.rank == 0
     nranks = int(comm.size)
     lib_version = tuple(int(v) for v in backend.nccl_version.split("."))
+    _check_register(opts, lib_version, backend.nccl_version)
     cases = _cases(opts, nranks, lib_version)
     notes = _resolve_check(opts, sorted({t for t, _, _ in cases}))
     if any(o == "mulsum" for _, o, _ in cases):

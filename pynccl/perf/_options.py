@@ -138,7 +138,6 @@ def _root_arg(text: str) -> int:
 #: nccl-tests flags pynccl does not implement: (short, long, default, why). The default
 #: value is accepted (it asks for nothing); any other value is refused by name.
 _UNSUPPORTED = (
-    ("-R", "--local_register", 0, "registered buffers are not in pynccl's object API yet"),
     ("-x", "--cta_policy", -1, "pynccl's Config does not pass a CTA policy to perf's ranks"),
     ("-D", "--device_implementation", 0, "device-API kernels need CUDA code, not ctypes"),
     ("-V", "--device_cta_count", 16, "device-API kernels need CUDA code, not ctypes"),
@@ -214,6 +213,9 @@ def _parser() -> argparse.ArgumentParser:
         help="time reported: 0 rank 0's, 1 mean (default), 2 min, 3 max over ranks")
     add("-u", "--unalign", type=_int_at_least(0, "-u"), default=0,
         help="shift both buffers by this many elements (misalignment; default 0)")
+    add("-R", "--local_register", type=_int_at_least(0, "-R"), default=0,
+        help="0: plain buffers; 1: ncclMemAlloc buffers registered with ncclCommRegister; "
+        "2: ncclMemAlloc buffers in symmetric windows (ncclCommWindowRegister)")
     for short, long, default, _why in _UNSUPPORTED:
         add(short, long, dest=f"unsupported{short[1]}", type=int, default=default, metavar="N",
             help=f"nccl-tests' {long}: not supported (only {default} is accepted)")
@@ -251,6 +253,7 @@ class Options:
     output_file: str | None
     average: int
     unalign: int
+    local_register: int
     json: str | None
     plot: str | None
     #: The arguments as given (for -J's "args").
@@ -308,6 +311,7 @@ class Options:
             "blocking": self.blocking,
             "stream_null": self.stream_null,
             "unalign": self.unalign,
+            "local_register": self.local_register,
         }
 
 
@@ -322,6 +326,11 @@ def _parse(argv: Sequence[str]) -> Options:
         raise PerfError(f"-a {opts.average}: expected 0 (rank 0), 1 (mean), 2 (min) or 3 (max)")
     if opts.blocking > 3:
         raise PerfError(f"-z {opts.blocking}: expected 0, 1, 2 or 3")
+    if opts.local_register > 2:
+        raise PerfError(
+            f"-R {opts.local_register}: expected 0 (plain buffers), 1 (registered) "
+            "or 2 (symmetric windows)"
+        )
     for flag, value in (("-p", opts.parallel_init), ("-y", opts.stream_null),
                         ("-C", opts.report_cputime), ("-S", opts.report_timestamps)):  # fmt: skip
         if value > 1:
