@@ -1,0 +1,218 @@
+"""Windows in the object API on the loopback: register_window / Window, deduplication and
+reference counts, the alignment / size / flags rules agreed by every rank before the C
+call, peer_pointer reading the peer's bytes, closing at destroy and abort, the capture
+guard and the release gate."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pynccl
+from pynccl import Communicator, NcclInvalidUsage, UniqueId, Window
+from pynccl.cuda import DeviceBuffer, Graph, Stream
+from pynccl.enums import WIN_REQUIRED_ALIGNMENT, WinFlag
+
+N = 1024  # float32 elements
+
+
+@pytest.fixture(scope="module")
+def get(thread_worlds: Any) -> Any:
+    return thread_worlds
+
+
+def test_window_properties_and_peer_pointer_reads_the_peer(get: Any) -> None:
+    world = get(3)
+
+    def body(r: int, comm: Communicator) -> list[bool]:
+        buf = comm.mem_alloc(N, "float32")
+        buf.copy_from(np.arange(N, dtype=np.float32) * (r + 1))
+        win = comm.register_window(buf)
+        try:
+            assert isinstance(win, Window) and win.symmetric
+            assert win.user_ptr == buf.ptr and win.nbytes == 4 * N
+            assert win.dtype == pynccl.DataType.FLOAT32 and win.flags == WinFlag.COLL_SYMMETRIC
+            assert win.handle != 0 and comm.windows == [win]
+            comm.synchronize()
+            found = []
+            for peer in range(comm.size):
+                for offset in (0, 7, N - 1):
+                    ptr = win.peer_pointer(peer, offset)
+                    assert ptr is not None
+                    got = ctypes.c_float.from_address(ptr).value  # loopback memory is host
+                    found.append(got == float(offset * (peer + 1)))
+            with pytest.raises(ValueError, match="offset=1024 elements of 4 bytes do not fit"):
+                win.peer_pointer(0, N)
+            with pytest.raises(ValueError, match="peer=3 is out of range; expected 0 <= peer < 3"):
+                win.peer_pointer(3)
+            return found
+        finally:
+            win.close()
+            buf.close()
+
+    out = world.run(body)
+    assert all(all(v) and len(v) == 9 for v in out.values())
+
+
+def test_same_range_twice_is_one_window_refcounted(get: Any) -> None:
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> tuple[int, ...]:
+        buf = comm.mem_alloc(2 * N, "float32")
+        a = comm.register_window(buf)
+        b = comm.register_window(buf)  # the same (ptr, size, flags): no second registration
+        c = comm.register_window(buf, nbytes=4 * N)  # another range: another window
+        d = comm.register_window(buf, symmetric=False)  # other flags: another window
+        assert a is b and a is not c and a is not d
+        assert comm.windows == [a, c, d]
+        handle = a.handle
+        a.close()  # one reference left
+        assert not b.closed and b.handle == handle and comm.windows == [a, c, d]
+        b.close()  # the last: deregistered
+        assert a.closed and comm.windows == [c, d]
+        with pytest.raises(NcclInvalidUsage, match="is closed"):
+            _ = a.handle
+        a.close()  # idempotent
+        e = comm.register_window(buf)  # registers anew
+        assert e is not a and not e.closed
+        with c, d, e:
+            pass
+        assert comm.windows == []
+        buf.close()
+        return (len(comm.windows),)
+
+    assert world.run(body) == {0: (0,), 1: (0,)}
+
+
+def test_alignment_size_and_flags_are_refused_on_every_rank(get: Any) -> None:
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> list[str]:
+        buf = comm.mem_alloc(2 * N, "float32")
+        messages = []
+        try:
+            # rank 1 alone passes a misaligned buffer: both ranks raise the same error
+            ptr = buf.ptr + (16 if r == 1 else 0)
+            with pytest.raises(ValueError) as info:
+                comm.register_window(ptr, nbytes=4096)
+            messages.append(str(info.value))
+            # different sizes on a symmetric window
+            with pytest.raises(ValueError) as info:
+                comm.register_window(buf, nbytes=4096 * (r + 1))
+            messages.append(str(info.value))
+            # different flags
+            with pytest.raises(ValueError) as info:
+                comm.register_window(buf, symmetric=r == 0)
+            messages.append(str(info.value))
+            # different sizes are fine without NCCL_WIN_COLL_SYMMETRIC
+            with comm.register_window(buf, nbytes=4096 * (r + 1), symmetric=False) as w:
+                assert not w.symmetric
+            with pytest.raises(ValueError, match="at least 1 byte"):
+                comm.register_window(buf, nbytes=0)
+            with pytest.raises(ValueError, match="nbytes=8193 is more than the 8192 bytes"):
+                comm.register_window(buf, nbytes=8193)
+            with pytest.raises(TypeError, match="needs nbytes="):
+                comm.register_window(buf.ptr)
+            with pytest.raises(ValueError, match="flags=0x100 has bits"):
+                comm.register_window(buf, flags=0x100)
+            with pytest.raises(TypeError, match="symmetric must be a bool"):
+                comm.register_window(buf, symmetric=1)  # type: ignore[arg-type]
+            assert comm.windows == []
+            with comm.register_window(buf):  # nothing was left half-registered
+                pass
+        finally:
+            buf.close()
+        return messages
+
+    out = world.run(body)
+    assert out[0] == out[1]  # the same verdict on every rank
+    misaligned, sizes, flags = out[0]
+    assert "rank 1's buffer does not" in misaligned and str(WIN_REQUIRED_ALIGNMENT) in misaligned
+    assert "rank 0 registers 4096 bytes and rank 1 8192" in sizes
+    assert "window flags differ between ranks (rank 0: 0x1, rank 1: 0x0)" in flags
+
+
+def test_dedup_must_match_on_every_rank(get: Any) -> None:
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> str:
+        buf = comm.mem_alloc(N, "float32")
+        other = comm.mem_alloc(N, "float32")
+        first = comm.register_window(buf if r == 0 else other)
+        try:
+            with pytest.raises(ValueError) as info:
+                comm.register_window(buf)  # rank 0 holds it already, rank 1 does not
+            return str(info.value)
+        finally:
+            first.close()
+            buf.close()
+            other.close()
+
+    out = world.run(body)
+    assert out[0] == out[1]
+    assert "rank 0 has this range registered already and rank 1 does not" in out[0]
+
+
+def test_destroy_deregisters_and_abort_marks_closed(lb: Any) -> None:
+    from _worlds import ThreadWorld
+
+    for kind in ("destroy", "abort"):
+        world = ThreadWorld(2)
+
+        def body(r: int, comm: Communicator) -> tuple[Window, Any, DeviceBuffer]:
+            buf = comm.mem_alloc(N, "float32")
+            return comm.register_window(buf), comm.register(buf), buf
+
+        made = world.run(body)
+        world.broken = kind == "abort"
+        world.close()
+        for win, reg, buf in made.values():
+            assert win.closed and reg.closed and win._buf is None and reg._buf is None
+            win.close()  # nothing to do any more, and no C call on a freed window
+            reg.close()
+            with pytest.raises(NcclInvalidUsage, match="is closed"):
+                _ = win.handle
+            buf.close()
+
+
+def test_capture_refuses_register_window_and_close_leaving_it_intact(lb: Any) -> None:
+    stream = Stream(non_blocking=True)
+    comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
+    buf = comm.mem_alloc(N, "float32")
+    win = comm.register_window(buf)
+    g = Graph()
+    with g.capture(stream, "global"):  # ends cleanly: the refusals invalidated nothing
+        with pytest.raises(NcclInvalidUsage, match="ncclCommWindowRegister cannot run while"):
+            comm.register_window(buf, nbytes=4096)
+        with pytest.raises(NcclInvalidUsage, match="ncclCommWindowDeregister cannot run while"):
+            win.close()
+        with pytest.raises(NcclInvalidUsage, match="ncclMemAlloc cannot run while"):
+            comm.mem_alloc(N)
+        comm.all_reduce(buf)
+    assert g.captured and not win.closed
+    buf.copy_from(np.full(N, 3, np.float32))
+    g.replay()
+    stream.synchronize()
+    assert (buf.to_numpy() == 3).all()
+    g.close()
+    win.close()
+    comm.destroy()
+    buf.close()
+    stream.close()
+
+
+def test_windows_need_2_27(lb: Any) -> None:
+    from _worlds import use_loopback
+
+    with use_loopback("2.24.3"):
+        with Communicator(1, UniqueId(), 0, device=0) as comm:
+            buf = comm.mem_alloc(N, "float32")  # ncclMemAlloc is 2.19
+            with pytest.raises(pynccl.NotSupportedError) as info:
+                comm.register_window(buf)
+            text = str(info.value)
+            assert text.startswith("ncclCommWindowRegister is not supported by the loaded NCCL")
+            assert "it requires NCCL >= 2.27.3" in text
+            buf.close()
