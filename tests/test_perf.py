@@ -338,7 +338,7 @@ def test_expected_results_per_collective() -> None:
         (["-p", "2"], "-p 2: expected 0 or 1"),
         (["-z", "1", "-G", "2"], "-z 1 with -G: a wait between operations cannot be captured"),
         (["-y", "1", "-G", "2"], "-y 1 with -G: the default (NULL) stream cannot be captured"),
-        (["-R", "1"], "flag -R (--local_register) is not supported: registered buffers"),
+        (["-R", "3"], "-R 3: expected 0 (plain buffers), 1 (registered) or 2"),
         (["-I", "1"], "flag -I (--per_iter_timing) is not supported"),
         (["-D", "1"], "flag -D (--device_implementation) is not supported"),
         (["-M", "1"], "flag -M (--memory) is not supported"),
