@@ -128,7 +128,7 @@ def test_signal_wait_is_a_frozen_value() -> None:
     assert SignalWait(np.int64(3)).peer == 3
     with pytest.raises(ValueError, match=r"count=0 is out of range; expected 1 <= count"):
         SignalWait(0, count=0)
-    with pytest.raises(TypeError, match="peer must be an int, got float 1.0"):
+    with pytest.raises(TypeError, match=r"peer must be an int, got float 1\.0"):
         SignalWait(1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="signal=-1 is out of range"):
         SignalWait(0, signal=-1)
@@ -202,8 +202,8 @@ def test_several_signals_and_contexts_from_the_config(lb: Any) -> None:
             stream = Stream(non_blocking=True)
             try:
                 comm.signal(1 - r, signal=2, context=1, stream=stream)
-                with pytest.raises(ValueError, match="signal=3 is out of range; expected 0 <= "
-                                   "signal < 3 .the communicator has numRmaSig=3, numRmaCtx=2"):
+                with pytest.raises(ValueError, match=r"signal=3 is out of range; expected 0 <= "
+                                   r"signal < 3 \(the communicator has numRmaSig=3, numRmaCtx=2"):
                     comm.signal(1 - r, signal=3)
                 with pytest.raises(ValueError, match="context=2 is out of range"):
                     comm.signal(1 - r, context=2)
