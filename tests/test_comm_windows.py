@@ -216,3 +216,26 @@ def test_windows_need_2_27(lb: Any) -> None:
             assert text.startswith("ncclCommWindowRegister is not supported by the loaded NCCL")
             assert "it requires NCCL >= 2.27.3" in text
             buf.close()
+
+
+def test_one_thread_registers_every_rank_in_a_group(lb: Any) -> None:
+    # Communicator.init_all: one thread drives both ranks, so the collective registration
+    # runs at the group's end; the handle is known from then on.
+    comms = Communicator.init_all(2)
+    bufs = [c.mem_alloc(N, "float32") for c in comms]
+    try:
+        with pynccl.group():
+            wins = [c.register_window(b) for c, b in zip(comms, bufs)]
+            with pytest.raises(NcclInvalidUsage, match="the group it was registered in has not"):
+                _ = wins[0].handle
+        assert all(w.handle and w.user_ptr == b.ptr for w, b in zip(wins, bufs))
+        assert [c.windows for c in comms] == [[wins[0]], [wins[1]]]
+        with pynccl.group():
+            for w in wins:
+                w.close()
+        assert all(w.closed for w in wins) and all(c.windows == [] for c in comms)
+    finally:
+        for c in comms:
+            c.destroy()
+        for b in bufs:
+            b.close()
