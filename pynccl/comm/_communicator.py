@@ -24,6 +24,7 @@ from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
 from ._spec import COLLECTIVES, CollSpec
 from ._uid import UniqueId, as_unique_ids
+from ._vcoll import VCollectives
 
 __all__ = ["Communicator"]
 
@@ -33,13 +34,14 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .._capi.nccl import NcclLibrary
+    from ..cuda import DeviceBuffer
     from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
 
 _IN_PROGRESS = 7
 _P63 = 1 << 63
 
 
-class Communicator(Extras):
+class Communicator(VCollectives, Extras):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -58,7 +60,7 @@ class Communicator(Extras):
     destroy or abort from another thread waits for the call in flight.
     """
 
-    __slots__ = ("_array_ops", "_fast_n", "_ops")
+    __slots__ = ("_array_ops", "_barrier_buf", "_fast_n", "_ops")
 
     def __init__(
         self,
@@ -122,6 +124,7 @@ class Communicator(Extras):
         self._custom_ops: set[int] = set()
         self._config = None
         self._seq = 0
+        self._barrier_buf: list[DeviceBuffer] = []  # barrier()'s, once allocated
         self._ring: list[object] = [None] * _recorder.RING_SIZE
         version = L.version
         # The ncclDataType_t argument for each type this library accepts (its shared
