@@ -43,6 +43,7 @@ _LAZY: dict[str, str] = {
     "cudart": "library",
     "version": "library",
     "Communicator": "comm",
+    "CommProperties": "comm._properties",
     "Config": "comm",
     "UniqueId": "comm",
     "group": "groups",
@@ -58,11 +59,13 @@ _LAZY: dict[str, str] = {
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .comm import Communicator, Config, UniqueId
+    from .comm._properties import CommProperties
     from .cuda import DeviceBuffer, Event, Stream, device_count
     from .groups import group, group_end, group_start
     from .library import cudart, lib, load_cudart, load_library, version
 
 __all__ = [
+    "CommProperties",
     "Communicator",
     "Config",
     "CudaError",

@@ -22,6 +22,7 @@ from ._codegen import install
 from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
+from ._introspect import Introspection
 from ._spec import COLLECTIVES, CollSpec
 from ._uid import UniqueId, as_unique_ids
 from ._vcoll import VCollectives
@@ -41,7 +42,7 @@ _IN_PROGRESS = 7
 _P63 = 1 << 63
 
 
-class Communicator(VCollectives, Extras):
+class Communicator(Introspection, VCollectives, Extras):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
