@@ -50,6 +50,8 @@ _LAZY: dict[str, str] = {
     "group_start": "groups",
     "group_end": "groups",
     "DeviceBuffer": "cuda",
+    "params": "comm._params",
+    "Params": "comm._params",
     "Event": "cuda",
     "Stream": "cuda",
     "device_count": "cuda",
@@ -59,6 +61,7 @@ _LAZY: dict[str, str] = {
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .comm import Communicator, Config, UniqueId
+    from .comm._params import Params, params
     from .comm._properties import CommProperties
     from .cuda import DeviceBuffer, Event, Stream, device_count
     from .groups import group, group_end, group_start
@@ -83,6 +86,7 @@ __all__ = [
     "NcclTimeoutError",
     "NcclUnhandledCudaError",
     "NotSupportedError",
+    "Params",
     "RedOp",
     "Result",
     "ScalarResidence",
@@ -98,6 +102,7 @@ __all__ = [
     "lib",
     "load_cudart",
     "load_library",
+    "params",
     "version",
 ]
 
