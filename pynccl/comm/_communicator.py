@@ -12,7 +12,7 @@ from .. import groups as _groups
 from .._adapt import as_stream
 from .._capi.nccl import C_DATATYPE
 from .._capi.structs import ncclUniqueId
-from .._limits import C_INT_MAX, check_c_int, check_index, check_timeout
+from .._limits import C_INT_MAX, check_c_int, check_device_ordinal, check_index, check_timeout
 from ..enums import DataType, Result
 from ..errors import NcclInvalidUsage, NotSupportedError
 from ..library import cudart, lib
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from ..cuda import DeviceBuffer
     from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
 
+    DeviceLike = Any  # an int, an __index__ object, or one with .device_id (cuda.core)
+
 _IN_PROGRESS = 7
 _P63 = 1 << 63
 
@@ -50,7 +52,11 @@ class Communicator(Introspection, VCollectives, Extras):
     ``ncclCommInitRank`` (or ``ncclCommInitRankConfig`` with a :class:`Config`,
     or ``ncclCommInitRankScalable`` — NCCL >= 2.23 — when ``unique_id`` is a list).
 
-    Buffers are raw device pointers (``int``, with ``count=`` and ``dtype=``), or
+    ``device`` is an ordinal (an ``int`` or ``__index__`` object) or an object with a
+    ``device_id`` (a cuda.core ``Device``).
+
+    Buffers are raw device pointers (``int`` or a cuda.bindings ``CUdeviceptr``, with
+    ``count=`` and ``dtype=``), a cuda.core ``Buffer`` (bytes, typed by ``dtype=``), or
     objects exposing ``__cuda_array_interface__`` or DLPack on a CUDA device.
     ``count`` is NCCL's: elements per rank. ``stream=None`` uses :attr:`stream`.
 
@@ -69,7 +75,7 @@ class Communicator(Introspection, VCollectives, Extras):
         unique_id: UniqueId | bytes | Sequence[UniqueId | bytes],
         rank: int,
         *,
-        device: int | None = None,
+        device: DeviceLike | None = None,
         config: Config | None = None,
         stream: StreamLike = None,
         watchdog_timeout: float | None = None,
@@ -79,7 +85,7 @@ class Communicator(Introspection, VCollectives, Extras):
         nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
         rank = check_index(rank, "rank", nranks, f"for a communicator of size {nranks}")
         if device is not None:
-            device = check_c_int(device, "device", 0)
+            device = check_device_ordinal(device)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a pynccl.Config, got {type(config).__name__}")
         if watchdog_timeout is not None:
@@ -219,7 +225,7 @@ class Communicator(Introspection, VCollectives, Extras):
         ``devices`` is a list of device ordinals or a count (``range(n)``).
         """
         if isinstance(devices, Sequence):
-            devs = [check_c_int(d, "devices", 0, what="(device ordinals)") for d in devices]
+            devs = [check_device_ordinal(d, "devices") for d in devices]
         else:
             devs = list(range(check_c_int(devices, "devices", 0)))
         if not devs:

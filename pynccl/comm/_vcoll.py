@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .. import groups as _groups
 from .._adapt import as_buffer, as_stream, check_device, is_complex
-from .._limits import check_count, check_extent, check_pointer
+from .._limits import check_count, check_extent, check_pointer, is_pointer_object
 from ..dtypes import as_element_type, canonical_name
 from ..enums import DataType, RedOp
 from ._args import resolve_op
@@ -82,6 +82,8 @@ class VCollectives(Extras):
     ) -> _Buf:
         """``obj``'s pointer and type, checked to hold ``extent`` elements (``what`` says
         which count or displacement needs them)."""
+        if type(obj) is not int and is_pointer_object(obj):
+            obj = int(obj)  # a cuda.bindings CUdeviceptr
         if type(obj) is int:
             if dtype is None:
                 raise TypeError(
