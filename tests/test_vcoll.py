@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _worlds import ThreadWorld
 
-from pynccl import NcclInvalidUsage
+from pynccl import Communicator, NcclInvalidUsage, UniqueId
 from pynccl.cuda import DeviceBuffer, Graph, Stream
 
 SIZES = [1, 2, 3, 4]
@@ -365,3 +365,26 @@ def test_v_collectives_and_barrier_capture_and_replay(
             np.testing.assert_array_equal(
                 out[r][2 * step + 1], n * gathered[offs[r] : offs[r] + counts[r]]
             )
+
+
+def test_barrier_first_call_is_refused_inside_a_capture(lb: Any) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    s = Stream(non_blocking=True)
+    g = Graph()
+    try:
+        with DeviceBuffer.from_numpy(np.ones(3, np.float32)) as x, DeviceBuffer(3, "float32") as y:
+            with g.capture(s, "thread_local"):
+                with pytest.raises(NcclInvalidUsage, match=r"barrier's first call .* CUDA graph"):
+                    comm.barrier(stream=s)
+                comm.all_reduce(x, y, stream=s)  # the capture is intact
+            assert comm._barrier_buf == []
+            g.replay()
+            s.synchronize()
+            np.testing.assert_array_equal(y.to_numpy(), np.ones(3, np.float32))
+            comm.barrier(stream=s)  # outside a capture: allocates
+            comm.synchronize(s, timeout=30)
+            assert len(comm._barrier_buf) == 1
+    finally:
+        g.close()
+        s.close()
+        comm.destroy()
