@@ -209,7 +209,8 @@ class Params(Mapping[str, str]):
         return (out.value or b"").decode("utf-8", "replace")
 
     def get_bytes(self, key: str) -> bytes:
-        """The parameter's value in its native binary layout (``ncclParamGet``)."""
+        """The parameter's value in its native binary layout (``ncclParamGet``; requires
+        NCCL >= 2.30.3)."""
         L, h = self._handle(key)
         return self._raw(L, h, key)
 
