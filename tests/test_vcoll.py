@@ -5,7 +5,10 @@ issued (the receive buffer unchanged); capture into a CUDA graph and replay."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -388,3 +391,61 @@ def test_barrier_first_call_is_refused_inside_a_capture(lb: Any) -> None:
         g.close()
         s.close()
         comm.destroy()
+
+
+WORKER = """
+import numpy as np
+import pynccl
+from pynccl.cuda import DeviceBuffer
+
+comm = pynccl.Communicator.from_env()
+r, n = comm.rank, comm.size
+counts = [(3 * j + 1) % 5 for j in range(n)]  # 1, 4, 2, 0: uneven, one empty block
+def data(j, k, salt):
+    return (np.arange(k) * (j + 2) + salt).astype(np.float64)
+ok = []
+with DeviceBuffer.from_numpy(data(r, counts[r], 1)) as x, DeviceBuffer(sum(counts), "float64") as y:
+    comm.all_gather_v(x, y, counts)
+    comm.synchronize(timeout=60)
+    expect = np.concatenate([data(j, counts[j], 1) for j in range(n)])
+    ok.append(np.array_equal(y.to_numpy(), expect))
+total = sum(counts)
+with DeviceBuffer.from_numpy(data(r, total, 7)) as x, DeviceBuffer(5, "float64") as y:
+    comm.reduce_scatter_v(x, y, counts, "sum")
+    comm.barrier()
+    comm.synchronize(timeout=60)
+    start = sum(counts[:r])
+    expect = sum(data(j, total, 7) for j in range(n))[start : start + counts[r]]
+    ok.append(np.array_equal(y.to_numpy()[: counts[r]], expect))
+sc = [(r + j) % 3 for j in range(n)]             # to rank j
+rc = [(j + r) % 3 for j in range(n)]             # from rank j: its sc[r]
+send = np.concatenate([data(100 * r + j, sc[j], 3) for j in range(n)] + [np.zeros(0)])
+with DeviceBuffer.from_numpy(send) as x, DeviceBuffer(max(sum(rc), 1), "float64") as y:
+    comm.all_to_all_v(x, y, sc, rc)
+    comm.synchronize(timeout=60)
+    expect = np.concatenate([data(100 * j + r, rc[j], 3) for j in range(n)] + [np.zeros(0)])
+    ok.append(np.array_equal(y.to_numpy()[: sum(rc)], expect))
+comm.destroy()
+print(f"VCOLL rank={r} ok={all(ok)} checks={len(ok)}", flush=True)
+"""
+
+
+def test_four_processes(lb_env: dict[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "vcoll_worker.py"
+    script.write_text(WORKER)
+    env = dict(lb_env)
+    for key in ("PYNCCL_NCCL_LIBRARY", "PYNCCL_CUDART_LIBRARY"):
+        env.pop(key, None)  # --loopback provides them
+    cmd = [sys.executable, "-m", "pynccl", "launch", "-n", "4", "--loopback"]
+    proc = subprocess.run(
+        [*cmd, "--timeout", "120", str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = sorted(
+        line[line.index("VCOLL") :] for line in proc.stdout.splitlines() if "VCOLL" in line
+    )
+    assert lines == [f"VCOLL rank={r} ok=True checks=3" for r in range(4)], proc.stdout
