@@ -43,6 +43,7 @@ _LAZY: dict[str, str] = {
     "cudart": "library",
     "version": "library",
     "Communicator": "comm",
+    "CommProperties": "comm._properties",
     "Config": "comm",
     "UniqueId": "comm",
     "Registration": "comm",
@@ -52,6 +53,8 @@ _LAZY: dict[str, str] = {
     "group_start": "groups",
     "group_end": "groups",
     "DeviceBuffer": "cuda",
+    "params": "comm._params",
+    "Params": "comm._params",
     "Event": "cuda",
     "Stream": "cuda",
     "device_count": "cuda",
@@ -61,11 +64,14 @@ _LAZY: dict[str, str] = {
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from .comm import Communicator, Config, Registration, SignalWait, UniqueId, Window
+    from .comm._params import Params, params
+    from .comm._properties import CommProperties
     from .cuda import DeviceBuffer, Event, Stream, device_count
     from .groups import group, group_end, group_start
     from .library import cudart, lib, load_cudart, load_library, version
 
 __all__ = [
+    "CommProperties",
     "Communicator",
     "Config",
     "CudaError",
@@ -83,6 +89,7 @@ __all__ = [
     "NcclTimeoutError",
     "NcclUnhandledCudaError",
     "NotSupportedError",
+    "Params",
     "RedOp",
     "Registration",
     "Result",
@@ -101,6 +108,7 @@ __all__ = [
     "lib",
     "load_cudart",
     "load_library",
+    "params",
     "version",
 ]
 

@@ -26,11 +26,14 @@ __all__ = [
     "U64",
     "check_c_int",
     "check_count",
+    "check_device_ordinal",
     "check_extent",
     "check_index",
     "check_pointer",
     "check_timeout",
     "index_int",
+    "is_pointer_object",
+    "pointer_int",
 ]
 
 #: One past the largest ``size_t`` / pointer value on the platforms NCCL supports.
@@ -99,11 +102,40 @@ def check_index(value: Any, name: str, size: int, what: str = "") -> int:
     return n
 
 
+def check_device_ordinal(value: Any, name: str = "device") -> int:
+    """A CUDA device ordinal for a C ``int``: an integer (``int``/``__index__``) in
+    [0, 2**31), or an object whose ``device_id`` is one (a cuda.core ``Device``)."""
+    if type(value) is int and 0 <= value <= C_INT_MAX:
+        return value
+    if not hasattr(type(value), "__index__"):
+        device_id = getattr(value, "device_id", None)
+        if device_id is not None and not isinstance(value, (bool, float, str, bytes)):
+            return check_c_int(device_id, f"{name}.device_id", 0)
+    return check_c_int(value, name, 0)
+
+
+def is_pointer_object(value: Any) -> bool:
+    """cuda.bindings' pointer types (``CUdeviceptr``): ``__int__`` gives the address, but
+    they have no ``__index__``. Recognised by type, without importing cuda.bindings."""
+    cls = type(value)
+    return cls.__name__ == "CUdeviceptr" and cls.__module__.startswith("cuda.bindings")
+
+
+def pointer_int(value: Any, name: str) -> int:
+    """``value`` as a pointer-sized int: an ``int``/``__index__`` object (never bool or
+    float), or a cuda.bindings ``CUdeviceptr``. Range checks are :func:`check_pointer`'s."""
+    if type(value) is int:
+        return value
+    if is_pointer_object(value):
+        return int(value)
+    return index_int(value, name, "a pointer (int)")
+
+
 def check_pointer(value: Any, name: str, nbytes: int = 1) -> int:
     """A device address for ``nbytes`` bytes: an integer in (0, 2**64) such that the range
     ``[ptr, ptr + nbytes)`` does not pass 2**64. NULL is accepted only when ``nbytes`` is 0
-    (NCCL reads nothing then)."""
-    ptr = index_int(value, name, "a pointer (int)")
+    (NCCL reads nothing then). A cuda.bindings ``CUdeviceptr`` counts as its address."""
+    ptr = pointer_int(value, name)
     if ptr < 0 or ptr >= U64:
         raise ValueError(f"{name}={ptr:#x} is not a valid pointer; expected 0 < {name} < 2**64")
     if ptr == 0:

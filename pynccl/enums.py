@@ -13,6 +13,8 @@ __all__ = [
     "CTAPolicy",
     "DataType",
     "EncryptionMode",
+    "GinConnectionType",
+    "GinType",
     "MemStat",
     "RedOp",
     "Result",
@@ -223,3 +225,23 @@ class EncryptionMode(IntEnum):
 
     NONE = 0
     PSK = 1
+
+
+class GinType(IntEnum):
+    """``ncclGinType_t`` (``nccl_device/core.h``): a GPU-initiated networking backend, as
+    :attr:`pynccl.CommProperties.gin_type` reports it (NCCL >= 2.29)."""
+
+    NONE = 0
+    PROXY = 2  # not 1: matches NCCL_NET_DEVICE_GIN_PROXY
+    GDAKI = 3
+    GPI = 4
+    EFA_GDA = 5
+
+
+class GinConnectionType(IntEnum):
+    """``ncclGinConnectionType_t`` (``nccl_device/core.h``): which ranks GIN connects."""
+
+    NONE = 0
+    FULL = 1
+    RAIL = 2
+    CUSTOM_STRIDE = 3

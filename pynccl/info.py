@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import sys
-from ctypes import POINTER, byref, c_char_p, c_int, create_string_buffer
+from ctypes import byref, c_int, create_string_buffer
 from typing import Any
 
 __all__ = ["LOOPBACK_HINT", "collect", "format_text", "main", "no_gpu_error"]
@@ -167,22 +167,12 @@ def _nccl_params(lib: Any) -> dict[str, Any]:
             "supported": False,
             "reason": f"libnccl {_version_str(lib.version)} has no parameter API (NCCL >= 2.30)",
         }
+    from .comm._params import keys, text
+
     values: dict[str, str | None] = {}
     try:
-        table = POINTER(c_char_p)()
-        count = c_int(0)
-        lib.ncclParamGetAllParameterKeys(byref(table), byref(count))
-        # The table is only valid until the next call: copy the keys out first.
-        keys = [(table[i] or b"").decode("utf-8", "replace") for i in range(count.value)]
-        get = lib.raw("ncclParamGetParameter")
-        for key in keys:
-            value = c_char_p()
-            length = c_int(0)
-            if get(key.encode(), byref(value), byref(length)) != 0:
-                values[key] = None
-                continue
-            raw = value.value or b""
-            values[key] = raw[: max(length.value, 0)].decode("utf-8", "replace")
+        for key in keys(lib):
+            values[key] = text(key, lib)
     except Exception as e:
         return {"supported": True, "error": _error_text(e), "values": values}
     return {

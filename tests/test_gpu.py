@@ -291,6 +291,8 @@ def test_torch_tensors_including_bfloat16_via_dlpack(ngpus: int) -> None:
 def test_cuda_core_streams_and_buffers(ngpus: int) -> None:
     if not (_has("cuda.core") or _has("cuda.core.experimental")):
         pytest.skip("cuda.core (cuda-python) is not installed")
+    if REHEARSAL:  # cuda.core imports without a driver, but its Device calls cuInit
+        pytest.skip("cuda.core needs the NVIDIA driver, which the loopback does not stand in for")
     out = run_child(
         """
         import json

@@ -7,7 +7,7 @@ from ._cai import _make_cai_handler
 from ._common import _CACHE_LIMIT, _instance_has, _not_a_buffer
 from ._devbuf import _device_buffer_handler
 from ._dlpack import _make_dlpack_handler
-from ._pointer import _from_pointer
+from ._pointer import _from_pointer, _special_handler
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
 if TYPE_CHECKING:
@@ -25,6 +25,8 @@ def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
         handler: BufferHandler = _from_pointer
     elif (fast := _device_buffer_handler(cls)) is not None:
         handler = fast
+    elif (special := _special_handler(cls)) is not None:  # before DLPack: Buffer has it
+        handler = special
     elif hasattr(cls, "__cuda_array_interface__") or _instance_has(obj, "__cuda_array_interface__"):
         # Decided on the class where possible: evaluating the property may raise
         # for this instance (a torch CPU or bfloat16 tensor) and not for the next.
@@ -63,9 +65,11 @@ def as_buffer(
 ) -> BufferInfo:
     """``(ptr, nelems, datatype, device)`` for a buffer argument called ``name``.
 
-    ``obj`` is an ``int`` device pointer (then ``count`` and ``dtype`` are
-    required), a :class:`pynccl.cuda.DeviceBuffer`, or an array exposing
-    ``__cuda_array_interface__`` or DLPack. For an array, ``count`` (if given)
+    ``obj`` is an ``int`` device pointer or a cuda.bindings ``CUdeviceptr`` (then
+    ``count`` and ``dtype`` are required), a :class:`pynccl.cuda.DeviceBuffer`, a cuda.core
+    ``Buffer`` (untyped bytes: uint8, or elements of ``dtype`` when its size is a whole
+    number of them), or an array exposing ``__cuda_array_interface__`` or DLPack. For an
+    array, ``count`` (if given)
     must not exceed its element count and is what is returned, and ``dtype`` (if
     given) must be the array's type. ``writable=True`` refuses read-only arrays
     (for receive buffers). ``stream`` is the stream the caller will use, passed

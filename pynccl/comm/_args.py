@@ -14,7 +14,16 @@ from .. import _adapt
 from .._adapt import _BUFFER_HANDLERS, as_stream, buffer_handler, check_device
 from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, size_arg
 from .._capi.nccl import C_REDOP
-from .._limits import U64, check_count, check_extent, check_index, check_pointer, index_int
+from .._limits import (
+    U64,
+    check_count,
+    check_extent,
+    check_index,
+    check_pointer,
+    index_int,
+    is_pointer_object,
+    pointer_int,
+)
 from ..dtypes import as_datatype, canonical_name
 from ..enums import DataType, RedOp
 from ..errors import NotSupportedError
@@ -176,6 +185,8 @@ def prepare(
     ptrs = {"send": 0, "recv": 0}
     for which in order:
         obj = bufs[which]
+        if type(obj) is not int and is_pointer_object(obj):
+            obj = pointer_int(obj, which)  # a cuda.bindings CUdeviceptr: its raw pointer
         name = which + "buf"
         kind = spec.send if which == "send" else spec.recv
         if kind == "-" or (which == "recv" and in_place):

@@ -13,7 +13,7 @@ from .. import groups as _groups
 from .._adapt import as_stream
 from .._capi.nccl import C_DATATYPE
 from .._capi.structs import ncclUniqueId
-from .._limits import C_INT_MAX, check_c_int, check_index, check_timeout
+from .._limits import C_INT_MAX, check_c_int, check_device_ordinal, check_index, check_timeout
 from ..enums import DataType, Result
 from ..errors import NcclInvalidUsage, NotSupportedError
 from ..library import cudart, lib
@@ -23,9 +23,11 @@ from ._codegen import install
 from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
+from ._introspect import Introspection
 from ._signals import Signals, rma_limits
 from ._spec import COLLECTIVES, CollSpec
 from ._uid import UniqueId, as_unique_ids
+from ._vcoll import VCollectives
 
 __all__ = ["Communicator"]
 
@@ -35,13 +37,16 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .._capi.nccl import NcclLibrary
+    from ..cuda import DeviceBuffer
     from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
+
+    DeviceLike = Any  # an int, an __index__ object, or one with .device_id (cuda.core)
 
 _IN_PROGRESS = 7
 _P63 = 1 << 63
 
 
-class Communicator(Signals, Extras):
+class Communicator(Signals, Introspection, VCollectives, Extras):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -49,7 +54,11 @@ class Communicator(Signals, Extras):
     ``ncclCommInitRank`` (or ``ncclCommInitRankConfig`` with a :class:`Config`,
     or ``ncclCommInitRankScalable`` — NCCL >= 2.23 — when ``unique_id`` is a list).
 
-    Buffers are raw device pointers (``int``, with ``count=`` and ``dtype=``), or
+    ``device`` is an ordinal (an ``int`` or ``__index__`` object) or an object with a
+    ``device_id`` (a cuda.core ``Device``).
+
+    Buffers are raw device pointers (``int`` or a cuda.bindings ``CUdeviceptr``, with
+    ``count=`` and ``dtype=``), a cuda.core ``Buffer`` (bytes, typed by ``dtype=``), or
     objects exposing ``__cuda_array_interface__`` or DLPack on a CUDA device.
     ``count`` is NCCL's: elements per rank. ``stream=None`` uses :attr:`stream`.
 
@@ -60,7 +69,7 @@ class Communicator(Signals, Extras):
     destroy or abort from another thread waits for the call in flight.
     """
 
-    __slots__ = ("_array_ops", "_fast_n", "_ops", "_regs", "_rma", "_wins")
+    __slots__ = ("_array_ops", "_barrier_buf", "_fast_n", "_ops", "_regs", "_rma", "_wins")
 
     def __init__(
         self,
@@ -68,7 +77,7 @@ class Communicator(Signals, Extras):
         unique_id: UniqueId | bytes | Sequence[UniqueId | bytes],
         rank: int,
         *,
-        device: int | None = None,
+        device: DeviceLike | None = None,
         config: Config | None = None,
         stream: StreamLike = None,
         watchdog_timeout: float | None = None,
@@ -78,7 +87,7 @@ class Communicator(Signals, Extras):
         nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
         rank = check_index(rank, "rank", nranks, f"for a communicator of size {nranks}")
         if device is not None:
-            device = check_c_int(device, "device", 0)
+            device = check_device_ordinal(device)
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config must be a pynccl.Config, got {type(config).__name__}")
         if watchdog_timeout is not None:
@@ -127,6 +136,7 @@ class Communicator(Signals, Extras):
         self._regs = {}
         self._wins = {}
         self._seq = 0
+        self._barrier_buf: list[DeviceBuffer] = []  # barrier()'s, once allocated
         self._ring: list[object] = [None] * _recorder.RING_SIZE
         version = L.version
         self._rma = rma_limits(version, None)
@@ -224,7 +234,7 @@ class Communicator(Signals, Extras):
         ``devices`` is a list of device ordinals or a count (``range(n)``).
         """
         if isinstance(devices, Sequence):
-            devs = [check_c_int(d, "devices", 0, what="(device ordinals)") for d in devices]
+            devs = [check_device_ordinal(d, "devices") for d in devices]
         else:
             devs = list(range(check_c_int(devices, "devices", 0)))
         if not devs:

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .._limits import check_device_ordinal
 from ..bootstrap._seal import KEY_ENV
 from ..bootstrap.backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
 from ..bootstrap.env import LaunchEnv, detect_launch_env, select_device
@@ -78,7 +79,7 @@ def from_env(
     file: str | os.PathLike[str] | None = None,
     config: Config | None = None,
     nids: int = 1,
-    device: int | None = None,
+    device: Any = None,
     rendezvous: Rendezvous | None = None,
     environ: Mapping[str, str] | None = None,
     watchdog_timeout: float | None = None,
@@ -107,8 +108,8 @@ def from_env(
     env = detect_launch_env(environ)
     if device is None:
         device = select_device(env, environ)
-    elif isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise ValueError(f"device={device!r} is not a non-negative integer")
+    else:
+        device = check_device_ordinal(device)
     backend = make_rendezvous(
         env, store=store, mpi_comm=mpi_comm, file=file, rendezvous=rendezvous, environ=environ
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import library as _library
-from .._limits import check_c_int
+from .._limits import check_device_ordinal
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ def _rt() -> Any:
 
 
 def _check_index(name: str, value: object) -> int:
-    """A device index for a C ``int``: an integer in [0, 2**31) (never bool or float), in
-    the words of :func:`pynccl._limits.check_c_int`; ``cudaSetDevice`` and friends say
-    whether that device exists."""
-    return check_c_int(value, name, 0)
+    """A device ordinal for a C ``int`` (:func:`pynccl._limits.check_device_ordinal`: an
+    integer in [0, 2**31), never bool or float, or a cuda.core ``Device``);
+    ``cudaSetDevice`` and friends say whether that device exists."""
+    return check_device_ordinal(value, name)

@@ -1,0 +1,32 @@
+"""The communicator's introspection: :attr:`properties` (``ncclCommQueryProperties``)."""
+
+from __future__ import annotations
+
+from ._handle import HANDLE
+from ._observe import Observed
+
+__all__ = ["Introspection"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._properties import CommProperties
+
+
+class Introspection(Observed):
+    """``properties`` (a base of Communicator)."""
+
+    __slots__ = ()
+
+    @property
+    def properties(self) -> CommProperties:
+        """A :class:`~pynccl.CommProperties` from ``ncclCommQueryProperties`` (NCCL >=
+        2.29.2; :class:`~pynccl.NotSupportedError` before): ``rank``, ``size``, ``device``
+        and every other field the loaded release fills (``None`` where it is too old).
+
+        Queried on each read (nothing is cached: the values belong to this handle, and
+        the call is cheap); works in any state but a terminal one, waiting for a
+        non-blocking initialisation to finish first.
+        """
+        from ._properties import query
+
+        return query(self._lib, lambda p: self._call_locked("ncclCommQueryProperties", HANDLE, p))
