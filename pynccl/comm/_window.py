@@ -87,7 +87,8 @@ class Window:
 
     @property
     def user_ptr(self) -> int:
-        """This rank's registered address (``ncclWinGetUserPtr`` where NCCL has it)."""
+        """This rank's registered address (``ncclWinGetUserPtr`` from NCCL 2.29 on; the
+        address given to :meth:`Communicator.register_window` before)."""
         h = self.handle
         comm = self._comm
         if not comm._lib.has("ncclWinGetUserPtr"):
@@ -158,8 +159,8 @@ class Window:
         return int(out.value) if out.value else None
 
     def close(self) -> None:
-        """Drop one reference; the last deregisters (``ncclCommWindowDeregister``,
-        collective: every rank closes its window). Idempotent once closed."""
+        """Drop one reference; the last deregisters (``ncclCommWindowDeregister``, NCCL >=
+        2.27, collective: every rank closes its window). Idempotent once closed."""
         self._comm._close_window(self)
 
     def __enter__(self) -> Window:

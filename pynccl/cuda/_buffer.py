@@ -205,7 +205,8 @@ class DeviceBuffer:
 
     @property
     def allocator(self) -> str:
-        """``"nccl"`` (``ncclMemAlloc``) or ``"cuda"`` (``cudaMalloc``): how it was allocated."""
+        """``"nccl"`` (``ncclMemAlloc``, NCCL >= 2.19) or ``"cuda"`` (``cudaMalloc``): how it
+        was allocated."""
         return "nccl" if self._nccl else "cuda"
 
     @property
