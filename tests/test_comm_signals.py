@@ -216,6 +216,15 @@ def test_several_signals_and_contexts_from_the_config(lb: Any) -> None:
         assert world.run(body) == {0: True, 1: True}
 
 
+def test_ring_on_non_blocking_communicators(lb: Any) -> None:
+    from _worlds import ThreadWorld
+
+    with ThreadWorld(2, config=pynccl.Config(blocking=False)) as world:
+        out = world.run(lambda r, comm: ring(comm, 2, graphed=False))
+        assert out == {0: [True, True], 1: [True, True]}
+        assert all(c.windows == [] and c.state == "ready" for c in world.comms.values())
+
+
 @pytest.mark.parametrize(
     ("version", "what"),
     [("2.24.3", "it requires NCCL >= 2.29.2"), ("2.30.7", "signal=1 is out of range")],

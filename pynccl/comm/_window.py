@@ -229,7 +229,8 @@ class Windows(Memory):
             known._refs += 1
             return known
         win = Window(self, ptr, size, bits, dt, buf)
-        self._call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
+        rc = self._call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
+        self._settle(rc)
         _groups.keep_alive((win, buf))
         self._wins[key] = win
         return win
@@ -282,9 +283,19 @@ class Windows(Memory):
             return
         self._refuse_if_capturing("ncclCommWindowDeregister")
         h = win.handle
-        self._call_locked("ncclCommWindowDeregister", HANDLE, h)
+        self._settle(self._call_locked("ncclCommWindowDeregister", HANDLE, h))
         _groups.keep_alive((win, win._buf))
         self._forget(win)
+
+    def _settle(self, rc: int) -> None:
+        """A non-blocking communicator's registration still in progress: wait for it
+        (inside a group, the group's end does)."""
+        if rc == Result.IN_PROGRESS:
+            if _groups.group_depth() > 0:
+                _groups.in_progress_later(self)  # type: ignore[arg-type]
+            else:
+                self._mark_pending()
+                self.wait_ready()
 
     def _forget(self, win: Window) -> None:
         win._closed = True
