@@ -158,6 +158,31 @@ class Window:
         comm._call_locked("ncclGetPeerDevicePointer", h, off, p, byref(out))
         return int(out.value) if out.value else None
 
+    def lsa_pointer(self, lsa_rank: int, offset: int = 0) -> int:
+        """``ncclGetLsaDevicePointer`` (NCCL >= 2.29): the address of rank ``lsa_rank`` *of
+        this rank's load/store-accessible team* (``ncclTeamLsa``: the ranks whose memory
+        this device can reach, numbered from 0), ``offset`` elements of :attr:`dtype` in."""
+        comm = self._comm
+        off = self._byte_offset(offset)
+        h = self.handle
+        comm._lib.require("ncclGetLsaDevicePointer", _PEER_POINTER)
+        size = int(comm._call_value("ncclTeamLsa").nRanks)
+        r = check_index(lsa_rank, "lsa_rank", size, f"for an LSA team of size {size}")
+        out = c_void_p()
+        comm._call_locked("ncclGetLsaDevicePointer", h, off, r, byref(out))
+        return int(out.value or 0)
+
+    def multimem_pointer(self, offset: int = 0) -> int | None:
+        """``ncclGetLsaMultimemDevicePointer`` (NCCL >= 2.29): the multicast (NVLS) address
+        of the window's LSA team, ``offset`` elements in; ``None`` without multicast."""
+        comm = self._comm
+        off = self._byte_offset(offset)
+        h = self.handle
+        comm._lib.require("ncclGetLsaMultimemDevicePointer", _PEER_POINTER)
+        out = c_void_p()
+        comm._call_locked("ncclGetLsaMultimemDevicePointer", h, off, byref(out))
+        return int(out.value) if out.value else None
+
     def close(self) -> None:
         """Drop one reference; the last deregisters (``ncclCommWindowDeregister``, NCCL >=
         2.27, collective: every rank closes its window). Idempotent once closed."""
@@ -286,6 +311,23 @@ class Windows(Memory):
         self._settle(self._call_locked("ncclCommWindowDeregister", HANDLE, h))
         _groups.keep_alive((win, win._buf))
         self._forget(win)
+
+    def _call_value(self, function: str) -> Any:
+        """A value-returning host function of ``nccl_device/host.h`` taking only the
+        communicator (``ncclTeamLsa``), under the gate."""
+        self._live()
+        gate = self._gate
+        try:
+            gate.pop()
+        except IndexError:
+            self._wait_gate()
+        try:
+            h = self._h
+            if h is None:
+                h = self._gone()
+            return self._lib.raw(function)(h)
+        finally:
+            gate.append(True)
 
     def _settle(self, rc: int) -> None:
         """A non-blocking communicator's registration still in progress: wait for it
