@@ -96,6 +96,39 @@ def test_graph_captures_put_and_wait_and_replays_new_data(get: Any) -> None:
     assert out == {r: [True] * 3 for r in range(3)}
 
 
+def test_put_into_a_larger_non_symmetric_window_of_the_peer(get: Any) -> None:
+    # Rank 1's window is twice rank 0's: rank 0 may put past its own window's size (NCCL
+    # checks the peer's); a window too small there is NCCL's error, with its text.
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> Any:
+        src = comm.mem_alloc(N, "float32")
+        dst = comm.mem_alloc(2 * N, "float32")
+        sw = comm.register_window(src)
+        dw = comm.register_window(dst, nbytes=4 * N * (r + 1), symmetric=False)
+        src.copy_from(pattern(r, 0))
+        barrier(comm, None)
+        try:
+            if r == 0:
+                comm.put_signal(src, 1, dw, offset=N)  # past rank 0's own 4*N bytes
+                with pytest.raises(ValueError, match="do not fit in the window of 1024 bytes"):
+                    comm.put_signal(src, 1, sw, offset=1)  # symmetric: checked here
+            else:
+                with pytest.raises(pynccl.NcclInvalidArgument, match="do not fit in rank 0's"):
+                    comm.put_signal(src, 0, dw, offset=1)
+                comm.wait_signal(SignalWait(0))
+            comm.synchronize(timeout=60)
+            return dst.to_numpy()[N:]
+        finally:
+            dw.close()
+            sw.close()
+            src.close()
+            dst.close()
+
+    out = world.run(body)
+    np.testing.assert_array_equal(out[1], pattern(0, 0))
+
+
 def test_signal_without_data_and_several_waits(get: Any) -> None:
     # Every rank signals every other rank twice; each waits for count=2 from each peer
     # in one wait_signal of several descriptors (which only returns once all arrived).

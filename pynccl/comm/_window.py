@@ -16,7 +16,7 @@ from __future__ import annotations
 from ctypes import byref, c_int64, c_void_p, sizeof
 
 from .. import groups as _groups
-from .._limits import check_count, check_index
+from .._limits import U64, check_count, check_index
 from ..enums import WIN_REQUIRED_ALIGNMENT, DataType, Result, WinFlag
 from ..errors import NcclInvalidUsage
 from ._handle import HANDLE, TERMINAL
@@ -133,15 +133,18 @@ class Window:
 
     def _byte_offset(self, offset: object, count: int = 0, itemsize: int = 0) -> int:
         """``offset`` elements (of ``itemsize`` bytes; default :attr:`dtype`'s) as bytes,
-        checked so that ``count`` more elements (at least one byte) fit in the window."""
+        checked so that ``count`` more elements (at least one byte) fit in the window. A
+        window that is not symmetric may be larger on the peer: only the address space
+        bounds it here (NCCL checks the peer's size)."""
         off = check_count(offset, "offset")
         item = itemsize or self._dtype.itemsize
         start = off * item
-        if start + max(count * item, 1) > self._nbytes:
+        limit = self._nbytes if self._flags & WinFlag.COLL_SYMMETRIC else U64
+        if start + max(count * item, 1) > limit:
             what = f"offset={off}" + (f" + count={count}" if count else "")
             raise ValueError(
                 f"{what} elements of {item} bytes do not fit in the window of "
-                f"{self._nbytes} bytes"
+                f"{limit} bytes"
             )
         return start
 
