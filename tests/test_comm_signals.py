@@ -10,6 +10,7 @@ predecessor sent. Run as a script, this module is one rank of the process world:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -277,7 +278,8 @@ def test_emulated_older_releases(version: str, what: str) -> None:
                 assert str(info.value).startswith("ncclSignal is not supported")
 
 
-def test_put_signal_ring_in_a_four_process_world(lb_env: dict[str, str]) -> None:
+def test_put_signal_ring_in_a_four_process_world(lb: Any, lb_env: dict[str, str]) -> None:
+    # lb: the unique id comes from the loopback libnccl the ranks use
     uid = pynccl.UniqueId()
     procs = [
         subprocess.Popen(
@@ -301,7 +303,22 @@ def test_put_signal_ring_in_a_four_process_world(lb_env: dict[str, str]) -> None
                 p.wait()
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r}:\n{out}"
-        assert f"RING rank={r} ok=[True, True, True] graphed=[True, True]" in out, out
+        assert f"RING rank={r} ok=[True, True, True] graphed=[True, True] peer=True" in out, out
+
+
+def peer_bytes(comm: Communicator) -> bool:
+    """peer_pointer of the next rank (another process: its memory mapped here) reads what
+    that rank wrote into its window."""
+    nxt = (comm.rank + 1) % comm.size
+    buf = comm.mem_alloc(N, "float32")
+    buf.copy_from(pattern(comm.rank, 9))
+    with comm.register_window(buf) as win:
+        ptr = win.peer_pointer(nxt)
+        assert ptr is not None
+        seen = np.ctypeslib.as_array((ctypes.c_float * N).from_address(ptr)).copy()
+        barrier(comm, None)  # nobody frees its buffer while a peer still reads it
+    buf.close()
+    return bool(np.array_equal(seen, pattern(nxt, 9)))
 
 
 def _worker(argv: list[str]) -> int:
@@ -309,9 +326,10 @@ def _worker(argv: list[str]) -> int:
     with Communicator(nranks, uid, rank, device=rank) as comm:
         ok = ring(comm, 3, graphed=False)
         graphed = ring(comm, 2, graphed=True)
+        peer = peer_bytes(comm)
         assert comm.windows == []
-    print(f"RING rank={rank} ok={ok} graphed={graphed}", flush=True)
-    return 0 if all(ok + graphed) else 1
+    print(f"RING rank={rank} ok={ok} graphed={graphed} peer={peer}", flush=True)
+    return 0 if all([*ok, *graphed, peer]) else 1
 
 
 if __name__ == "__main__":
