@@ -151,6 +151,35 @@ def test_signal_without_data_and_several_waits(get: Any) -> None:
     assert world.run(body) == {0: True, 1: True, 2: True}
 
 
+def test_abort_from_another_thread_while_signalling(lb: Any) -> None:
+    # The one-sided calls pass the handle under the gate, like the collectives: an abort
+    # from another thread never hands NCCL a freed communicator; the loop gets told why.
+    import threading
+
+    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
+    stream = Stream(non_blocking=True)
+    started = threading.Event()
+    caught: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while True:
+                comm.signal(0, stream=stream)
+                started.set()
+        except BaseException as exc:  # the abort's refusal ends the loop
+            caught.append(exc)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    assert started.wait(30)
+    comm.abort()
+    t.join(30)
+    assert not t.is_alive()
+    assert isinstance(caught[0], pynccl.NcclInvalidUsage)
+    assert "aborted" in str(caught[0])
+    stream.close()
+
+
 def test_signal_wait_is_a_frozen_value() -> None:
     a = SignalWait(1, count=2)
     assert a == SignalWait(1, 2, 0, 0) and hash(a) == hash(SignalWait(1, 2))
