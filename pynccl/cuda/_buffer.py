@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-    from ..typing import DTypeLike, IndexLike, StreamLike
+    from ..typing import DeviceLike, DTypeLike, IndexLike, StreamLike
 
 # cudaMemcpyKind
 _H2D = 1
@@ -121,7 +121,7 @@ class DeviceBuffer:
         self,
         shape: IndexLike | Sequence[IndexLike],
         dtype: DTypeLike = DataType.FLOAT32,
-        device: IndexLike | None = None,
+        device: DeviceLike | None = None,
     ) -> None:
         self._ptr = 0
         self._freed = False
@@ -203,7 +203,7 @@ class DeviceBuffer:
 
     @classmethod
     def from_numpy(
-        cls, array: Any, device: IndexLike | None = None, stream: StreamLike = None
+        cls, array: Any, device: DeviceLike | None = None, stream: StreamLike = None
     ) -> DeviceBuffer:
         """A new buffer holding a copy of ``array`` (any array-like numpy accepts).
 
