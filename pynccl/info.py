@@ -157,11 +157,6 @@ def _nccl_params(lib: Any) -> dict[str, Any]:
     """NCCL's parameter table (NCCL >= 2.30): key -> value, as strings."""
     if lib is None:
         return {"supported": False, "reason": "no libnccl loaded"}
-    if _is_loopback(lib.path):
-        return {
-            "supported": False,
-            "reason": "the loopback libnccl has no parameter API (NCCL's own has, from 2.30)",
-        }
     if not (lib.has("ncclParamGetAllParameterKeys") and lib.has("ncclParamGetParameter")):
         return {
             "supported": False,

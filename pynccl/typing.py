@@ -13,7 +13,8 @@ program that annotates); it loads no library.
 * ``StreamLike`` — what ``stream=`` takes: None (the default stream), an ``int`` handle,
   a :class:`pynccl.cuda.Stream`, or any object speaking a stream protocol.
 * ``DTypeLike``, ``OpLike`` and ``IndexLike`` — what ``dtype=``, ``op=`` and counts or
-  indices (``count=``, ``device=``) take.
+  indices (``count=``, ``root=``) take; ``DeviceLike`` — what ``device=`` takes (an index,
+  or :class:`HasDeviceId`: a cuda.core ``Device``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BufferLike",
     "DTypeLike",
+    "DeviceLike",
     "HasCudaStreamAttr",
+    "HasDeviceId",
     "HasStreamPtr",
     "IndexLike",
     "OpLike",
@@ -88,6 +91,14 @@ class HasStreamPtr(Protocol):
     def ptr(self) -> int: ...
 
 
+@runtime_checkable
+class HasDeviceId(Protocol):
+    """Has ``.device_id``, a CUDA device ordinal (``cuda.core.Device``)."""
+
+    @property
+    def device_id(self) -> int: ...
+
+
 #: A buffer for a collective: an array protocol object (a :class:`pynccl.cuda.DeviceBuffer`
 #: is a ``SupportsCAI``) or a raw device pointer (``int``, with ``count=`` and ``dtype=``).
 BufferLike = Union[SupportsCAI, SupportsDLPack, int]
@@ -103,3 +114,6 @@ DTypeLike = Union["DataType", str, int, type, object]
 OpLike = Union["RedOp", str, int]
 #: A count or an index: an int or any integer with ``__index__`` (numpy integers).
 IndexLike = SupportsIndex
+#: A CUDA device: an ordinal (an int or any ``__index__`` integer) or an object with a
+#: ``device_id`` (a cuda.core ``Device``); see :func:`pynccl._limits.check_device_ordinal`.
+DeviceLike = Union[SupportsIndex, HasDeviceId]

@@ -10,6 +10,7 @@ predecessor sent. Run as a script, this module is one rank of the process world:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -96,6 +97,39 @@ def test_graph_captures_put_and_wait_and_replays_new_data(get: Any) -> None:
     assert out == {r: [True] * 3 for r in range(3)}
 
 
+def test_put_into_a_larger_non_symmetric_window_of_the_peer(get: Any) -> None:
+    # Rank 1's window is twice rank 0's: rank 0 may put past its own window's size (NCCL
+    # checks the peer's); a window too small there is NCCL's error, with its text.
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> Any:
+        src = comm.mem_alloc(N, "float32")
+        dst = comm.mem_alloc(2 * N, "float32")
+        sw = comm.register_window(src)
+        dw = comm.register_window(dst, nbytes=4 * N * (r + 1), symmetric=False)
+        src.copy_from(pattern(r, 0))
+        barrier(comm, None)
+        try:
+            if r == 0:
+                comm.put_signal(src, 1, dw, offset=N)  # past rank 0's own 4*N bytes
+                with pytest.raises(ValueError, match="do not fit in the window of 1024 bytes"):
+                    comm.put_signal(src, 1, sw, offset=1)  # symmetric: checked here
+            else:
+                with pytest.raises(pynccl.NcclInvalidArgument, match="do not fit in rank 0's"):
+                    comm.put_signal(src, 0, dw, offset=1)
+                comm.wait_signal(SignalWait(0))
+            comm.synchronize(timeout=60)
+            return dst.to_numpy()[N:]
+        finally:
+            dw.close()
+            sw.close()
+            src.close()
+            dst.close()
+
+    out = world.run(body)
+    np.testing.assert_array_equal(out[1], pattern(0, 0))
+
+
 def test_signal_without_data_and_several_waits(get: Any) -> None:
     # Every rank signals every other rank twice; each waits for count=2 from each peer
     # in one wait_signal of several descriptors (which only returns once all arrived).
@@ -115,6 +149,35 @@ def test_signal_without_data_and_several_waits(get: Any) -> None:
             stream.close()
 
     assert world.run(body) == {0: True, 1: True, 2: True}
+
+
+def test_abort_from_another_thread_while_signalling(lb: Any) -> None:
+    # The one-sided calls pass the handle under the gate, like the collectives: an abort
+    # from another thread never hands NCCL a freed communicator; the loop gets told why.
+    import threading
+
+    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
+    stream = Stream(non_blocking=True)
+    started = threading.Event()
+    caught: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while True:
+                comm.signal(0, stream=stream)
+                started.set()
+        except BaseException as exc:  # the abort's refusal ends the loop
+            caught.append(exc)
+
+    t = threading.Thread(target=loop)
+    t.start()
+    assert started.wait(30)
+    comm.abort()
+    t.join(30)
+    assert not t.is_alive()
+    assert isinstance(caught[0], pynccl.NcclInvalidUsage)
+    assert "aborted" in str(caught[0])
+    stream.close()
 
 
 def test_signal_wait_is_a_frozen_value() -> None:
@@ -216,6 +279,15 @@ def test_several_signals_and_contexts_from_the_config(lb: Any) -> None:
         assert world.run(body) == {0: True, 1: True}
 
 
+def test_ring_on_non_blocking_communicators(lb: Any) -> None:
+    from _worlds import ThreadWorld
+
+    with ThreadWorld(2, config=pynccl.Config(blocking=False)) as world:
+        out = world.run(lambda r, comm: ring(comm, 2, graphed=False))
+        assert out == {0: [True, True], 1: [True, True]}
+        assert all(c.windows == [] and c.state == "ready" for c in world.comms.values())
+
+
 @pytest.mark.parametrize(
     ("version", "what"),
     [("2.24.3", "it requires NCCL >= 2.29.2"), ("2.30.7", "signal=1 is out of range")],
@@ -235,7 +307,8 @@ def test_emulated_older_releases(version: str, what: str) -> None:
                 assert str(info.value).startswith("ncclSignal is not supported")
 
 
-def test_put_signal_ring_in_a_four_process_world(lb_env: dict[str, str]) -> None:
+def test_put_signal_ring_in_a_four_process_world(lb: Any, lb_env: dict[str, str]) -> None:
+    # lb: the unique id comes from the loopback libnccl the ranks use
     uid = pynccl.UniqueId()
     procs = [
         subprocess.Popen(
@@ -259,7 +332,22 @@ def test_put_signal_ring_in_a_four_process_world(lb_env: dict[str, str]) -> None
                 p.wait()
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"rank {r}:\n{out}"
-        assert f"RING rank={r} ok=[True, True, True] graphed=[True, True]" in out, out
+        assert f"RING rank={r} ok=[True, True, True] graphed=[True, True] peer=True" in out, out
+
+
+def peer_bytes(comm: Communicator) -> bool:
+    """peer_pointer of the next rank (another process: its memory mapped here) reads what
+    that rank wrote into its window."""
+    nxt = (comm.rank + 1) % comm.size
+    buf = comm.mem_alloc(N, "float32")
+    buf.copy_from(pattern(comm.rank, 9))
+    with comm.register_window(buf) as win:
+        ptr = win.peer_pointer(nxt)
+        assert ptr is not None
+        seen = np.ctypeslib.as_array((ctypes.c_float * N).from_address(ptr)).copy()
+        barrier(comm, None)  # nobody frees its buffer while a peer still reads it
+    buf.close()
+    return bool(np.array_equal(seen, pattern(nxt, 9)))
 
 
 def _worker(argv: list[str]) -> int:
@@ -267,9 +355,10 @@ def _worker(argv: list[str]) -> int:
     with Communicator(nranks, uid, rank, device=rank) as comm:
         ok = ring(comm, 3, graphed=False)
         graphed = ring(comm, 2, graphed=True)
+        peer = peer_bytes(comm)
         assert comm.windows == []
-    print(f"RING rank={rank} ok={ok} graphed={graphed}", flush=True)
-    return 0 if all(ok + graphed) else 1
+    print(f"RING rank={rank} ok={ok} graphed={graphed} peer={peer}", flush=True)
+    return 0 if all([*ok, *graphed, peer]) else 1
 
 
 if __name__ == "__main__":

@@ -57,6 +57,28 @@ def test_window_properties_and_peer_pointer_reads_the_peer(get: Any) -> None:
     assert all(all(v) and len(v) == 9 for v in out.values())
 
 
+def test_lsa_and_multimem_pointers(get: Any) -> None:
+    # The loopback's LSA team is the whole world (every rank's memory is reachable) and it
+    # has no multicast: NCCL answers NULL for the multimem pointer then.
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> bool:
+        buf = comm.mem_alloc(N, "float32")
+        buf.copy_from(np.full(N, r + 5, np.float32))
+        with comm.register_window(buf) as win:
+            lsa = [win.lsa_pointer(p, 3) for p in range(2)]
+            assert lsa == [win.peer_pointer(p, 3) for p in range(2)]
+            assert [ctypes.c_float.from_address(a).value for a in lsa] == [5.0, 6.0]
+            assert win.multimem_pointer() is None
+            with pytest.raises(ValueError, match="lsa_rank=2 is out of range; expected 0 <= "
+                               "lsa_rank < 2 for an LSA team of size 2"):
+                win.lsa_pointer(2)
+        buf.close()
+        return True
+
+    assert world.run(body) == {0: True, 1: True}
+
+
 def test_same_range_twice_is_one_window_refcounted(get: Any) -> None:
     world = get(2)
 

@@ -278,11 +278,12 @@ def test_info_on_the_loopback() -> None:
     report = json.loads(proc.stdout)
     assert report["nccl"]["loopback"] is True and report["cudart"]["loopback"] is True
     assert report["cuda"]["device_count"] >= 1 and "hint" not in report["cuda"]
+    # The loopback serves NCCL 2.32.3's parameters known before init (the debug
+    # subsystem's), as pynccl.params reads them.
     params = report["nccl_parameters"]
-    assert params == {
-        "supported": False,
-        "reason": "the loopback libnccl has no parameter API (NCCL's own has, from 2.30)",
-    }
+    assert params["supported"] is True and "error" not in params
+    assert params["values"]["NCCL_DEBUG_SUBSYS"] == "INIT,ENV,BOOTSTRAP"
+    assert len(params["values"]) == 7
     text = run_info("--loopback").stdout
-    assert "parameters the loopback libnccl has no parameter API" in text
+    assert "parameters 7 (NCCL's parameter API" in text
     assert "error" not in text.split("parameters", 1)[1]

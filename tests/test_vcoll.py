@@ -449,3 +449,17 @@ def test_four_processes(lb_env: dict[str, str], tmp_path: Path) -> None:
         line[line.index("VCOLL") :] for line in proc.stdout.splitlines() if "VCOLL" in line
     )
     assert lines == [f"VCOLL rank={r} ok=True checks=3" for r in range(4)], proc.stdout
+
+
+def test_complex_and_real_buffers_do_not_mix(thread_worlds: Callable[[int], ThreadWorld]) -> None:
+    def run(r: int, comm: Any) -> str:
+        with DeviceBuffer(2, "complex64") as x, DeviceBuffer(8, "float32") as y:
+            with pytest.raises(TypeError) as info:
+                comm.all_gather_v(x, y, [2, 2])
+            return str(info.value)
+
+    for text in thread_worlds(2).run(run).values():
+        assert text == (
+            "sendbuf and recvbuf have different data types: sendbuf is complex64 but "
+            "recvbuf is float32"
+        )

@@ -38,9 +38,7 @@ if TYPE_CHECKING:
 
     from .._capi.nccl import NcclLibrary
     from ..cuda import DeviceBuffer
-    from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
-
-    DeviceLike = Any  # an int, an __index__ object, or one with .device_id (cuda.core)
+    from ..typing import BufferLike, DeviceLike, DTypeLike, OpLike, StreamLike
 
 _IN_PROGRESS = 7
 _P63 = 1 << 63

@@ -15,6 +15,7 @@ from ..bootstrap.tcp import TcpRendezvous
 
 if TYPE_CHECKING:
     from pynccl.comm import Communicator, Config
+    from pynccl.typing import DeviceLike
 
 __all__ = ["from_env", "make_rendezvous"]
 
@@ -79,7 +80,7 @@ def from_env(
     file: str | os.PathLike[str] | None = None,
     config: Config | None = None,
     nids: int = 1,
-    device: Any = None,
+    device: DeviceLike | None = None,
     rendezvous: Rendezvous | None = None,
     environ: Mapping[str, str] | None = None,
     watchdog_timeout: float | None = None,

@@ -51,7 +51,7 @@ def buffer_range(
 
 
 class Registration:
-    """A buffer registered with ``ncclCommRegister`` (:meth:`Communicator.register`).
+    """A buffer registered with ``ncclCommRegister`` (:meth:`Communicator.register`; NCCL >= 2.19).
 
     ``handle`` is NCCL's registration handle (an ``int``); :meth:`close` (or the end of a
     ``with`` block, or :meth:`Communicator.deregister`) deregisters it. The registered
@@ -93,8 +93,8 @@ class Registration:
         return self._closed or self._comm._state in TERMINAL
 
     def close(self) -> None:
-        """``ncclCommDeregister`` (idempotent; only marks it closed once the communicator
-        is gone, whose teardown freed it)."""
+        """``ncclCommDeregister`` (NCCL >= 2.19; idempotent; only marks it closed once the
+        communicator is gone, whose teardown freed it)."""
         self._comm._deregister(self)
 
     def __enter__(self) -> Registration:

@@ -15,7 +15,6 @@ from .._capi.structs import ncclWaitSignalDesc_t
 from .._limits import C_INT_MAX, check_c_int, check_index
 from ..enums import Result, WinFlag
 from ..errors import NotSupportedError
-from ._handle import HANDLE
 from ._window import Window, Windows
 
 __all__ = ["SignalWait", "Signals", "rma_limits"]
@@ -24,6 +23,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
     from ctypes import c_int
+    from typing import Any
 
     from ..enums import DataType, Release
     from ..typing import BufferLike, DTypeLike, StreamLike
@@ -100,10 +100,13 @@ class Signals(Windows):
     _codes: dict[DataType, c_int | None]
     _rma: tuple[int, int] | None
 
-    def _rma_ready(self, function: str) -> None:
+    def _rma_fn(self, function: str) -> Any:
+        """The bare ctypes function of a one-sided call, once the communicator is usable."""
         self._live()
-        if not self._lib.has(function):
-            raise NotSupportedError(function, _SIGNALS, self._lib.version)
+        try:
+            return self._lib.raw(function)
+        except NotSupportedError:
+            raise NotSupportedError(function, _SIGNALS, self._lib.version) from None
 
     def _indices(self, signal: object, context: object, where: str = "") -> tuple[int, int]:
         """``(signal, context)`` checked against the communicator's numRmaSig/numRmaCtx."""
@@ -120,13 +123,28 @@ class Signals(Windows):
     def _peer(self, peer: object, name: str = "peer") -> int:
         return check_index(peer, name, self._size, f"for a communicator of size {self._size}")
 
-    def _rma_issue(self, function: str, *args: object) -> None:
-        rc = self._call_locked(function, *args)
+    def _rma_issue(self, fn: Any, function: str, s: int, *args: object) -> None:
+        """``fn(*args, comm, s)`` under the gate (as the collectives' issue path: the
+        handle is read under it, so a teardown on another thread never passes a freed one)."""
+        gate = self._gate
+        try:
+            gate.pop()
+        except IndexError:
+            self._wait_gate()
+        try:
+            h = self._h
+            if h is None:
+                h = self._gone()
+            rc = fn(*args, h, s)
+        finally:
+            gate.append(True)
         if rc == Result.IN_PROGRESS:
             if _groups.group_depth() > 0:
                 _groups.in_progress_later(self)  # type: ignore[arg-type]
             else:
                 self._mark_pending()
+        elif rc:
+            raise self._lib.make_error(rc, function)
 
     def put_signal(
         self, sendbuf: BufferLike, peer: int, window: Window, *, offset: int = 0,
@@ -138,7 +156,7 @@ class Signals(Windows):
         ``offset`` elements of the buffer's type in, then add one to ``peer``'s signal
         ``signal`` of context ``context``. ``sendbuf`` must lie in a symmetric window of
         this communicator. Stream-ordered (captures into CUDA graphs)."""
-        self._rma_ready("ncclPutSignal")
+        fn = self._rma_fn("ncclPutSignal")
         s = self._stream if stream is None else as_stream(stream)
         p = self._peer(peer)
         if not isinstance(window, Window):
@@ -153,7 +171,7 @@ class Signals(Windows):
         off = window._byte_offset(offset, n, dt.itemsize)
         sig, ctx = self._indices(signal, context)
         self._source_window(ptr, n * dt.itemsize)
-        self._rma_issue("ncclPutSignal", ptr, n, int(dt), p, h, off, sig, ctx, 0, HANDLE, s)
+        self._rma_issue(fn, "ncclPutSignal", s, ptr, n, int(dt), p, h, off, sig, ctx, 0)
         _groups.keep_alive((sendbuf, window))
 
     def _source_window(self, ptr: int, nbytes: int) -> None:
@@ -172,11 +190,11 @@ class Signals(Windows):
     ) -> None:
         """``ncclSignal`` (NCCL >= 2.29): add one to ``peer``'s signal ``signal`` of
         context ``context``, without data. Stream-ordered."""
-        self._rma_ready("ncclSignal")
+        fn = self._rma_fn("ncclSignal")
         s = self._stream if stream is None else as_stream(stream)
         p = self._peer(peer)
         sig, ctx = self._indices(signal, context)
-        self._rma_issue("ncclSignal", p, sig, ctx, 0, HANDLE, s)
+        self._rma_issue(fn, "ncclSignal", s, p, sig, ctx, 0)
 
     def wait_signal(
         self, waits: SignalWait | Iterable[SignalWait], *, stream: StreamLike = None
@@ -184,7 +202,7 @@ class Signals(Windows):
         """``ncclWaitSignal`` (NCCL >= 2.29): make ``stream`` wait until every
         :class:`SignalWait` in ``waits`` (one, or a list) has its signals; they are then
         consumed. Stream-ordered (captures into CUDA graphs)."""
-        self._rma_ready("ncclWaitSignal")
+        fn = self._rma_fn("ncclWaitSignal")
         s = self._stream if stream is None else as_stream(stream)
         items = [waits] if isinstance(waits, SignalWait) else _wait_list(waits)
         if not items:
@@ -197,7 +215,7 @@ class Signals(Windows):
             d.opCnt = w.count
             d.peer = self._peer(w.peer, where + "peer")
             d.sigIdx, d.ctx = self._indices(w.signal, w.context, where)
-        self._rma_issue("ncclWaitSignal", len(items), descs, HANDLE, s)
+        self._rma_issue(fn, "ncclWaitSignal", s, len(items), descs)
 
 
 def _wait_list(waits: object) -> list[SignalWait]:

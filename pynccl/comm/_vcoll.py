@@ -17,7 +17,7 @@ from __future__ import annotations
 from .. import groups as _groups
 from .._adapt import as_buffer, as_stream, check_device, is_complex
 from .._limits import check_count, check_extent, check_pointer, is_pointer_object
-from ..dtypes import as_element_type, canonical_name
+from ..dtypes import as_element_type, canonical_name, complex_name
 from ..enums import DataType, RedOp
 from ._args import resolve_op
 from ._extras import Extras
@@ -121,8 +121,8 @@ class VCollectives(Extras):
     @staticmethod
     def _v_same_type(send: _Buf, recv: _Buf) -> None:
         if send[1:] != recv[1:]:
-            sname = canonical_name(send[1]) + (" (complex)" if send[2] == 2 else "")
-            rname = canonical_name(recv[1]) + (" (complex)" if recv[2] == 2 else "")
+            sname = complex_name(send[1]) if send[2] == 2 else canonical_name(send[1])
+            rname = complex_name(recv[1]) if recv[2] == 2 else canonical_name(recv[1])
             raise TypeError(
                 f"sendbuf and recvbuf have different data types: sendbuf is {sname} but "
                 f"recvbuf is {rname}"

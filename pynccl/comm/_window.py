@@ -16,7 +16,7 @@ from __future__ import annotations
 from ctypes import byref, c_int64, c_void_p, sizeof
 
 from .. import groups as _groups
-from .._limits import check_count, check_index
+from .._limits import U64, check_count, check_index
 from ..enums import WIN_REQUIRED_ALIGNMENT, DataType, Result, WinFlag
 from ..errors import NcclInvalidUsage
 from ._handle import HANDLE, TERMINAL
@@ -87,7 +87,8 @@ class Window:
 
     @property
     def user_ptr(self) -> int:
-        """This rank's registered address (``ncclWinGetUserPtr`` where NCCL has it)."""
+        """This rank's registered address (``ncclWinGetUserPtr`` from NCCL 2.29 on; the
+        address given to :meth:`Communicator.register_window` before)."""
         h = self.handle
         comm = self._comm
         if not comm._lib.has("ncclWinGetUserPtr"):
@@ -132,15 +133,18 @@ class Window:
 
     def _byte_offset(self, offset: object, count: int = 0, itemsize: int = 0) -> int:
         """``offset`` elements (of ``itemsize`` bytes; default :attr:`dtype`'s) as bytes,
-        checked so that ``count`` more elements (at least one byte) fit in the window."""
+        checked so that ``count`` more elements (at least one byte) fit in the window. A
+        window that is not symmetric may be larger on the peer: only the address space
+        bounds it here (NCCL checks the peer's size)."""
         off = check_count(offset, "offset")
         item = itemsize or self._dtype.itemsize
         start = off * item
-        if start + max(count * item, 1) > self._nbytes:
+        limit = self._nbytes if self._flags & WinFlag.COLL_SYMMETRIC else U64
+        if start + max(count * item, 1) > limit:
             what = f"offset={off}" + (f" + count={count}" if count else "")
             raise ValueError(
                 f"{what} elements of {item} bytes do not fit in the window of "
-                f"{self._nbytes} bytes"
+                f"{limit} bytes"
             )
         return start
 
@@ -157,9 +161,34 @@ class Window:
         comm._call_locked("ncclGetPeerDevicePointer", h, off, p, byref(out))
         return int(out.value) if out.value else None
 
+    def lsa_pointer(self, lsa_rank: int, offset: int = 0) -> int:
+        """``ncclGetLsaDevicePointer`` (NCCL >= 2.29): the address of rank ``lsa_rank`` *of
+        this rank's load/store-accessible team* (``ncclTeamLsa``: the ranks whose memory
+        this device can reach, numbered from 0), ``offset`` elements of :attr:`dtype` in."""
+        comm = self._comm
+        off = self._byte_offset(offset)
+        h = self.handle
+        comm._lib.require("ncclGetLsaDevicePointer", _PEER_POINTER)
+        size = int(comm._call_value("ncclTeamLsa").nRanks)
+        r = check_index(lsa_rank, "lsa_rank", size, f"for an LSA team of size {size}")
+        out = c_void_p()
+        comm._call_locked("ncclGetLsaDevicePointer", h, off, r, byref(out))
+        return int(out.value or 0)
+
+    def multimem_pointer(self, offset: int = 0) -> int | None:
+        """``ncclGetLsaMultimemDevicePointer`` (NCCL >= 2.29): the multicast (NVLS) address
+        of the window's LSA team, ``offset`` elements in; ``None`` without multicast."""
+        comm = self._comm
+        off = self._byte_offset(offset)
+        h = self.handle
+        comm._lib.require("ncclGetLsaMultimemDevicePointer", _PEER_POINTER)
+        out = c_void_p()
+        comm._call_locked("ncclGetLsaMultimemDevicePointer", h, off, byref(out))
+        return int(out.value) if out.value else None
+
     def close(self) -> None:
-        """Drop one reference; the last deregisters (``ncclCommWindowDeregister``,
-        collective: every rank closes its window). Idempotent once closed."""
+        """Drop one reference; the last deregisters (``ncclCommWindowDeregister``, NCCL >=
+        2.27, collective: every rank closes its window). Idempotent once closed."""
         self._comm._close_window(self)
 
     def __enter__(self) -> Window:
@@ -228,7 +257,8 @@ class Windows(Memory):
             known._refs += 1
             return known
         win = Window(self, ptr, size, bits, dt, buf)
-        self._call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
+        rc = self._call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
+        self._settle(rc)
         _groups.keep_alive((win, buf))
         self._wins[key] = win
         return win
@@ -281,9 +311,36 @@ class Windows(Memory):
             return
         self._refuse_if_capturing("ncclCommWindowDeregister")
         h = win.handle
-        self._call_locked("ncclCommWindowDeregister", HANDLE, h)
+        self._settle(self._call_locked("ncclCommWindowDeregister", HANDLE, h))
         _groups.keep_alive((win, win._buf))
         self._forget(win)
+
+    def _call_value(self, function: str) -> Any:
+        """A value-returning host function of ``nccl_device/host.h`` taking only the
+        communicator (``ncclTeamLsa``), under the gate."""
+        self._live()
+        gate = self._gate
+        try:
+            gate.pop()
+        except IndexError:
+            self._wait_gate()
+        try:
+            h = self._h
+            if h is None:
+                h = self._gone()
+            return self._lib.raw(function)(h)
+        finally:
+            gate.append(True)
+
+    def _settle(self, rc: int) -> None:
+        """A non-blocking communicator's registration still in progress: wait for it
+        (inside a group, the group's end does)."""
+        if rc == Result.IN_PROGRESS:
+            if _groups.group_depth() > 0:
+                _groups.in_progress_later(self)  # type: ignore[arg-type]
+            else:
+                self._mark_pending()
+                self.wait_ready()
 
     def _forget(self, win: Window) -> None:
         win._closed = True

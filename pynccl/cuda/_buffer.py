@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     import numpy as np
 
-    from ..typing import DTypeLike, IndexLike, StreamLike
+    from ..typing import DeviceLike, DTypeLike, IndexLike, StreamLike
 
 # cudaMemcpyKind
 _H2D = 1
@@ -127,7 +127,7 @@ class DeviceBuffer:
         self,
         shape: IndexLike | Sequence[IndexLike],
         dtype: DTypeLike = DataType.FLOAT32,
-        device: IndexLike | None = None,
+        device: DeviceLike | None = None,
         *,
         allocator: str = "cuda",
     ) -> None:
@@ -205,7 +205,8 @@ class DeviceBuffer:
 
     @property
     def allocator(self) -> str:
-        """``"nccl"`` (``ncclMemAlloc``) or ``"cuda"`` (``cudaMalloc``): how it was allocated."""
+        """``"nccl"`` (``ncclMemAlloc``, NCCL >= 2.19) or ``"cuda"`` (``cudaMalloc``): how it
+        was allocated."""
         return "nccl" if self._nccl else "cuda"
 
     @property
@@ -234,7 +235,7 @@ class DeviceBuffer:
     def from_numpy(
         cls,
         array: Any,
-        device: IndexLike | None = None,
+        device: DeviceLike | None = None,
         stream: StreamLike = None,
         *,
         allocator: str = "cuda",

@@ -12,7 +12,7 @@ from ._runtime import _NO_GPU, _check_index
 
 TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
 if TYPE_CHECKING:
-    from ..typing import IndexLike
+    from ..typing import DeviceLike, IndexLike
 
 
 def device_count() -> int:
@@ -44,7 +44,7 @@ def get_device() -> int:
     return d.value
 
 
-def set_device(device: IndexLike) -> None:
+def set_device(device: DeviceLike) -> None:
     """Make ``device`` current for the calling thread (``cudaSetDevice``).
 
     Raises ``TypeError``/``ValueError`` for a non-int or negative index, and
@@ -87,7 +87,7 @@ class _DeviceScope:
 
     __slots__ = ("_device", "_previous")
 
-    def __init__(self, device: IndexLike | None) -> None:
+    def __init__(self, device: DeviceLike | None) -> None:
         self._device = None if device is None else _check_index("device", device)
         self._previous = -1
 

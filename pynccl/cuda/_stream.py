@@ -12,7 +12,7 @@ from ._streamlike import as_stream
 
 TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
 if TYPE_CHECKING:
-    from ..typing import IndexLike, StreamLike
+    from ..typing import DeviceLike, StreamLike
 
 # Special stream handles of cuda_runtime_api.h.
 _STREAM_LEGACY = 0x1
@@ -48,7 +48,7 @@ class Stream:
     _owned: bool
     _owner: object
 
-    def __init__(self, *, non_blocking: bool = False, device: IndexLike | None = None) -> None:
+    def __init__(self, *, non_blocking: bool = False, device: DeviceLike | None = None) -> None:
         """Create a stream on ``device`` (default: the current one).
 
         ``non_blocking=True`` gives ``cudaStreamNonBlocking`` (no implicit
