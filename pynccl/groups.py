@@ -10,14 +10,15 @@ returned. Communicators take part through a small interface (:class:`GroupMember
 from __future__ import annotations
 
 import itertools
-import threading
-from types import TracebackType
+from _thread import _local as _ThreadLocal
+from _thread import get_ident
 
 from .enums import Result
 from .library import lib
 
 TYPE_CHECKING = False  # `typing` costs milliseconds to import
 if TYPE_CHECKING:
+    from types import TracebackType
     from typing import Protocol
 
     class GroupMember(Protocol):
@@ -37,7 +38,7 @@ class _GroupState:
 
     def __init__(self) -> None:
         self.depth = 0
-        self.ident = threading.get_ident()  # the thread's, for OPEN
+        self.ident = get_ident()  # the thread's, for OPEN
         # Non-blocking communicators used inside the open group: after a group end
         # that returns ncclInProgress they must be polled before their next call.
         self.pending: list[GroupMember] = []
@@ -47,7 +48,7 @@ class _GroupState:
         self.gid = 0
 
 
-class _Local(threading.local):
+class _Local(_ThreadLocal):
     def __init__(self) -> None:
         self.s = _GroupState()
 

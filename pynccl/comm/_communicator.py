@@ -4,13 +4,12 @@ table (:mod:`._codegen`) and attached at import; their one slow path is :meth:`_
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from ctypes import byref, c_int, c_void_p
 
 from .. import groups as _groups
 from .._adapt import as_stream
-from .._capi.nccl import C_DATATYPE
+from .._capi._enumargs import C_DATATYPE
 from .._capi.structs import ncclUniqueId
 from .._limits import C_INT_MAX, check_c_int, check_index, check_timeout
 from ..enums import DataType, Result
@@ -337,6 +336,8 @@ class Communicator(Extras):
         # Never tear down from __del__ (it may run on any thread, at exit, or inside a
         # group): only tell the user.
         if getattr(self, "_owner", False) and getattr(self, "_handle", None) is not None:
+            import warnings  # not at import time: only this rare path needs it
+
             warnings.warn(
                 f"pynccl.Communicator rank {self._rank}/{self._size} was never destroyed; "
                 "call destroy()/abort() or use it as a context manager",
