@@ -4,6 +4,7 @@ table (:mod:`._codegen`) and attached at import; their one slow path is :meth:`_
 
 from __future__ import annotations
 
+from _warnings import warn as _warn  # warnings.warn itself; `warnings` costs ~1 ms
 from collections.abc import Sequence
 from ctypes import byref, c_int, c_void_p
 
@@ -336,9 +337,7 @@ class Communicator(Extras):
         # Never tear down from __del__ (it may run on any thread, at exit, or inside a
         # group): only tell the user.
         if getattr(self, "_owner", False) and getattr(self, "_handle", None) is not None:
-            import warnings  # not at import time: only this rare path needs it
-
-            warnings.warn(
+            _warn(
                 f"pynccl.Communicator rank {self._rank}/{self._size} was never destroyed; "
                 "call destroy()/abort() or use it as a context manager",
                 ResourceWarning,
