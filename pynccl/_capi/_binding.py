@@ -52,7 +52,6 @@ def size_arg(count: int) -> c_size_t:
     return SIZE_ARGS[count]
 
 
-
 if TYPE_CHECKING:
 
     class Prototype(NamedTuple):
