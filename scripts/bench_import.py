@@ -12,7 +12,12 @@ targets (``import pynccl`` <= 10 ms, ``from pynccl import Communicator`` <= 25 m
 with ``--top N``, the N modules with the largest self time (``python -X importtime``,
 medians) for each statement. Everything it made is removed on exit.
 
+With ``--baseline OLD.whl`` the same is done for that wheel in a second venv, interleaved
+run by run with this one, and the ratios new/old are printed (a before/after comparison on
+a shared machine: noise hits both alike).
+
     python scripts/bench_import.py [--runs 21] [--top 15] [--wheel path.whl]
+                                   [--baseline old.whl]
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ def build_wheel(dest: Path) -> Path:
     return wheel
 
 
-def make_venv(dest: Path, wheel: Path) -> Path:
+def make_venv(dest: Path, wheel: Path, name: str = "venv") -> Path:
     """A venv with only ``wheel`` installed; returns its interpreter."""
-    env_dir = dest / "venv"
+    env_dir = dest / name
     venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
     python = env_dir / "bin" / "python"
     subprocess.run(
@@ -96,17 +101,22 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=21, help="fresh interpreters per statement")
     parser.add_argument("--top", type=int, default=0, help="list the N slowest modules")
     parser.add_argument("--wheel", type=Path, help="time this wheel instead of building one")
+    parser.add_argument("--baseline", type=Path, help="also time this wheel, interleaved")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="pynccl-bench-import-") as tmp:
         dest = Path(tmp)
         wheel = args.wheel.resolve() if args.wheel else build_wheel(dest)
         python = make_venv(dest, wheel)
+        old = make_venv(dest, args.baseline.resolve(), "baseline") if args.baseline else None
         env_note = f"{wheel.name}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
         print(f"import time from a wheel in a fresh venv ({env_note}), {args.runs} runs each")
         samples: dict[str, list[float]] = {s: [] for s in STATEMENTS}
-        for _ in range(args.runs):  # interleaved: noise hits both statements alike
+        before: dict[str, list[float]] = {s: [] for s in STATEMENTS}
+        for _ in range(args.runs):  # interleaved: noise hits every variant alike
             for statement in STATEMENTS:
                 samples[statement].append(time_once(python, statement))
+                if old is not None:
+                    before[statement].append(time_once(old, statement))
         missed = 0
         for statement, target in STATEMENTS.items():
             median = statistics.median(samples[statement])
@@ -116,6 +126,11 @@ def main() -> int:
             verdict = "ok" if ok else "MISSED"
             print(f"{statement:<34} median {median:6.1f} ms  best {best:6.1f} ms"
                   f"  (target <= {target:.0f} ms: {verdict})")  # fmt: skip
+            if old is not None:
+                was, was_best = statistics.median(before[statement]), min(before[statement])
+                ratios = f"now {median / was:.2f}x, best {best / was_best:.2f}x"
+                print(f"{'  baseline':<34} median {was:6.1f} ms  best {was_best:6.1f} ms"
+                      f"  ({ratios})")  # fmt: skip
         for statement in STATEMENTS if args.top else ():
             runs = [self_times(python, statement) for _ in range(max(3, args.runs // 4))]
             names = set().union(*runs)
