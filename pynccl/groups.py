@@ -252,6 +252,7 @@ class SimulatedGroup(Group):
                 "group(simulate=True) must be the outermost group: end the open group "
                 "first (a nested group's operations are launched by the outer group's end)",
             )
+        self.estimated_time = None  # entered again: the last estimate is not this one's
         super().__enter__()
         return self
 

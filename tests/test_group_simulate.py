@@ -103,6 +103,22 @@ def test_an_empty_simulated_group_has_no_estimate(lb: Any) -> None:
     _no_group_is_open()
 
 
+def test_a_reentered_group_forgets_its_last_estimate(pair: ThreadWorld) -> None:
+    def one(r: int, comm: Communicator) -> tuple[float | None, float | None, float | None]:
+        with _buf(np.full(N, 1.0), r) as src:
+            g = group(simulate=True)
+            with g:
+                comm.all_reduce(src)
+            first = g.estimated_time
+            with g:
+                during = g.estimated_time
+            return first, during, g.estimated_time
+
+    for first, during, second in pair.run(one).values():
+        assert first == pytest.approx(loopback_estimate(4 * N), rel=1e-6)
+        assert during is None and second is None  # the second group had no operation
+
+
 def test_nested_simulation_is_refused_before_any_c_call(lb: Any) -> None:
     with group():
         with pytest.raises(NcclInvalidUsage, match="outermost group"):
