@@ -13,30 +13,28 @@ Importing pynccl loads no library and imports no third-party package; the
 libraries are found and loaded on first use (see ``python -m pynccl info``).
 """
 
-from __future__ import annotations
-
-from .dtypes import as_datatype
-from .enums import DataType, RedOp, Result, ScalarResidence
-from .errors import (
-    CudaError,
-    LibraryNotFoundError,
-    NcclError,
-    NcclInProgress,
-    NcclInternalError,
-    NcclInvalidArgument,
-    NcclInvalidUsage,
-    NcclRemoteError,
-    NcclSystemError,
-    NcclTimeoutError,
-    NcclUnhandledCudaError,
-    NotSupportedError,
-)
-
 __version__ = "0.1.0"
 
-# Public names that live in modules importing ctypes: loaded on first access (PEP 562)
-# so that `import pynccl` stays cheap.
+# Every public name is loaded on first access (PEP 562), so that `import pynccl` imports
+# nothing but this module: not even `enum` (DataType and friends) or ctypes.
 _LAZY: dict[str, str] = {
+    "as_datatype": "dtypes",
+    "DataType": "enums",
+    "RedOp": "enums",
+    "Result": "enums",
+    "ScalarResidence": "enums",
+    "CudaError": "errors",
+    "LibraryNotFoundError": "errors",
+    "NcclError": "errors",
+    "NcclInProgress": "errors",
+    "NcclInternalError": "errors",
+    "NcclInvalidArgument": "errors",
+    "NcclInvalidUsage": "errors",
+    "NcclRemoteError": "errors",
+    "NcclSystemError": "errors",
+    "NcclTimeoutError": "errors",
+    "NcclUnhandledCudaError": "errors",
+    "NotSupportedError": "errors",
     "load_library": "library",
     "lib": "library",
     "load_cudart": "library",
@@ -59,6 +57,8 @@ _LAZY: dict[str, str] = {
     "Stream": "cuda",
     "device_count": "cuda",
 }
+# Submodules that `import pynccl` used to import eagerly: `pynccl.errors.X` keeps working.
+_SUBMODULES = frozenset({"dtypes", "enums", "errors"})
 
 # `typing` costs milliseconds to import; mypy treats any name TYPE_CHECKING as true.
 TYPE_CHECKING = False
@@ -67,6 +67,22 @@ if TYPE_CHECKING:
     from .comm._params import Params, params
     from .comm._properties import CommProperties
     from .cuda import DeviceBuffer, Event, Stream, device_count
+    from .dtypes import as_datatype
+    from .enums import DataType, RedOp, Result, ScalarResidence
+    from .errors import (
+        CudaError,
+        LibraryNotFoundError,
+        NcclError,
+        NcclInProgress,
+        NcclInternalError,
+        NcclInvalidArgument,
+        NcclInvalidUsage,
+        NcclRemoteError,
+        NcclSystemError,
+        NcclTimeoutError,
+        NcclUnhandledCudaError,
+        NotSupportedError,
+    )
     from .groups import group, group_end, group_start
     from .library import cudart, lib, load_cudart, load_library, version
 
@@ -116,13 +132,18 @@ __all__ = [
 def __getattr__(name: str) -> object:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module 'pynccl' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
+        if name in _SUBMODULES:
+            module, name = name, ""
+        else:
+            raise AttributeError(f"module 'pynccl' has no attribute {name!r}")
+    # __import__ rather than importlib.import_module: the `importlib` package (and the
+    # `warnings` it imports) stays out of the first use.
+    submodule = getattr(__import__(f"{__name__}.{module}"), module)
+    value = getattr(submodule, name) if name else submodule
+    if name:
+        globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | _SUBMODULES)

@@ -5,20 +5,31 @@ calling thread), and so is the bookkeeping here. Only the outermost
 ``ncclGroupEnd`` launches the queued operations: the buffer objects of the operations
 queued in a group (a temporary ``DeviceBuffer``, say) are kept alive until it has
 returned. Communicators take part through a small interface (:class:`GroupMember`).
+``group(simulate=True)`` ends with ``ncclGroupSimulateEnd`` instead: NCCL estimates the
+group's time and launches nothing.
+
+The group calls are the hot path of every send/recv exchange, so they call the bare
+ctypes functions of the loaded libnccl (bound once per library) and check the result
+themselves; errors are the same :class:`~pynccl.NcclError` the low-level layer raises.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
-from types import TracebackType
+from _thread import _local as _ThreadLocal
+from _thread import get_ident
 
+from . import library as _library
 from .enums import Result
-from .library import lib
+from .errors import NcclInvalidUsage
 
 TYPE_CHECKING = False  # `typing` costs milliseconds to import
 if TYPE_CHECKING:
-    from typing import Protocol
+    from collections.abc import Callable
+    from types import TracebackType
+    from typing import Any, Protocol
+
+    from ._capi.nccl import NcclLibrary
 
     class GroupMember(Protocol):
         """What a group needs from a communicator used inside it."""
@@ -27,7 +38,21 @@ if TYPE_CHECKING:
             """The outermost group end returned ncclInProgress: poll before the next call."""
 
 
-__all__ = ["group", "group_depth", "group_end", "group_start", "in_progress_later", "keep_alive"]
+__all__ = [
+    "Group",
+    "SimulatedGroup",
+    "group",
+    "group_depth",
+    "group_end",
+    "group_start",
+    "in_progress_later",
+    "keep_alive",
+]
+
+#: First release with ncclGroupSimulateEnd / ncclSimInfo_t.
+SIMULATE_SINCE = (2, 22, 3)
+_SUCCESS = Result.SUCCESS
+_IN_PROGRESS = Result.IN_PROGRESS
 
 
 class _GroupState:
@@ -37,7 +62,7 @@ class _GroupState:
 
     def __init__(self) -> None:
         self.depth = 0
-        self.ident = threading.get_ident()  # the thread's, for OPEN
+        self.ident = get_ident()  # the thread's, for OPEN
         # Non-blocking communicators used inside the open group: after a group end
         # that returns ncclInProgress they must be polled before their next call.
         self.pending: list[GroupMember] = []
@@ -47,7 +72,7 @@ class _GroupState:
         self.gid = 0
 
 
-class _Local(threading.local):
+class _Local(_ThreadLocal):
     def __init__(self) -> None:
         self.s = _GroupState()
 
@@ -58,6 +83,22 @@ _local = _Local()
 #: when this is not empty (set add/discard are atomic under the GIL).
 OPEN: set[int] = set()
 _SERIAL = itertools.count(1)
+
+# The bare ncclGroupStart / ncclGroupEnd of the library they were bound from (`_bound`,
+# compared with library's `_nccl`, None until the first load): bound on first use and
+# again whenever the process's libnccl is replaced (the loopback's test hook does that).
+# Two threads binding at once is harmless: both bind the same functions.
+_bound: object = object()
+_gs: Any = None
+_ge: Any = None
+
+
+def _bind() -> NcclLibrary:
+    global _bound, _gs, _ge
+    lib = _library.lib()
+    _gs, _ge = lib.raw("ncclGroupStart"), lib.raw("ncclGroupEnd")
+    _bound = lib
+    return lib
 
 
 def group_depth() -> int:
@@ -81,13 +122,7 @@ def in_progress_later(comm: GroupMember) -> None:
 
 def group_start() -> None:
     """``ncclGroupStart``: open a group on the calling thread (groups nest)."""
-    lib().ncclGroupStart()
-    st = _local.s
-    depth = st.depth
-    if depth == 0:
-        st.gid = next(_SERIAL)
-        OPEN.add(st.ident)
-    st.depth = depth + 1
+    _PLAIN.__enter__()
 
 
 def group_end() -> Result:
@@ -104,37 +139,121 @@ def group_end() -> Result:
         if depth == 0:
             st.gid = 0
             OPEN.discard(st.ident)
-    try:
-        result: Result = lib().ncclGroupEnd()
-    except BaseException:
-        if depth == 0:
-            st.pending.clear()
-            st.keep.clear()
-        raise
+    if _library._nccl is not _bound:  # an end without a start through pynccl
+        _bind()
+    rc = _ge()
+    if rc or (depth == 0 and (st.keep or st.pending)):
+        return _ended(st, depth, rc, "ncclGroupEnd")
+    return _SUCCESS
+
+
+def _ended(st: _GroupState, depth: int, rc: int, function: str) -> Result:
+    """After the C end call has returned: release what the outermost group kept alive,
+    then raise for an error, or tell the pending communicators about ncclInProgress."""
+    pending: list[GroupMember] = []
     if depth == 0:
-        keep = st.keep
-        if keep:
-            keep.clear()
-        if st.pending:
-            pending, st.pending = st.pending, []
-            if result == Result.IN_PROGRESS:
-                for comm in pending:
-                    comm.group_in_progress()
+        st.keep.clear()
+        pending, st.pending = st.pending, []
+    if not rc:
+        return _SUCCESS
+    result: Result = _fail(rc, function)
+    if result == _IN_PROGRESS:
+        for comm in pending:
+            comm.group_in_progress()
     return result
 
 
-class group:
-    """Context manager for a group: ``with pynccl.group(): comm.send(...); comm.recv(...)``.
+def _fail(rc: int, function: str) -> Any:
+    """``Result.IN_PROGRESS`` for ncclInProgress; raises the NcclError for any other code."""
+    return _library.lib()._fail(rc, function)
 
-    The group is ended even if the body raises (NCCL requires it); the body's
-    exception is the one that propagates, with a group-end failure attached as
-    its ``__context__`` (and a note).
-    """
+
+def _end_after(exc: BaseException, end: Callable[[], object]) -> None:
+    """End the group after its body raised ``exc``: ``exc`` propagates, with a failure of
+    the end attached as its ``__context__`` (and a note)."""
+    try:
+        end()
+    except Exception as end_error:
+        if exc.__context__ is None:
+            exc.__context__ = end_error
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"ncclGroupEnd also failed while ending the group: {end_error}")
+
+
+class Group:
+    """What :func:`group` returns: a context manager that opens a group on the calling
+    thread on entry and ends it on exit. Plain groups share one instance (they keep no
+    state: the bookkeeping is per thread); see :class:`SimulatedGroup`."""
 
     __slots__ = ()
 
-    def __enter__(self) -> group:
-        group_start()
+    #: A plain group makes no estimate (see :class:`SimulatedGroup`).
+    estimated_time: float | None = None
+
+    def __enter__(self) -> Group:
+        # group_start()'s body (it calls this): the hot path of every send/recv exchange.
+        if _library._nccl is not _bound:
+            _bind()
+        rc = _gs()
+        if rc:
+            _fail(rc, "ncclGroupStart")
+        st = _local.s
+        depth = st.depth
+        if depth == 0:
+            st.gid = next(_SERIAL)
+            OPEN.add(st.ident)
+        st.depth = depth + 1
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            _end_after(exc, group_end)
+            return
+        # group_end()'s body, inline (the hot path again). The bare ncclGroupEnd bound
+        # when this group started is the right one even if the library was replaced since.
+        st = _local.s
+        depth = st.depth
+        if depth > 0:
+            depth -= 1
+            st.depth = depth
+            if depth == 0:
+                st.gid = 0
+                OPEN.discard(st.ident)
+        rc = _ge()
+        if rc or (depth == 0 and (st.keep or st.pending)):
+            _ended(st, depth, rc, "ncclGroupEnd")
+
+    def __repr__(self) -> str:
+        return "pynccl.group()"
+
+
+class SimulatedGroup(Group):
+    """A group ended with ``ncclGroupSimulateEnd`` (:func:`group` with ``simulate=True``)."""
+
+    __slots__ = ("estimated_time",)
+
+    def __init__(self) -> None:
+        #: NCCL's estimate of the group's time in seconds, set when it ends (``None``
+        #: before, or where NCCL gave no estimate).
+        self.estimated_time: float | None = None
+
+    def __enter__(self) -> SimulatedGroup:
+        lib = _bind()
+        lib.require("group(simulate=True) (ncclGroupSimulateEnd)", SIMULATE_SINCE)
+        if _local.s.depth > 0:
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "ncclGroupSimulateEnd",
+                "group(simulate=True) must be the outermost group: end the open group "
+                "first (a nested group's operations are launched by the outer group's end)",
+            )
+        self.estimated_time = None  # entered again: the last estimate is not this one's
+        super().__enter__()
         return self
 
     def __exit__(
@@ -144,12 +263,62 @@ class group:
         tb: TracebackType | None,
     ) -> None:
         if exc is None:
-            group_end()
-            return
-        try:
-            group_end()
-        except Exception as end_error:
-            if exc.__context__ is None:
-                exc.__context__ = end_error
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"ncclGroupEnd also failed while ending the group: {end_error}")
+            self._end()
+        else:
+            _end_after(exc, self._end)
+
+    def _end(self) -> Result:
+        from ctypes import byref
+
+        from ._capi.structs import make_sim_info
+
+        simulate_end = _library.lib().raw("ncclGroupSimulateEnd")
+        info = make_sim_info()
+        st = _local.s
+        depth = st.depth
+        if depth > 0:  # the outermost group (checked on entry), unless left unbalanced
+            depth -= 1
+            st.depth = depth
+            if depth == 0:
+                st.gid = 0
+                OPEN.discard(st.ident)
+        rc = simulate_end(byref(info))
+        result = _ended(st, depth, rc, "ncclGroupSimulateEnd")
+        estimate = float(info.estimatedTime)  # microseconds; NCCL_UNDEF_FLOAT (-1): none
+        self.estimated_time = estimate * 1e-6 if estimate >= 0 else None
+        return result
+
+    def __repr__(self) -> str:
+        return f"pynccl.group(simulate=True) (estimated_time={self.estimated_time!r})"
+
+
+_PLAIN = Group()
+
+
+def group(*, simulate: bool = False) -> Group:
+    """A group as a context manager: ``with pynccl.group(): comm.send(...); comm.recv(...)``.
+
+    The group is ended even if the body raises (NCCL requires it); the body's
+    exception is the one that propagates, with a group-end failure attached as
+    its ``__context__`` (and a note).
+
+    ``group(simulate=True)`` (NCCL >= 2.22.3) ends the group with
+    ``ncclGroupSimulateEnd``: the operations queued in it are checked and planned but
+    not launched, and afterwards the group's ``estimated_time`` holds NCCL's estimate
+    of their time in seconds (``None`` where NCCL gave none)::
+
+        with pynccl.group(simulate=True) as g:
+            comm.all_reduce(x)
+        print(g.estimated_time)
+
+    A simulated group must be the outermost one (NCCL ignores the simulation of a
+    nested group, whose operations the outer group would launch): opening one inside
+    another raises :class:`~pynccl.NcclInvalidUsage`, and on an older library
+    :class:`~pynccl.NotSupportedError`, both before ``ncclGroupStart``. Buffers are
+    kept alive and errors raised as in a normal group.
+    """
+    if simulate is False:
+        return _PLAIN
+    if simulate is not True:
+        raise TypeError(f"group(simulate=...) takes True or False, not {simulate!r}")
+    return SimulatedGroup()

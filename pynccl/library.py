@@ -8,18 +8,22 @@
 from __future__ import annotations
 
 import os
-import threading
-import warnings
+from _thread import allocate_lock
 
-from . import _loader
-from ._capi._binding import BoundLibrary
-from ._capi.cudart import CudartLibrary
-from ._capi.nccl import NcclLibrary
-from .enums import Release
+# The discovery rules and the prototype tables (ctypes, a few hundred C signatures) are
+# imported on first load, not here: the object API imports this module, and
+# `from pynccl import Communicator` must stay cheap. mypy treats TYPE_CHECKING as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from . import _loader
+    from ._capi._binding import BoundLibrary
+    from ._capi.cudart import CudartLibrary
+    from ._capi.nccl import NcclLibrary
+    from .enums import Release
 
 __all__ = ["cudart", "lib", "load_cudart", "load_library", "version"]
 
-_lock = threading.Lock()
+_lock = allocate_lock()
 _nccl: NcclLibrary | None = None
 _cudart: CudartLibrary | None = None
 
@@ -53,6 +57,9 @@ def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
     with _lock:
         current = _nccl
         if current is None:
+            from . import _loader
+            from ._capi.nccl import NcclLibrary
+
             found = _loader.open_nccl(None if path is None else os.fspath(path))
             current = _nccl = NcclLibrary(found.cdll, found.path, found.rule)
         else:
@@ -90,6 +97,8 @@ def load_cudart(path: str | os.PathLike[str] | None = None) -> CudartLibrary:
     with _lock:
         current = _cudart
         if current is None:
+            from ._capi.cudart import CudartLibrary
+
             found = _open_cudart(path)
             current = _cudart = CudartLibrary(found.cdll, found.path, found.rule)
         else:
@@ -98,6 +107,8 @@ def load_cudart(path: str | os.PathLike[str] | None = None) -> CudartLibrary:
 
 
 def _open_cudart(path: str | os.PathLike[str] | None) -> _loader.Found:
+    from . import _loader
+
     if path is None and os.environ.get(_loader.CUDART_ENV) is None:
         mapped = _loader.mapped_libraries(_LOOPBACK_CUDART)
         if mapped:
@@ -132,6 +143,12 @@ def _replace_for_testing(nccl_path: str | None, cudart_path: str | None) -> None
     Used by :func:`pynccl.testing.loopback.use` to switch between loopback builds.
     """
     global _nccl, _cudart
+    import warnings
+
+    from . import _loader
+    from ._capi.cudart import CudartLibrary
+    from ._capi.nccl import NcclLibrary
+
     with _lock, warnings.catch_warnings():
         # A deliberate swap maps a second libnccl file: not the accident the warning is for.
         warnings.simplefilter("ignore", RuntimeWarning)

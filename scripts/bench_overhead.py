@@ -15,7 +15,9 @@ plus all_reduce's generated code compiled without the gate (what serializing tea
 against calls in flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
 ``ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd``, the low-level layer
 (``lib().ncclAllReduce``), and the import times of ``import pynccl`` and
-``from pynccl import Communicator`` in fresh interpreters.
+``from pynccl import Communicator`` in fresh interpreters of this install (an editable
+install's finder adds ~15 ms; ``scripts/bench_import.py`` measures a wheel, as issue 10's
+targets are).
 
 Prints medians over the rounds (ns per call, the loop's own cost subtracted) and each
 median's ratio to its floor, and the same for the best round of each (on a shared
@@ -147,7 +149,8 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
     floor_ar = _bare(cdll, "ncclAllReduce", PROTOTYPES["ncclAllReduce"])
     low = pynccl.lib().ncclAllReduce
     v["low-level floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, 0)
-    v["low-level low-level"] = lambda: low(send, recv, n, f32, RedOp.SUM, h, 0)
+    op_sum = RedOp.SUM  # hoisted like f32: an enum member lookup costs ~100 ns here
+    v["low-level low-level"] = lambda: low(send, recv, n, f32, op_sum, h, 0)
     return v, [comm, a, b]
 
 
@@ -200,9 +203,12 @@ def main() -> int:
             f"{name:<26}{value:>10.0f}{value / floor:>9.2f}{best:>9.0f}{best / best_floor:>9.2f}"
             f"  {verdict}"
         )
-    print(f"import pynccl: {import_time_ms('import pynccl'):.1f} ms (target <= 10)")
+    # This interpreter's install (editable in a dev venv: its finder adds ~15 ms); the
+    # targets are for a wheel install, which scripts/bench_import.py measures.
+    where = "this install; scripts/bench_import.py times a wheel"
+    print(f"import pynccl: {import_time_ms('import pynccl'):.1f} ms ({where}; target <= 10)")
     first_use = import_time_ms("from pynccl import Communicator")
-    print(f"from pynccl import Communicator: {first_use:.1f} ms (target <= 25)")
+    print(f"from pynccl import Communicator: {first_use:.1f} ms ({where}; target <= 25)")
     print(f"{missed} ratio target(s) missed")
     comm, a, b = keep
     a.close()

@@ -9,12 +9,20 @@ instance, so later calls are a plain attribute lookup.
 from __future__ import annotations
 
 import ctypes
-import threading
+from _thread import RLock
+from collections import namedtuple
 from ctypes import c_char_p, c_int, c_size_t
-from typing import Any, Callable, ClassVar, NamedTuple
 
-from ..enums import Release, release_str
+from ..enums import release_str
 from ..errors import NotSupportedError
+
+# `typing` (and the `re` and `contextlib` it imports) costs milliseconds: kept out of
+# `from pynccl import Communicator`; mypy treats any name TYPE_CHECKING as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Callable, ClassVar, NamedTuple
+
+    from ..enums import Release
 
 __all__ = ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "BoundLibrary", "Prototype", "size_arg"]
 
@@ -44,13 +52,20 @@ def size_arg(count: int) -> c_size_t:
     return SIZE_ARGS[count]
 
 
+if TYPE_CHECKING:
 
-class Prototype(NamedTuple):
-    """``first`` release exporting it, C return type, and ``(name, ctype)`` arguments."""
+    class Prototype(NamedTuple):
+        """``first`` release exporting it, C return type, and ``(name, ctype)`` arguments."""
 
-    first: Release
-    restype: Any
-    args: tuple[tuple[str, Any], ...]
+        first: Release
+        restype: Any
+        args: tuple[tuple[str, Any], ...]
+
+else:  # the same tuple type, without typing.NamedTuple's class machinery at import
+    Prototype = namedtuple("Prototype", ("first", "restype", "args"))
+    Prototype.__doc__ = (
+        "``first`` release exporting it, C return type, and ``(name, ctype)`` arguments."
+    )
 
 
 def _generate(
@@ -116,7 +131,7 @@ class BoundLibrary:
         self.rule = rule
         self.version = None
         # Reentrant: a __del__ that the GC runs while a name is being bound may bind another.
-        self._lock = threading.RLock()
+        self._lock = RLock()
         self._raw: dict[str, Any] = {}
 
     def has(self, name: str) -> bool:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import ctypes
 from ctypes import POINTER, c_char_p, c_float, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
-from typing import Any
 
 from ..errors import CudaError
 from ._binding import BoundLibrary, Prototype
 from .structs import cudaPointerAttributes
+
+TYPE_CHECKING = False  # `typing` costs milliseconds to import
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["CUDART_PROTOTYPES", "CudartLibrary", "cudaError_t"]
 

@@ -33,11 +33,11 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
-from typing import Any
 
 from ..enums import DataType, RedOp, Release, Result, release_str
 from ..errors import NcclError, NotSupportedError
 from ._binding import BoundLibrary, Prototype
+from ._enumargs import C_DATATYPE, C_REDOP
 from .nccl_device import DEVICE_PROTOTYPES, VALUE_RESULTS
 from .structs import (
     ncclCollConfig_t,
@@ -48,7 +48,11 @@ from .structs import (
     ncclWaitSignalDesc_t,
 )
 
-__all__ = ["PROTOTYPES", "NcclLibrary", "Prototype", "decode_version"]
+TYPE_CHECKING = False  # `typing` costs milliseconds to import
+if TYPE_CHECKING:
+    from typing import Any
+
+__all__ = ["C_DATATYPE", "C_REDOP", "PROTOTYPES", "NcclLibrary", "Prototype", "decode_version"]
 
 # Opaque handles and enums, named as in nccl.h.
 ncclComm_t = c_void_p
@@ -635,13 +639,6 @@ def decode_version(code: int) -> Release:
     if code >= 10000:
         return (code // 10000, code % 10000 // 100, code % 100)
     return (code // 1000, code % 1000 // 100, code % 100)
-
-
-#: One shared, never-mutated c_int per DataType / RedOp member. ctypes passes such an
-#: object for a C int parameter several times faster than it converts a Python int;
-#: the low-level wrappers (ENUM_ARGS) and Communicator's hot paths both use these.
-C_DATATYPE: dict[DataType, c_int] = {m: c_int(m) for m in DataType}
-C_REDOP: dict[RedOp, c_int] = {m: c_int(m) for m in RedOp}
 
 
 class NcclLibrary(BoundLibrary):

@@ -10,7 +10,6 @@ know, so :func:`config_fields_check` refuses those before the struct is used.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
 from ctypes import (
     POINTER,
     Structure,
@@ -25,10 +24,14 @@ from ctypes import (
     c_uint64,
     c_void_p,
 )
-from typing import Any
 
 from ..enums import Release
 from ..errors import NotSupportedError
+
+TYPE_CHECKING = False  # `typing` costs milliseconds to import
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Any
 
 __all__ = [
     "CONFIG_FIELD_RELEASE",

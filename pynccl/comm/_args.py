@@ -13,7 +13,7 @@ from ctypes import c_int, c_size_t
 from .. import _adapt
 from .._adapt import _BUFFER_HANDLERS, as_stream, buffer_handler, check_device
 from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, size_arg
-from .._capi.nccl import C_REDOP
+from .._capi._enumargs import C_REDOP
 from .._limits import (
     U64,
     check_count,

@@ -13,7 +13,7 @@ globals, so tracebacks show real lines (see :func:`source`).
 
 from __future__ import annotations
 
-from .._capi.nccl import C_REDOP
+from .._capi._enumargs import C_REDOP
 from ..enums import DataType, RedOp
 from ._args import SIZE_ARGS
 from ._recorder import RING_MASK

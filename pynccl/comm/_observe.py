@@ -13,7 +13,6 @@ from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupported
 from ..library import cudart
 from . import _recorder
 from ._handle import HANDLE, TERMINAL, CommHandle, State
-from ._watchdog import Watchdog
 
 __all__ = ["Observed"]
 
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from ..typing import StreamLike
+    from ._watchdog import Watchdog
 
 _IN_PROGRESS = 7
 
@@ -181,6 +181,8 @@ class Observed(CommHandle):
             self._gone()
         if self._watch is not None and self._watch.running:
             raise NcclInvalidUsage(Result.INVALID_USAGE, "", "the watchdog is already running")
+        from ._watchdog import Watchdog  # its threading/weakref/atexit: only when used
+
         watch = Watchdog(self, timeout, interval)
         self._watch = watch
         # Every row's slot gets a wrapper that records a completion event (the hot path
