@@ -22,20 +22,31 @@ from ._uid import UniqueId
 from ._window import Window
 
 __all__ = [
+    "CommProperties",
     "Communicator",
     "Config",
+    "Params",
     "Registration",
     "SignalWait",
     "State",
     "UniqueId",
     "Window",
     "from_env",
+    "params",
 ]
 
 
-def __getattr__(name: str) -> object:
-    if name == "from_env":
-        from ._from_env import from_env
+# Loaded on first access: `_properties` imports dataclasses, `_params` builds a mapping.
+_LAZY = {
+    "from_env": "_from_env",
+    "CommProperties": "_properties",
+    "Params": "_params",
+    "params": "_params",
+}
 
-        return from_env
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is not None:
+        return getattr(__import__(f"{__name__}.{module}", fromlist=[name]), name)
     raise AttributeError(f"module 'pynccl.comm' has no attribute {name!r}")
