@@ -42,8 +42,10 @@ _LAZY: dict[str, str] = {
     "load_cudart": "library",
     "cudart": "library",
     "version": "library",
+    "CollConfig": "comm",
     "Communicator": "comm",
     "Config": "comm",
+    "PersistentOp": "comm",
     "UniqueId": "comm",
     "group": "groups",
     "group_start": "groups",
@@ -57,12 +59,13 @@ _LAZY: dict[str, str] = {
 # `typing` costs milliseconds to import; mypy treats any name TYPE_CHECKING as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from .comm import Communicator, Config, UniqueId
+    from .comm import CollConfig, Communicator, Config, PersistentOp, UniqueId
     from .cuda import DeviceBuffer, Event, Stream, device_count
     from .groups import group, group_end, group_start
     from .library import cudart, lib, load_cudart, load_library, version
 
 __all__ = [
+    "CollConfig",
     "Communicator",
     "Config",
     "CudaError",
@@ -80,6 +83,7 @@ __all__ = [
     "NcclTimeoutError",
     "NcclUnhandledCudaError",
     "NotSupportedError",
+    "PersistentOp",
     "RedOp",
     "Result",
     "ScalarResidence",

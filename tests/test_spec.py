@@ -52,7 +52,7 @@ def test_methods_carry_the_rows_signature_and_doc(lb: Any) -> None:
         fn = getattr(Communicator, row.method)
         assert fn.__doc__ == row.doc and fn.__qualname__ == f"Communicator.{row.method}"
         params = list(inspect.signature(fn).parameters)
-        assert params[-3:] == ["count", "dtype", "stream"]
+        assert params[-4:] == ["count", "dtype", "stream", "config"]
         assert ("op" in params) == row.has_op and (row.where in params if row.where else True)
 
 

@@ -4,7 +4,8 @@ A package by role (see the README's layout table): ``_spec`` (the table of colle
 ``_codegen`` (rows -> methods), ``_args`` (the one slow path and its argument rules),
 ``_fallback`` (grouped send/recv plans below 2.28), ``_handle`` (the state machine and the
 gate), ``_recorder`` (the flight recorder), ``_watchdog``, ``_observe`` / ``_extras`` /
-``_communicator`` (the class), ``_uid``, ``_config`` and ``_from_env``.
+``_communicator`` (the class), ``_uid``, ``_config``, ``_collconfig`` (per-call
+``CollConfig``), ``_persistent`` (``<method>_init`` operations) and ``_from_env``.
 
 Importing it loads no library; it avoids :mod:`dataclasses`, :mod:`typing` and
 :mod:`hashlib`, so that the first use of the object API stays cheap.
@@ -12,12 +13,14 @@ Importing it loads no library; it avoids :mod:`dataclasses`, :mod:`typing` and
 
 from __future__ import annotations
 
+from ._collconfig import CollConfig
 from ._communicator import Communicator
 from ._config import Config
 from ._handle import State
+from ._persistent import PersistentOp
 from ._uid import UniqueId
 
-__all__ = ["Communicator", "Config", "State", "UniqueId", "from_env"]
+__all__ = ["CollConfig", "Communicator", "Config", "PersistentOp", "State", "UniqueId", "from_env"]
 
 
 def __getattr__(name: str) -> object:

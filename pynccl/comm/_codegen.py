@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from .._capi.nccl import C_REDOP
 from ..enums import DataType, RedOp
-from ._args import SIZE_ARGS
+from ._args import SIZE_ARGS, size_arg
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -57,16 +57,20 @@ def _params(spec: CollSpec) -> tuple[str, str, str]:
     sig.append("*")
     if spec.where == "root":
         sig.append("root=0")
-    sig += ["count=None", "dtype=None", "stream=None"]
+    sig += ["count=None", "dtype=None", "stream=None", "config=None"]
     send = "sendbuf" if spec.send != "-" else "None"
     recv = "recvbuf" if spec.recv != "-" else "None"
     return ", ".join(sig), f"{send}, {recv}", spec.where or "None"
 
 
-def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
-    """The gate, the record, the C call and the result check, at indent ``pad``."""
+def _issue(cargs: list[str], i: int, pad: str, slow: str) -> list[str]:
+    """The gate, the record, the C call and the result check, at indent ``pad``; ``slow``
+    is the slow-path call taken when the handle is gone once the gate is held."""
     body = [
-        "cn = _SIZE_ARGS[n]",
+        "try:",
+        "    cn = _SIZE_ARGS[n]",
+        "except KeyError:",
+        "    cn = _size_arg(n)",
         "gate = self._gate",
         "try:",
         "    gate.pop()",
@@ -74,15 +78,16 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
         "    self._wait_gate()",
         "try:",
         "    h = self._h",
-        "    if h is None:",
-        "        h = self._gone()",
-        f"    args = ({', '.join(cargs)})",
-        "    seq = self._seq + 1",
-        "    self._seq = seq",
-        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
-        "    rc = fn(*args)",
+        "    if h is not None:",
+        f"        args = ({', '.join(cargs)})",
+        "        seq = self._seq + 1",
+        "        self._seq = seq",
+        f"        self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
+        "        rc = fn(*args)",
         "finally:",
         "    gate.append(True)",
+        "if h is None:",
+        f"    {slow}",
         "if rc:",
         f"    self._failed({i}, rc)",
         "return",
@@ -106,7 +111,7 @@ def _method_source(spec: CollSpec) -> str:
     names = ([("sendbuf", "sp", "sn", spec.send)] if has_send else []) + (
         [(recv, "rp", "rn", spec.recv)] if has_recv else []
     )
-    first = ["stream is None"]
+    first = ["stream is None and config is None"]
     if spec.has_op:
         first.append("(type(op) is _RedOp or type(op) is str)")
     if spec.where:
@@ -126,7 +131,7 @@ def _method_source(spec: CollSpec) -> str:
         "                n = count",
         "                code = self._codes[dtype]",
     ]
-    ready = ["code is not None", "fn is not None", "self._h is not None"]
+    ready = ["code is not None", "fn is not None"]
     if spec.has_op:
         lines.append("                cop = _C_SUM if op is _SUM else self._ops.get(op)")
         ready.insert(1, "cop is not None")
@@ -134,7 +139,11 @@ def _method_source(spec: CollSpec) -> str:
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
     ]
-    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20)
+    slow = (
+        f"return self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
+        "count, dtype, stream, config)"
+    )
+    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20, slow)
     # -- arrays with a cached handler ------------------------------------------------------
     lines += [
         "        elif count is None and dtype is None:",
@@ -142,10 +151,6 @@ def _method_source(spec: CollSpec) -> str:
         "            dev = self._device",
     ]
     conds = []
-    slow = (
-        f"return self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
-        "count, dtype, stream)"
-    )
     ordered = names if spec.count_from == "send" or len(names) == 1 else names[::-1]
     for b, p, nvar, _ in ordered:
         label = '"sendbuf"' if b == "sendbuf" else '"recvbuf"'
@@ -191,21 +196,33 @@ def _method_source(spec: CollSpec) -> str:
         "                    if _OPEN:",
         f"                        _keep_alive(({bufs}))",
     ]
-    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20)
-    lines.append(
-        f"    self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
-        "count, dtype, stream)"
-    )
+    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20, slow)
+    lines.append("    " + slow)
     return "\n".join(lines) + "\n"
 
 
-def _sources() -> list[str]:
-    return [_method_source(spec) for spec in COLLECTIVES]
+def _init_source(spec: CollSpec) -> str:
+    """One row's ``<method>_init``: the method's signature, validated by the same slow path,
+    returning a :class:`~._persistent.PersistentOp`."""
+    sig, bufs, where = _params(spec)
+    op = "op" if spec.has_op else "None"
+    return (
+        f"def {spec.method}_init(self, {sig}):\n"
+        f"    return _persist(self, _ROWS[{spec.index}], {bufs}, {op}, {where}, count, dtype, "
+        "stream, config)\n"
+    )
+
+
+def _sources() -> list[tuple[str, str]]:
+    """``(function name, source)``: every row's method, then every row's ``_init``."""
+    return [(spec.method, _method_source(spec)) for spec in COLLECTIVES] + [
+        (spec.method + "_init", _init_source(spec)) for spec in COLLECTIVES
+    ]
 
 
 def source() -> str:
     """The generated source of every row, as compiled (a golden test diffs it)."""
-    return "\n".join(_sources())
+    return "\n".join(text for _, text in _sources())
 
 
 _ENV: dict[str, object] = {}
@@ -216,6 +233,7 @@ def _env() -> dict[str, object]:
     if not _ENV:
         from .. import groups
         from .._adapt import _BUFFER_HANDLERS, _from_device_buffer
+        from ._persistent import persistent
 
         _ENV.update(
             __name__=_MODULE,
@@ -227,6 +245,8 @@ def _env() -> dict[str, object]:
             _P63=1 << 63,
             _MASK=RING_MASK,
             _SIZE_ARGS=SIZE_ARGS,
+            _size_arg=size_arg,
+            _persist=persistent,
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
             _DEVBUF=_from_device_buffer,
@@ -237,42 +257,61 @@ def _env() -> dict[str, object]:
     return _ENV
 
 
-def compile_method(spec: CollSpec) -> Callable[..., None]:
-    """Compile one row's method. Its lines are numbered as in :func:`source` (blank lines
-    before it), which the generated globals' ``__loader__`` serves to tracebacks."""
+def compile_method(spec: CollSpec, init: bool = False) -> Callable[..., Any]:
+    """Compile one row's method (its ``_init`` with ``init``). Its lines are numbered as in
+    :func:`source` (blank lines before it), which the generated globals' ``__loader__``
+    serves to tracebacks."""
     texts = _sources()
-    offset = sum(text.count("\n") + 1 for text in texts[: spec.index])
+    at = spec.index + (len(COLLECTIVES) if init else 0)
+    name, text = texts[at]
+    offset = sum(t.count("\n") + 1 for _, t in texts[:at])
     env = _env()
-    code = compile("\n" * offset + texts[spec.index], FILENAME, "exec")
+    code = compile("\n" * offset + text, FILENAME, "exec")
     exec(code, env)
-    fn: Any = env[spec.method]
-    fn.__doc__ = spec.doc
-    fn.__qualname__ = f"Communicator.{spec.method}"
+    fn: Any = env[name]
+    fn.__doc__ = _init_doc(spec) if init else spec.doc
+    fn.__qualname__ = f"Communicator.{name}"
     fn.__module__ = "pynccl.comm"
     return fn  # type: ignore[no-any-return]
+
+
+def _init_doc(spec: CollSpec) -> str:
+    return (
+        f"Persistent :meth:`{spec.method}`: the same arguments, checked once (the same errors "
+        f"as :meth:`{spec.method}`); returns a :class:`~pynccl.PersistentOp` whose call "
+        "``op()`` (or ``op(stream=s)``) issues the same operation again with prebuilt ctypes "
+        "arguments, on the same buffers, which it keeps alive until :meth:`~pynccl."
+        "PersistentOp.close`."
+    )
 
 
 class _Lazy:
     """A method compiled on first access (keeps ``import pynccl.comm`` cheap): the class
     attribute is then replaced by the compiled function."""
 
-    def __init__(self, spec: CollSpec) -> None:
+    def __init__(self, spec: CollSpec, init: bool = False) -> None:
         self.spec = spec
-        self.__doc__ = spec.doc
+        self.init = init
+        self.name = spec.method + ("_init" if init else "")
+        self.__doc__ = _init_doc(spec) if init else spec.doc
 
     def __get__(self, obj: object, cls: type | None = None) -> object:
         owner = cls if cls is not None else type(obj)
-        fn = compile_method(self.spec)
-        setattr(owner, self.spec.method, fn)
+        fn = compile_method(self.spec, self.init)
+        setattr(owner, self.name, fn)
         return fn if obj is None else fn.__get__(obj, owner)
 
 
 def install(cls: type) -> None:
-    """Give ``cls`` one method per row of the table, each compiled on first use."""
+    """Give ``cls`` one method per row of the table and its ``_init``, each compiled on
+    first use."""
     for spec in COLLECTIVES:
         setattr(cls, spec.method, _Lazy(spec))
+        setattr(cls, spec.method + "_init", _Lazy(spec, True))
 
 
-def generate() -> dict[str, Callable[..., None]]:
-    """Compile every row's method now; ``{method name: function}``."""
-    return {spec.method: compile_method(spec) for spec in COLLECTIVES}
+def generate() -> dict[str, Callable[..., Any]]:
+    """Compile every row's method and ``_init`` now; ``{name: function}``."""
+    out = {spec.method: compile_method(spec) for spec in COLLECTIVES}
+    out.update({spec.method + "_init": compile_method(spec, True) for spec in COLLECTIVES})
+    return out

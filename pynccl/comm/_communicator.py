@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
     from .._capi.nccl import NcclLibrary
     from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
+    from ._collconfig import CollConfig
+    from ._persistent import PersistentOp
 
 _IN_PROGRESS = 7
 _P63 = 1 << 63
@@ -356,26 +358,52 @@ class Communicator(Extras):
         count: object,
         dtype: object,
         stream: StreamLike,
+        config: object = None,
     ) -> None:
         """Every call the generated inline path does not take: checked in full here.
-        ``sendbuf``/``recvbuf`` stay referenced by this frame until the C calls return
-        (and by the group, if one is open, until it ends)."""
+        ``sendbuf``/``recvbuf`` (and ``config``) stay referenced by this frame until the C
+        calls return (and by the group, if one is open, until it ends)."""
         self._live()
-        plan, s = prepare(self, spec, sendbuf, recvbuf, op, where, count, dtype, stream)
-        if type(sendbuf) is not int or type(recvbuf) is not int:
-            _groups.keep_alive((sendbuf, recvbuf))
+        plan, s, cfg = prepare(
+            self, spec, sendbuf, recvbuf, op, where, count, dtype, stream, config
+        )
+        if type(sendbuf) is not int or type(recvbuf) is not int or config is not None:
+            _groups.keep_alive((sendbuf, recvbuf, config))
+        self._run(plan, s, cfg, config)
+
+    def _run(
+        self,
+        plan: list[tuple[int, tuple[object, ...]]],
+        s: int,
+        cfg: object = None,
+        config: object = None,
+    ) -> None:
+        """Issue a checked plan (:func:`._args.prepare`): one call, or a grouped fallback's
+        calls inside one group."""
         if len(plan) == 1:
-            self._issue(plan[0][0], plan[0][1], s)
+            self._issue(plan[0][0], plan[0][1], s, cfg, config)
             return
         with _groups.group():
             for index, pre in plan:
                 self._issue(index, pre, s)
 
-    def _issue(self, index: int, pre: tuple[object, ...], s: int) -> None:
-        fn = self._fn[index]
-        if fn is None:
-            row = COLLECTIVES[index]
-            raise NotSupportedError(row.cfunc, row.since, self._lib.version)
+    def _issue(
+        self,
+        index: int,
+        pre: tuple[object, ...],
+        s: int,
+        cfg: object = None,
+        config: object = None,
+    ) -> None:
+        """One checked C call of row ``index`` (its ``nccl*Config`` variant when ``cfg``,
+        the config struct's pointer, is given; ``config`` is the CollConfig recorded)."""
+        row = COLLECTIVES[index]
+        if cfg is None:
+            fn = self._fn[index]
+            if fn is None:
+                raise NotSupportedError(row.cfunc, row.since, self._lib.version)
+        else:  # outside the watchdog's slots: it is told below
+            fn = self._lib.raw(row.cfunc + "Config")
         gate = self._gate
         try:
             gate.pop()
@@ -385,71 +413,140 @@ class Communicator(Extras):
             h = self._h
             if h is None:
                 h = self._gone()
-            args = (*pre, h, s)
             seq = self._seq + 1
             self._seq = seq
-            self._ring[seq & _recorder.RING_MASK] = (
-                (index, args, _groups._local.s.gid) if _groups.OPEN else (index, args)
-            )
+            gid = _groups._local.s.gid if _groups.OPEN else 0
+            if cfg is None:
+                args: tuple[object, ...] = (*pre, h, s)
+                slot: tuple[object, ...] = (index, args, gid) if gid else (index, args)
+            else:
+                args = (*pre, h, s, cfg)
+                slot = (index, args, gid, config)
+            self._ring[seq & _recorder.RING_MASK] = slot
             rc = fn(*args)
         finally:
             gate.append(True)
         if rc:
-            self._failed(index, rc)
+            self._failed(index, rc, cfg is not None)
+        elif cfg is not None and self._watch is not None:
+            self._watch.enqueued(seq, s)
 
-    def _failed(self, index: int, rc: int) -> None:
+    def _failed(self, index: int, rc: int, config: bool = False) -> None:
         if rc == _IN_PROGRESS:
             if _groups.group_depth() > 0:
                 _groups.in_progress_later(self)
             else:
                 self._mark_pending()
             return
-        raise self._lib.make_error(rc, COLLECTIVES[index].cfunc)
+        name = COLLECTIVES[index].cfunc
+        raise self._lib.make_error(rc, name + "Config" if config else name)
 
     if TYPE_CHECKING:
         # Generated from the spec table (see _codegen); declared here for type checkers.
         def all_reduce(
             self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
             *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def broadcast(
             self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
             root: int = 0, count: int | None = None, dtype: DTypeLike = None,
             stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def reduce(
             self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
             *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
             stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def all_gather(
             self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
             dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def reduce_scatter(
             self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
             count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def gather(
             self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
             count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def scatter(
             self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
             count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def all_to_all(
             self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
             dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def send(
             self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
             dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
         def recv(
             self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
             dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
         ) -> None: ...  # fmt: skip
+        def all_reduce_init(
+            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
+            *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def broadcast_init(
+            self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
+            root: int = 0, count: int | None = None, dtype: DTypeLike = None,
+            stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def reduce_init(
+            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
+            *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
+            stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def all_gather_init(
+            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def reduce_scatter_init(
+            self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
+            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def gather_init(
+            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
+            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def scatter_init(
+            self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
+            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def all_to_all_init(
+            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def send_init(
+            self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
+        def recv_init(
+            self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
+            dtype: DTypeLike = None, stream: StreamLike = None,
+            config: CollConfig | None = None,
+        ) -> PersistentOp: ...  # fmt: skip
 
 
 install(Communicator)
