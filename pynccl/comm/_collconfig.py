@@ -73,7 +73,7 @@ def _event_handle(value: object) -> int:
 
 
 class CollConfig:
-    __slots__ = (*_NAMES, "_c_fields", "_hash", "_pointer", "_since", "_struct")
+    __slots__ = (*_NAMES, "__weakref__", "_c_fields", "_hash", "_pointer", "_since", "_struct")
     __doc__ = (
         "Per-call options of a collective (``ncclCollConfig_t``, NCCL >= 2.31); ``None`` "
         "leaves NCCL's default.\n\n``comm.all_reduce(x, config=CollConfig(max_ctas=4))``: "

@@ -25,7 +25,7 @@ from .._capi.nccl import PROTOTYPES
 from ..enums import Result
 from ..errors import NcclInvalidUsage
 from ._args import prepare
-from ._recorder import RING_MASK
+from ._recorder import RING_MASK as _MASK
 from ._spec import COLLECTIVES, CollSpec
 
 __all__ = ["PersistentOp", "persistent"]
@@ -159,24 +159,25 @@ class PersistentOp:
         except IndexError:
             comm._wait_gate()
         try:
-            h = comm._h
-            if h is self._h:
+            if comm._h is self._h:
                 seq = comm._seq + 1
                 comm._seq = seq
                 if _OPEN:
                     _keep_alive(self)
                     slot = self._slot
-                    comm._ring[seq & RING_MASK] = (slot[0], slot[1], _local.s.gid, *slot[3:])
+                    comm._ring[seq & _MASK] = (slot[0], slot[1], _local.s.gid, *slot[3:])
                 else:
-                    comm._ring[seq & RING_MASK] = self._slot
+                    comm._ring[seq & _MASK] = self._slot
                 rc = self._fn(*self._args)
+            else:
+                rc = -1
         finally:
             gate.append(True)
-        if h is not self._h:
-            # Not ready (waits for a non-blocking communicator) or gone (raises why).
-            self._bind(comm._live())
-            return self(stream)
         if rc:
+            if rc == -1:
+                # Not ready (waits for a non-blocking communicator) or gone (raises why).
+                self._bind(comm._live())
+                return self(stream)
             comm._failed(self._row, rc, self._cfg is not None)
         elif comm._watch is not None:
             comm._watch.enqueued(seq, self._stream)
