@@ -222,7 +222,7 @@ class PersistentOp:
         calls afterwards raise :class:`~pynccl.NcclInvalidUsage`."""
         if self._keep is None:
             return
-        _groups.keep_alive((self._keep, self._config))
+        _groups.keep_alive((*self._keep, self._config))
         self._keep = None
         self._config = None
         self._devbufs = ()
