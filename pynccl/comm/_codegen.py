@@ -98,8 +98,8 @@ def _issue(cargs: list[str], i: int, pad: str, slow: str) -> list[str]:
 def _method_source(spec: CollSpec) -> str:
     """One row's method: the inline raw-pointer path, the inline array path (objects
     whose handler is cached, no count/dtype; a live DeviceBuffer's slots read inline,
-    exactly what its handler ``_from_device_buffer`` returns), then the slow path for
-    anything else."""
+    exactly what its handler ``_from_device_buffer`` returns, without the handler lookup),
+    then the slow path for anything else."""
     sig, bufs, where = _params(spec)
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
@@ -112,8 +112,6 @@ def _method_source(spec: CollSpec) -> str:
         [(recv, "rp", "rn", spec.recv)] if has_recv else []
     )
     first = ["stream is None and config is None"]
-    if spec.has_op:
-        first.append("(type(op) is _RedOp or type(op) is str)")
     if spec.where:
         first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._size")
     tail = ["cn", "code"] + (["cop"] if spec.has_op else []) + ([spec.where] if spec.where else [])
@@ -133,7 +131,12 @@ def _method_source(spec: CollSpec) -> str:
     ]
     ready = ["code is not None", "fn is not None"]
     if spec.has_op:
-        lines.append("                cop = _C_SUM if op is _SUM else self._ops.get(op)")
+        # The default op costs one identity test; other names and members one lookup
+        # (the type test first: an unhashable op must reach the slow path's TypeError).
+        lines.append(
+            "                cop = _C_SUM if op is _SUM else self._ops.get(op) "
+            "if type(op) is _RedOp or type(op) is str else None"
+        )
         ready.insert(1, "cop is not None")
     lines += [
         f"                fn = self._fn[{i}]",
@@ -156,13 +159,13 @@ def _method_source(spec: CollSpec) -> str:
         label = '"sendbuf"' if b == "sendbuf" else '"recvbuf"'
         writable = "True" if b != "sendbuf" else "recvbuf is None" if recv == "rb" else "False"
         lines += [
-            f"            if type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
-            f"                {slow}",
-            f"            if hd is _DEVBUF and not {b}._freed:",
+            f"            if type({b}) is _DeviceBuffer and not {b}._freed:",
             f"                {p} = {b}._ptr",
             f"                {nvar} = {b}._count",
             f"                dt_{p} = {b}._dtype",
             f"                dev_{p} = {b}._device",
+            f"            elif type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
+            f"                {slow}",
             "            else:",
             f"                {p}, {nvar}, dt_{p}, dev_{p} = "
             f"hd({b}, None, None, {label}, {writable}, s)",
@@ -189,7 +192,10 @@ def _method_source(spec: CollSpec) -> str:
         "                code = self._codes[dt]",
     ]
     if spec.has_op:
-        lines.append("                cop = _C_SUM if op is _SUM else self._array_ops.get(op)")
+        lines.append(
+            "                cop = _C_SUM if op is _SUM else self._array_ops.get(op) "
+            "if type(op) is _RedOp or type(op) is str else None"
+        )
     lines += [
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
@@ -232,7 +238,8 @@ def _env() -> dict[str, object]:
     """The generated code's globals (built on first use: the groups/adapt imports)."""
     if not _ENV:
         from .. import groups
-        from .._adapt import _BUFFER_HANDLERS, _from_device_buffer
+        from .._adapt import _BUFFER_HANDLERS
+        from ..cuda import DeviceBuffer
         from ._persistent import persistent
 
         _ENV.update(
@@ -249,7 +256,7 @@ def _env() -> dict[str, object]:
             _persist=persistent,
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
-            _DEVBUF=_from_device_buffer,
+            _DeviceBuffer=DeviceBuffer,
             _GROUPS=groups._local,
             _OPEN=groups.OPEN,
             _keep_alive=groups.keep_alive,

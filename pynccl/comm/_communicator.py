@@ -39,6 +39,15 @@ if TYPE_CHECKING:
 
 _IN_PROGRESS = 7
 _P63 = 1 << 63
+#: The inline raw-pointer path's largest count is a one-digit int (below 2**30), which
+#: the interpreter compares with a specialised instruction.
+_FAST_N_MAX = (1 << 30) - 1
+
+
+def _fast_n(size: int) -> int:
+    """The largest count the inline raw-pointer path takes: pointer + count * 16 bytes
+    * nranks then stays below 2**64 without a multiplication per call."""
+    return min(_FAST_N_MAX, _P63 // (16 * max(size, 1)))
 
 
 class Communicator(Extras):
@@ -134,9 +143,7 @@ class Communicator(Extras):
         self._ops = op_table(version)
         # Ops the inline array path takes: not prod/max/min, which need the complex check.
         self._array_ops = op_table(version, arrays=True)
-        # The largest count the inline raw-pointer path takes: pointer + count * 16 bytes
-        # * nranks then stays below 2**64 without a multiplication per call.
-        self._fast_n = _P63 // (16 * max(size, 1))
+        self._fast_n = _fast_n(size)
         self._raw_fn = [L.raw(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
         self._fn = list(self._raw_fn)
 
@@ -176,7 +183,7 @@ class Communicator(Extras):
         child._rank = value.value
         L.ncclCommCount(handle, byref(value))
         child._size = value.value
-        child._fast_n = _P63 // (16 * max(child._size, 1))
+        child._fast_n = _fast_n(child._size)
         return child
 
     @classmethod
