@@ -17,7 +17,6 @@ from ._collconfig import CollConfig
 from ._communicator import Communicator
 from ._config import Config
 from ._handle import State
-from ._persistent import PersistentOp
 from ._uid import UniqueId
 
 __all__ = ["CollConfig", "Communicator", "Config", "PersistentOp", "State", "UniqueId", "from_env"]
@@ -28,4 +27,8 @@ def __getattr__(name: str) -> object:
         from ._from_env import from_env
 
         return from_env
+    if name == "PersistentOp":  # imported with the first generated method
+        from ._persistent import PersistentOp
+
+        return PersistentOp
     raise AttributeError(f"module 'pynccl.comm' has no attribute {name!r}")

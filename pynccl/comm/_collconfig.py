@@ -217,9 +217,10 @@ class CollConfig:
         return self._since
 
     def check(self, loaded: Release, function: str) -> object:
-        """The struct's pointer for a call of ``function`` (``"ncclAllReduceConfig"``) on a
-        library of version ``loaded``; :class:`~pynccl.NotSupportedError` naming the release
-        when that library lacks the ``nccl*Config`` calls or a field that is set."""
+        """The struct's pointer for a call of ``function`` (``"ncclAllReduceConfig"``, NCCL
+        >= 2.31) on a library of version ``loaded``; :class:`~pynccl.NotSupportedError`
+        naming the release when that library lacks the ``nccl*Config`` calls or a field that
+        is set."""
         if loaded < self._since:
             if loaded < COLL_CONFIG_SINCE:
                 raise NotSupportedError(

@@ -244,8 +244,9 @@ class PersistentOp:
 
     @property
     def function(self) -> str:
-        """The C function each call issues (``"ncclAllReduce"``, ``"ncclAllReduceConfig"``;
-        a grouped fallback's plan issues ``ncclSend``/``ncclRecv``)."""
+        """The C function each call issues (``"ncclAllReduce"``; with a config the NCCL >= 2.31
+        variant ``"ncclAllReduceConfig"``; a grouped fallback's plan issues
+        ``ncclSend``/``ncclRecv``)."""
         return COLLECTIVES[self._row].cfunc + ("" if self._cfg is None else "Config")
 
     @property
