@@ -2,7 +2,8 @@
 checked once with the method's own errors, replayed with changing data (results against
 numpy), recorded like the method, buffers kept alive, refused once the communicator is
 gone or the operation closed, serialized across threads, grouped fallbacks replayed on
-an emulated 2.24 build."""
+an emulated 2.24 build, and in a 4-process world replayed with changing data (one with a
+CollConfig) and captured into a CUDA graph that replays with new inputs."""
 
 from __future__ import annotations
 
@@ -380,3 +381,79 @@ def test_grouped_fallbacks_replay_their_plan(method: str) -> None:
 
         for names in world.run(one).values():
             assert set(names) <= {"ncclSend", "ncclRecv"} and names
+
+
+_PROCESS_RANK = """
+import json, os
+import numpy as np
+from pynccl import CollConfig
+from pynccl.comm import Communicator, UniqueId
+from pynccl.cuda import DeviceBuffer, Graph, Stream
+
+rank, n = int(os.environ["RANK"]), int(os.environ["SIZE"])
+comm = Communicator(n, UniqueId.fromhex(os.environ["UID"]), rank, device=rank)
+N = 64
+x, y = DeviceBuffer(N, "float32"), DeviceBuffer(N, "float32")
+big, part = DeviceBuffer(N * n, "float32"), DeviceBuffer(N, "float32")
+ar = comm.all_reduce_init(x, y)
+rs = comm.reduce_scatter_init(big, part, op="max", config=CollConfig(max_ctas=2))
+ok = []
+for k in range(3):
+    mine = lambda r: np.arange(N, dtype=np.float32) * (k + 1) + r
+    wide = lambda r: np.arange(N * n, dtype=np.float32) * ((r + k) % n)
+    x.copy_from(mine(rank))
+    big.copy_from(wide(rank))
+    ar()
+    rs()
+    comm.synchronize(timeout=60)
+    ok.append(bool(np.array_equal(y.to_numpy(), sum(mine(r) for r in range(n)))))
+    top = np.max([wide(r) for r in range(n)], axis=0)[rank * N : (rank + 1) * N]
+    ok.append(bool(np.array_equal(part.to_numpy(), top)))
+# Captured into a CUDA graph on another stream, replayed with new inputs.
+s = Stream(non_blocking=True)
+g = Graph()
+with g.capture(s):
+    ar(stream=s)
+for k in (5, 7):
+    x.copy_from(np.full(N, k * (rank + 1), np.float32))
+    g.replay(s)
+    s.synchronize()
+    ok.append(bool(np.array_equal(y.to_numpy(), np.full(N, k * n * (n + 1) // 2, np.float32))))
+names = sorted({e[1] for e in comm.flight_record()})
+ar.close(); rs.close()
+for b in (x, y, big, part):
+    b.close()
+comm.destroy()
+print("RESULT " + json.dumps([ok, names]))
+"""
+
+
+def test_four_processes_replay_and_capture(lb: Any, lb_env: dict[str, str]) -> None:
+    import json
+    import subprocess
+    import sys
+
+    uid = UniqueId().hex()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROCESS_RANK],
+            env={**lb_env, "RANK": str(r), "SIZE": "4", "UID": uid},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+            line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
+            ok, names = json.loads(line[len("RESULT ") :])
+            assert ok == [True] * 8, err[-3000:]
+            assert names == ["ncclAllReduce", "ncclReduceScatterConfig"]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
