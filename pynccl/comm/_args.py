@@ -21,7 +21,16 @@ from ..errors import NotSupportedError
 from ._collconfig import CollConfig
 from ._spec import CollSpec
 
-__all__ = ["Plan", "config_arg", "op_table", "prepare", "resolve_op", "size_arg"]
+__all__ = [
+    "RANK_ARGS_LIMIT",
+    "Plan",
+    "config_arg",
+    "op_table",
+    "prepare",
+    "rank_args",
+    "resolve_op",
+    "size_arg",
+]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -102,6 +111,24 @@ def resolve_op(op: object, comm: Communicator, objs: tuple[object, ...] = ()) ->
                         "complex numbers reduce with 'sum' or 'avg' only"
                     )
     return C_REDOP[member]
+
+
+# -- ranks --------------------------------------------------------------------------------
+
+#: Ranks below this have a shared c_int (:func:`rank_args`); the inline paths send a
+#: root/peer at or above it to the slow path.
+RANK_ARGS_LIMIT = 1 << 15
+_RANK_ARGS: list[c_int] = []
+
+
+def rank_args(size: int) -> list[c_int]:
+    """The shared ``c_int`` of every rank below ``min(size, RANK_ARGS_LIMIT)`` (one list
+    for the process, grown on demand, never mutated otherwise): ctypes passes a c_int for
+    an ``int`` parameter much faster than it converts a Python int (root, peer)."""
+    need = min(size, RANK_ARGS_LIMIT)
+    if len(_RANK_ARGS) < need:
+        _RANK_ARGS.extend(c_int(r) for r in range(len(_RANK_ARGS), need))
+    return _RANK_ARGS
 
 
 # -- per-call config ----------------------------------------------------------------------

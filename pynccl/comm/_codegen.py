@@ -113,8 +113,10 @@ def _method_source(spec: CollSpec) -> str:
     )
     first = ["stream is None and config is None"]
     if spec.where:
-        first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._size")
-    tail = ["cn", "code"] + (["cop"] if spec.has_op else []) + ([spec.where] if spec.where else [])
+        first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._fast_w")
+    # A root/peer goes as its shared c_int (faster for ctypes than an int).
+    tail = ["cn", "code"] + (["cop"] if spec.has_op else [])
+    tail += [f"self._wargs[{spec.where}]"] if spec.where else []
     tail += ["h", "self._stream"]
     lines.append("    if " + " and ".join(first) + ":")
     # -- raw pointers ------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..enums import DataType, Result
 from ..errors import NcclInvalidUsage, NotSupportedError
 from ..library import cudart, lib
 from . import _recorder
-from ._args import op_table, prepare
+from ._args import RANK_ARGS_LIMIT, op_table, prepare, rank_args
 from ._codegen import install
 from ._config import Config
 from ._extras import Extras
@@ -69,7 +69,7 @@ class Communicator(Extras):
     destroy or abort from another thread waits for the call in flight.
     """
 
-    __slots__ = ("_array_ops", "_fast_n", "_ops")
+    __slots__ = ("_array_ops", "_fast_n", "_fast_w", "_ops", "_wargs")
 
     def __init__(
         self,
@@ -143,9 +143,16 @@ class Communicator(Extras):
         self._ops = op_table(version)
         # Ops the inline array path takes: not prod/max/min, which need the complex check.
         self._array_ops = op_table(version, arrays=True)
-        self._fast_n = _fast_n(size)
+        self._sized(size)
         self._raw_fn = [L.raw(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
         self._fn = list(self._raw_fn)
+
+    def _sized(self, size: int) -> None:
+        """What the inline paths derive from the size: the count bound, and the shared
+        c_int of each root/peer they take (``_wargs[r]`` for ``0 <= r < _fast_w``)."""
+        self._fast_n = _fast_n(size)
+        self._fast_w = min(size, RANK_ARGS_LIMIT)
+        self._wargs = rank_args(size)
 
     @classmethod
     def _wrap(
@@ -183,7 +190,7 @@ class Communicator(Extras):
         child._rank = value.value
         L.ncclCommCount(handle, byref(value))
         child._size = value.value
-        child._fast_n = _fast_n(child._size)
+        child._sized(child._size)
         return child
 
     @classmethod
