@@ -122,7 +122,7 @@ def test_a_rooted_inline_call_records_the_root_as_an_int(lb: Any) -> None:
     x = DeviceBuffer(4, "float32", device=0)
     try:
         comm.broadcast(x.ptr, x.ptr, root=0, count=4, dtype="float32")  # the inline path
-        seq, name, where, args = comm.flight_record()[-1]
+        _seq, name, where, args = comm.flight_record()[-1]
         assert (name, where, type(args[4]), args[4]) == ("ncclBroadcast", 0, int, 0)
         assert comm.last_operation().endswith("root=0 stream=0x0")
     finally:
