@@ -4,8 +4,9 @@ A package by role (see the README's layout table): ``_spec`` (the table of colle
 ``_codegen`` (rows -> methods), ``_args`` (the one slow path and its argument rules),
 ``_fallback`` (grouped send/recv plans below 2.28), ``_handle`` (the state machine and the
 gate), ``_recorder`` (the flight recorder), ``_watchdog``, ``_observe`` / ``_extras`` /
-``_communicator`` (the class), ``_uid``, ``_config``, ``_collconfig`` (per-call
-``CollConfig``), ``_persistent`` (``<method>_init`` operations) and ``_from_env``.
+``_collectives`` (the collectives' slow path) / ``_communicator`` (the class), ``_uid``,
+``_config``, ``_collconfig`` (per-call ``CollConfig``), ``_persistent`` (``<method>_init``
+operations) and ``_from_env``.
 
 Importing it loads no library; it avoids :mod:`dataclasses`, :mod:`typing` and
 :mod:`hashlib`, so that the first use of the object API stays cheap.

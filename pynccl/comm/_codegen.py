@@ -4,8 +4,11 @@ of :class:`~pynccl.Communicator`, once, at import.
 The generated code is straight-line for its row (no run-time branches on spec flags):
 the raw-pointer call checked inline — pointers, count, dtype, op, root/peer — then the
 gate, one flight-recorder store, the C call through the row's slot in ``self._fn`` (which
-the watchdog may swap) and one result check. Anything else goes to the one slow path,
-``Communicator._slow``, which words every error the same way for every row.
+the watchdog may swap) and one result check. Anything else — a ``stream=``, a
+``config=`` (the row's ``nccl*Config`` variant), names, odd values — goes to the one slow
+path, ``Collectives._slow``, which words every error the same way for every row. Each row
+also gets ``<method>_init`` (same signature): a persistent operation
+(:mod:`._persistent`) checked by the same slow path.
 
 The source is served to :mod:`linecache` by the ``__loader__`` of the generated code's
 globals, so tracebacks show real lines (see :func:`source`).

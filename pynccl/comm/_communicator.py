@@ -1,6 +1,7 @@
 """``Communicator``: constructors, properties, lifecycle verbs, split, custom ops,
 registration, synchronize and the watchdog. The collectives are generated from the spec
-table (:mod:`._codegen`) and attached at import; their one slow path is :meth:`_slow`."""
+table (:mod:`._codegen`) and attached at import; their one slow path is
+:meth:`._collectives.Collectives._slow`, a base of the class."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from .._capi.nccl import C_DATATYPE
 from .._capi.structs import ncclUniqueId
 from .._limits import C_INT_MAX, check_c_int, check_index, check_timeout
 from ..enums import DataType, Result
-from ..errors import NcclInvalidUsage, NotSupportedError
+from ..errors import NcclInvalidUsage
 from ..library import cudart, lib
 from . import _recorder
-from ._args import RANK_ARGS_LIMIT, op_table, prepare, rank_args
+from ._args import RANK_ARGS_LIMIT, op_table, rank_args
 from ._codegen import install
+from ._collectives import Collectives
 from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
-from ._spec import COLLECTIVES, CollSpec
+from ._spec import COLLECTIVES
 from ._uid import UniqueId, as_unique_ids
 
 __all__ = ["Communicator"]
@@ -33,11 +35,8 @@ if TYPE_CHECKING:
     from typing import Any
 
     from .._capi.nccl import NcclLibrary
-    from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
-    from ._collconfig import CollConfig
-    from ._persistent import PersistentOp
+    from ..typing import StreamLike
 
-_IN_PROGRESS = 7
 _P63 = 1 << 63
 #: The inline raw-pointer path's largest count is a one-digit int (below 2**30), which
 #: the interpreter compares with a specialised instruction.
@@ -50,7 +49,7 @@ def _fast_n(size: int) -> int:
     return min(_FAST_N_MAX, _P63 // (16 * max(size, 1)))
 
 
-class Communicator(Extras):
+class Communicator(Collectives, Extras):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -359,208 +358,6 @@ class Communicator(Extras):
                 ResourceWarning,
                 stacklevel=2,
             )
-
-    # -- the collectives' shared path ---------------------------------------------------
-
-    def _slow(
-        self,
-        spec: CollSpec,
-        sendbuf: object,
-        recvbuf: object,
-        op: object,
-        where: object,
-        count: object,
-        dtype: object,
-        stream: StreamLike,
-        config: object = None,
-    ) -> None:
-        """Every call the generated inline path does not take: checked in full here.
-        ``sendbuf``/``recvbuf`` (and ``config``) stay referenced by this frame until the C
-        calls return (and by the group, if one is open, until it ends)."""
-        self._live()
-        plan, s, cfg = prepare(
-            self, spec, sendbuf, recvbuf, op, where, count, dtype, stream, config
-        )
-        if type(sendbuf) is not int or type(recvbuf) is not int or config is not None:
-            _groups.keep_alive((sendbuf, recvbuf, config))
-        self._run(plan, s, cfg, config)
-
-    def _run(
-        self,
-        plan: list[tuple[int, tuple[object, ...]]],
-        s: int,
-        cfg: object = None,
-        config: object = None,
-    ) -> None:
-        """Issue a checked plan (:func:`._args.prepare`): one call, or a grouped fallback's
-        calls inside one group."""
-        if len(plan) == 1:
-            self._issue(plan[0][0], plan[0][1], s, cfg, config)
-            return
-        with _groups.group():
-            for index, pre in plan:
-                self._issue(index, pre, s)
-
-    def _issue(
-        self,
-        index: int,
-        pre: tuple[object, ...],
-        s: int,
-        cfg: object = None,
-        config: object = None,
-    ) -> None:
-        """One checked C call of row ``index`` (its ``nccl*Config`` variant when ``cfg``,
-        the config struct's pointer, is given; ``config`` is the CollConfig recorded)."""
-        row = COLLECTIVES[index]
-        if cfg is None:
-            fn = self._fn[index]
-            if fn is None:
-                raise NotSupportedError(row.cfunc, row.since, self._lib.version)
-        else:  # outside the watchdog's slots: it is told below
-            fn = self._lib.raw(row.cfunc + "Config")
-        gate = self._gate
-        try:
-            gate.pop()
-        except IndexError:
-            self._wait_gate()
-        try:
-            h = self._h
-            if h is None:
-                h = self._gone()
-            seq = self._seq + 1
-            self._seq = seq
-            gid = _groups._local.s.gid if _groups.OPEN else 0
-            if cfg is None:
-                args: tuple[object, ...] = (*pre, h, s)
-                slot: tuple[object, ...] = (index, args, gid) if gid else (index, args)
-            else:
-                args = (*pre, h, s, cfg)
-                slot = (index, args, gid, config)
-            self._ring[seq & _recorder.RING_MASK] = slot
-            rc = fn(*args)
-        finally:
-            gate.append(True)
-        if rc:
-            self._failed(index, rc, cfg is not None)
-        elif cfg is not None and self._watch is not None:
-            self._watch.enqueued(seq, s)
-
-    def _failed(self, index: int, rc: int, config: bool = False) -> None:
-        if rc == _IN_PROGRESS:
-            if _groups.group_depth() > 0:
-                _groups.in_progress_later(self)
-            else:
-                self._mark_pending()
-            return
-        name = COLLECTIVES[index].cfunc
-        raise self._lib.make_error(rc, name + "Config" if config else name)
-
-    if TYPE_CHECKING:
-        # Generated from the spec table (see _codegen); declared here for type checkers.
-        def all_reduce(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def broadcast(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
-            root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def reduce(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def all_gather(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def reduce_scatter(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def gather(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def scatter(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def all_to_all(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def send(
-            self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def recv(
-            self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def all_reduce_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def broadcast_init(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
-            root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def reduce_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def all_gather_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def reduce_scatter_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def gather_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def scatter_init(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def all_to_all_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def send_init(
-            self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def recv_init(
-            self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
 
 
 install(Communicator)
