@@ -40,9 +40,11 @@ _LAZY: dict[str, str] = {
     "load_cudart": "library",
     "cudart": "library",
     "version": "library",
+    "CollConfig": "comm",
     "Communicator": "comm",
     "CommProperties": "comm",
     "Config": "comm",
+    "PersistentOp": "comm",
     "UniqueId": "comm",
     "Registration": "comm",
     "SignalWait": "comm",
@@ -63,7 +65,16 @@ _SUBMODULES = frozenset({"dtypes", "enums", "errors"})
 # `typing` costs milliseconds to import; mypy treats any name TYPE_CHECKING as true.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from .comm import Communicator, Config, Registration, SignalWait, UniqueId, Window
+    from .comm import (
+        CollConfig,
+        Communicator,
+        Config,
+        PersistentOp,
+        Registration,
+        SignalWait,
+        UniqueId,
+        Window,
+    )
     from .comm._params import Params, params
     from .comm._properties import CommProperties
     from .cuda import DeviceBuffer, Event, Stream, device_count
@@ -87,6 +98,7 @@ if TYPE_CHECKING:
     from .library import cudart, lib, load_cudart, load_library, version
 
 __all__ = [
+    "CollConfig",
     "CommProperties",
     "Communicator",
     "Config",
@@ -106,6 +118,7 @@ __all__ = [
     "NcclUnhandledCudaError",
     "NotSupportedError",
     "Params",
+    "PersistentOp",
     "RedOp",
     "Registration",
     "Result",

@@ -10,6 +10,8 @@ collective, plus send and recv) it times:
 * raw       ``comm.<method>(ptr, ptr, count=, dtype=)``
 * CAI       ``comm.<method>(a, b)``, objects exposing only ``__cuda_array_interface__``
 * DevBuf    the same with :class:`pynccl.cuda.DeviceBuffer`
+* persistent  ``op()`` of ``op = comm.<method>_init(ptr, ptr, count=, dtype=)``: checked
+            once, issued with prebuilt ctypes arguments through a function without argtypes
 
 plus all_reduce's generated code compiled without the gate (what serializing teardown
 against calls in flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
@@ -22,7 +24,8 @@ targets are).
 Prints medians over the rounds (ns per call, the loop's own cost subtracted) and each
 median's ratio to its floor, and the same for the best round of each (on a shared
 machine, noise only adds time). Targets (issue 10): raw <= 1.15x, CAI <= 2.0x,
-DeviceBuffer <= 1.6x, send+recv in a group <= 1.5x, low-level <= 1.05x;
+DeviceBuffer <= 1.6x, send+recv in a group <= 1.5x, low-level <= 1.05x, persistent
+operations <= 0.8x;
 ``import pynccl`` <= 10 ms, ``from pynccl import Communicator`` <= 25 ms.
 
     python scripts/bench_overhead.py [--rounds 30] [--calls 2000]
@@ -39,7 +42,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-TARGETS = {"raw": 1.15, "CAI": 2.0, "DevBuf": 1.6, "group": 1.5, "low-level": 1.05}
+TARGETS = {
+    "raw": 1.15,
+    "CAI": 2.0,
+    "DevBuf": 1.6,
+    "group": 1.5,
+    "low-level": 1.05,
+    "persistent": 0.8,
+    "persistent-group": 1.5,  # the group's own cost dominates: the send+recv group target
+}
 
 
 class CaiArray:
@@ -106,6 +117,8 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
         v[f"{m} raw"] = lambda method=method: method(send, recv, count=n, dtype=f32)
         v[f"{m} CAI"] = lambda method=method: method(ca, cb)
         v[f"{m} DevBuf"] = lambda method=method: method(a, b)
+        # comm.<method>_init(...): checked once, each call issues with prebuilt arguments.
+        v[f"{m} persistent"] = getattr(comm, f"{m}_init")(send, recv, count=n, dtype=f32)
     gs, ge = (
         _bare(cdll, "ncclGroupStart", PROTOTYPES["ncclGroupStart"]),
         _bare(cdll, "ncclGroupEnd", PROTOTYPES["ncclGroupEnd"]),
@@ -129,9 +142,18 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
             comm.send(a, 0)
             comm.recv(b, 0)
 
+    ps = comm.send_init(send, 0, count=n, dtype=f32)
+    pr = comm.recv_init(recv, 0, count=n, dtype=f32)
+
+    def persistent_pair() -> None:
+        with group():
+            ps()
+            pr()
+
     v["send+recv floor"] = bare_pair
     v["send+recv group"] = comm_pair
     v["send+recv DevBuf"] = comm_pair_buf
+    v["send+recv persistent-group"] = persistent_pair
     # What the gate (teardown serialized against calls in flight) costs the hot path:
     # all_reduce's generated source compiled without it, timed beside the real one.
     from pynccl.comm import _codegen

@@ -52,7 +52,7 @@ def test_methods_carry_the_rows_signature_and_doc(lb: Any) -> None:
         fn = getattr(Communicator, row.method)
         assert fn.__doc__ == row.doc and fn.__qualname__ == f"Communicator.{row.method}"
         params = list(inspect.signature(fn).parameters)
-        assert params[-3:] == ["count", "dtype", "stream"]
+        assert params[-4:] == ["count", "dtype", "stream", "config"]
         assert ("op" in params) == row.has_op and (row.where in params if row.where else True)
 
 
@@ -101,3 +101,30 @@ def test_first_use_imports_no_dataclasses_or_hashlib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_rank_args_are_shared_c_ints_of_each_rank() -> None:
+    from ctypes import c_int
+
+    from pynccl.comm._args import RANK_ARGS_LIMIT, rank_args
+
+    small = rank_args(5)
+    assert len(small) >= 5 and all(type(a) is c_int and a.value == r for r, a in enumerate(small))
+    assert rank_args(3) is small  # one list for the process, grown on demand
+    assert len(rank_args(RANK_ARGS_LIMIT + 10)) == RANK_ARGS_LIMIT
+    assert [a.value for a in rank_args(0)[-2:]] == [RANK_ARGS_LIMIT - 2, RANK_ARGS_LIMIT - 1]
+
+
+def test_a_rooted_inline_call_records_the_root_as_an_int(lb: Any) -> None:
+    from pynccl.cuda import DeviceBuffer
+
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    x = DeviceBuffer(4, "float32", device=0)
+    try:
+        comm.broadcast(x.ptr, x.ptr, root=0, count=4, dtype="float32")  # the inline path
+        _seq, name, where, args = comm.flight_record()[-1]
+        assert (name, where, type(args[4]), args[4]) == ("ncclBroadcast", 0, int, 0)
+        assert comm.last_operation().endswith("root=0 stream=0x0")
+    finally:
+        x.close()
+        comm.destroy()

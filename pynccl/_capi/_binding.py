@@ -30,27 +30,24 @@ __all__ = ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "BoundLibrary", "Prototype", "size_ar
 SIZE_ARGS_LIMIT = 4096
 
 
-class _SizeArgs(dict[int, c_size_t]):
-    """``SIZE_ARGS[n]``: a shared c_size_t holding the int ``n``, made on a miss."""
-
-    def __missing__(self, count: int) -> c_size_t:
-        arg = c_size_t(count)
-        if len(self) < SIZE_ARGS_LIMIT:
-            self[count] = arg
-        return arg
-
-
 #: Counts repeat (the same buffers, call after call) and ctypes converts a c_size_t
 #: object for a ``size_t`` parameter much faster than an int, so the low-level wrappers'
 #: ``count`` and the Communicator's hot paths pass these: shared, never mutated, keyed by
-#: the int (at most SIZE_ARGS_LIMIT kept). One subscript, no method call, on a hit.
-SIZE_ARGS: dict[int, c_size_t] = _SizeArgs()
+#: the int (at most SIZE_ARGS_LIMIT kept). A plain dict (a subclass with ``__missing__``
+#: defeats the interpreter's specialised subscript): hot paths look a count up with
+#: ``try: SIZE_ARGS[n] except KeyError: size_arg(n)``, which costs one subscript on a hit.
+SIZE_ARGS: dict[int, c_size_t] = {}
 
 
 def size_arg(count: int) -> c_size_t:
-    """``count`` as a shared c_size_t (the value ctypes would convert it to)."""
-    return SIZE_ARGS[count]
-
+    """``count`` as a shared c_size_t (the value ctypes would convert it to), kept in
+    :data:`SIZE_ARGS` while it holds fewer than :data:`SIZE_ARGS_LIMIT`."""
+    arg = SIZE_ARGS.get(count)
+    if arg is None:
+        arg = c_size_t(count)
+        if len(SIZE_ARGS) < SIZE_ARGS_LIMIT:
+            SIZE_ARGS[count] = arg
+    return arg
 
 if TYPE_CHECKING:
 
@@ -90,8 +87,12 @@ def _generate(
             namespace[f"_E_{arg}"], namespace[f"_C_{arg}"] = enum_args[arg]
             prologue += f"    if type({arg}) is _E_{arg}:\n        {arg} = _C_{arg}[{arg}]\n"
         elif ctype is c_size_t and arg == "count":
-            namespace["_SIZE_ARGS"] = SIZE_ARGS
-            prologue += f"    if type({arg}) is int:\n        {arg} = _SIZE_ARGS[{arg}]\n"
+            namespace["_SIZE_ARGS"], namespace["_size_arg"] = SIZE_ARGS, size_arg
+            prologue += (
+                f"    if type({arg}) is int:\n        try:\n"
+                f"            {arg} = _SIZE_ARGS[{arg}]\n        except KeyError:\n"
+                f"            {arg} = _size_arg({arg})\n"
+            )
     if proto.restype is c_int and not value_result:
         # A nonzero code goes to _fail, which raises (or returns a non-error such as
         # ncclInProgress / cudaErrorNotReady).
@@ -161,6 +162,17 @@ class BoundLibrary:
         cfunc.restype = proto.restype
         cfunc.argtypes = [ctype for _, ctype in proto.args]
         self._raw[name] = cfunc
+        return cfunc
+
+    def bare(self, name: str) -> Any:
+        """A new ctypes function object for ``name`` with its restype and *no* argtypes
+        (so ctypes converts nothing): only for callers that pass every argument as a
+        ctypes object of the C parameter's type (``c_void_p``, ``c_size_t``, ``c_int``,
+        ``byref(...)``) — a bare int would be passed as a C ``int``. Raises as :meth:`raw`.
+        """
+        self.raw(name)
+        cfunc = self._cdll[name]  # __getitem__ makes a new object; attributes are cached
+        cfunc.restype = self.PROTOTYPES[name].restype
         return cfunc
 
     def __getattr__(self, name: str) -> Any:

@@ -4,8 +4,10 @@ A package by role (see the README's layout table): ``_spec`` (the table of colle
 ``_codegen`` (rows -> methods), ``_args`` (the one slow path and its argument rules),
 ``_fallback`` (grouped send/recv plans below 2.28), ``_handle`` (the state machine and the
 gate), ``_recorder`` (the flight recorder), ``_watchdog``, ``_observe`` / ``_extras`` /
-``_memory`` / ``_window`` / ``_signals`` / ``_communicator`` (the class), ``_uid``,
-``_config`` and ``_from_env``.
+``_memory`` / ``_window`` / ``_signals`` / ``_vcoll`` / ``_introspect`` / ``_collectives``
+(the collectives' slow path) / ``_communicator`` (the class), ``_uid``, ``_config``,
+``_collconfig`` (per-call ``CollConfig``), ``_persistent`` (``<method>_init``
+operations) and ``_from_env``.
 
 Importing it loads no library; it avoids :mod:`dataclasses`, :mod:`typing` and
 :mod:`hashlib`, so that the first use of the object API stays cheap.
@@ -13,6 +15,7 @@ Importing it loads no library; it avoids :mod:`dataclasses`, :mod:`typing` and
 
 from __future__ import annotations
 
+from ._collconfig import CollConfig
 from ._communicator import Communicator
 from ._config import Config
 from ._handle import State
@@ -22,10 +25,12 @@ from ._uid import UniqueId
 from ._window import Window
 
 __all__ = [
+    "CollConfig",
     "CommProperties",
     "Communicator",
     "Config",
     "Params",
+    "PersistentOp",
     "Registration",
     "SignalWait",
     "State",
@@ -42,6 +47,7 @@ _LAZY = {
     "CommProperties": "_properties",
     "Params": "_params",
     "params": "_params",
+    "PersistentOp": "_persistent",  # imported with the first generated method
 }
 
 

@@ -27,9 +27,19 @@ from .._limits import (
 from ..dtypes import as_datatype, canonical_name
 from ..enums import DataType, RedOp
 from ..errors import NotSupportedError
+from ._collconfig import CollConfig
 from ._spec import CollSpec
 
-__all__ = ["Plan", "op_table", "prepare", "resolve_op", "size_arg"]
+__all__ = [
+    "RANK_ARGS_LIMIT",
+    "Plan",
+    "config_arg",
+    "op_table",
+    "prepare",
+    "rank_args",
+    "resolve_op",
+    "size_arg",
+]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,8 +48,9 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
 
 #: What the slow path hands back: ``[(row index, C arguments before (comm, stream))]``
-#: (several rows for a grouped fallback), the stream, and the objects to keep alive.
-Plan = tuple[list[tuple[int, tuple[object, ...]]], int]
+#: (several rows for a grouped fallback), the stream, and the ``const ncclCollConfig_t*``
+#: argument of the row's ``nccl*Config`` variant (None: the plain call).
+Plan = tuple[list[tuple[int, tuple[object, ...]]], int, object]
 
 # -- ops ----------------------------------------------------------------------------------
 
@@ -111,6 +122,48 @@ def resolve_op(op: object, comm: Communicator, objs: tuple[object, ...] = ()) ->
     return C_REDOP[member]
 
 
+# -- ranks --------------------------------------------------------------------------------
+
+#: Ranks below this have a shared c_int (:func:`rank_args`); the inline paths send a
+#: root/peer at or above it to the slow path.
+RANK_ARGS_LIMIT = 1 << 15
+_RANK_ARGS: list[c_int] = []
+
+
+def rank_args(size: int) -> list[c_int]:
+    """The shared ``c_int`` of every rank below ``min(size, RANK_ARGS_LIMIT)`` (one list
+    for the process, grown on demand, never mutated otherwise): ctypes passes a c_int for
+    an ``int`` parameter much faster than it converts a Python int (root, peer)."""
+    need = min(size, RANK_ARGS_LIMIT)
+    if len(_RANK_ARGS) < need:
+        _RANK_ARGS.extend(c_int(r) for r in range(len(_RANK_ARGS), need))
+    return _RANK_ARGS
+
+
+# -- per-call config ----------------------------------------------------------------------
+
+
+def config_arg(comm: Communicator, spec: CollSpec, config: object) -> object:
+    """The ``const ncclCollConfig_t*`` argument for ``config=`` (None for None): a
+    :class:`CollConfig` whose fields the loaded library knows, on a collective (NCCL has
+    no per-call config for send/recv)."""
+    if config is None:
+        return None
+    if type(config) is not CollConfig:
+        raise TypeError(
+            f"config must be a pynccl.CollConfig or None, got {type(config).__name__} {config!r}"
+        )
+    if spec.where == "peer":
+        raise NotSupportedError(
+            f"config= on {spec.method} (a per-call CollConfig for {spec.cfunc})",
+            None,
+            comm._lib.version,
+            "NCCL has per-call configs (nccl*Config) for collectives only, none for "
+            "point-to-point calls",
+        )
+    return config.check(comm._lib.version, spec.cfunc + "Config")
+
+
 # -- buffers --------------------------------------------------------------------------------
 
 
@@ -153,12 +206,14 @@ def prepare(
     count: object,
     dtype: object,
     stream: StreamLike,
+    config: object = None,
 ) -> Plan:
     """Check every argument of one call of ``spec`` and return its plan.
 
     Order (the same for every row, so the same mistake meets the same check first):
-    stream, root/peer, count, dtype, the buffers (count source first), sizes, op.
+    config, stream, root/peer, count, dtype, the buffers (count source first), sizes, op.
     """
+    cfg = config_arg(comm, spec, config)
     size, rank = comm._size, comm._rank
     s = comm._stream if stream is None else as_stream(stream)
     w = -1
@@ -239,7 +294,7 @@ def prepare(
     if spec.has_op:
         cop = resolve_op(op, comm, (sendbuf, recvbuf))
     cn = size_arg(n)
-    return _args_for(comm, spec, sp, rp, cn, n, dt, code, cop, w), s
+    return _args_for(comm, spec, sp, rp, cn, n, dt, code, cop, w), s, cfg
 
 
 def _on_all(spec: CollSpec, which: str) -> bool:

@@ -4,8 +4,11 @@ of :class:`~pynccl.Communicator`, once, at import.
 The generated code is straight-line for its row (no run-time branches on spec flags):
 the raw-pointer call checked inline — pointers, count, dtype, op, root/peer — then the
 gate, one flight-recorder store, the C call through the row's slot in ``self._fn`` (which
-the watchdog may swap) and one result check. Anything else goes to the one slow path,
-``Communicator._slow``, which words every error the same way for every row.
+the watchdog may swap) and one result check. Anything else — a ``stream=``, a
+``config=`` (the row's ``nccl*Config`` variant), names, odd values — goes to the one slow
+path, ``Collectives._slow``, which words every error the same way for every row. Each row
+also gets ``<method>_init`` (same signature): a persistent operation
+(:mod:`._persistent`) checked by the same slow path.
 
 The source is served to :mod:`linecache` by the ``__loader__`` of the generated code's
 globals, so tracebacks show real lines (see :func:`source`).
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from .._capi._enumargs import C_REDOP
 from ..enums import DataType, RedOp
-from ._args import SIZE_ARGS
+from ._args import SIZE_ARGS, size_arg
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -57,16 +60,20 @@ def _params(spec: CollSpec) -> tuple[str, str, str]:
     sig.append("*")
     if spec.where == "root":
         sig.append("root=0")
-    sig += ["count=None", "dtype=None", "stream=None"]
+    sig += ["count=None", "dtype=None", "stream=None", "config=None"]
     send = "sendbuf" if spec.send != "-" else "None"
     recv = "recvbuf" if spec.recv != "-" else "None"
     return ", ".join(sig), f"{send}, {recv}", spec.where or "None"
 
 
-def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
-    """The gate, the record, the C call and the result check, at indent ``pad``."""
+def _issue(cargs: list[str], i: int, pad: str, slow: str) -> list[str]:
+    """The gate, the record, the C call and the result check, at indent ``pad``; ``slow``
+    is the slow-path call taken when the handle is gone once the gate is held."""
     body = [
-        "cn = _SIZE_ARGS[n]",
+        "try:",
+        "    cn = _SIZE_ARGS[n]",
+        "except KeyError:",
+        "    cn = _size_arg(n)",
         "gate = self._gate",
         "try:",
         "    gate.pop()",
@@ -74,15 +81,16 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
         "    self._wait_gate()",
         "try:",
         "    h = self._h",
-        "    if h is None:",
-        "        h = self._gone()",
-        f"    args = ({', '.join(cargs)})",
-        "    seq = self._seq + 1",
-        "    self._seq = seq",
-        f"    self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
-        "    rc = fn(*args)",
+        "    if h is not None:",
+        f"        args = ({', '.join(cargs)})",
+        "        seq = self._seq + 1",
+        "        self._seq = seq",
+        f"        self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
+        "        rc = fn(*args)",
         "finally:",
         "    gate.append(True)",
+        "if h is None:",
+        f"    {slow}",
         "if rc:",
         f"    self._failed({i}, rc)",
         "return",
@@ -93,8 +101,8 @@ def _issue(cargs: list[str], i: int, pad: str) -> list[str]:
 def _method_source(spec: CollSpec) -> str:
     """One row's method: the inline raw-pointer path, the inline array path (objects
     whose handler is cached, no count/dtype; a live DeviceBuffer's slots read inline,
-    exactly what its handler ``_from_device_buffer`` returns), then the slow path for
-    anything else."""
+    exactly what its handler ``_from_device_buffer`` returns, without the handler lookup),
+    then the slow path for anything else."""
     sig, bufs, where = _params(spec)
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
@@ -106,12 +114,12 @@ def _method_source(spec: CollSpec) -> str:
     names = ([("sendbuf", "sp", "sn", spec.send)] if has_send else []) + (
         [(recv, "rp", "rn", spec.recv)] if has_recv else []
     )
-    first = ["stream is None"]
-    if spec.has_op:
-        first.append("(type(op) is _RedOp or type(op) is str)")
+    first = ["stream is None and config is None"]
     if spec.where:
-        first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._size")
-    tail = ["cn", "code"] + (["cop"] if spec.has_op else []) + ([spec.where] if spec.where else [])
+        first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._fast_w")
+    # A root/peer goes as its shared c_int (faster for ctypes than an int).
+    tail = ["cn", "code"] + (["cop"] if spec.has_op else [])
+    tail += [f"self._wargs[{spec.where}]"] if spec.where else []
     tail += ["h", "self._stream"]
     lines.append("    if " + " and ".join(first) + ":")
     # -- raw pointers ------------------------------------------------------------------
@@ -126,15 +134,24 @@ def _method_source(spec: CollSpec) -> str:
         "                n = count",
         "                code = self._codes[dtype]",
     ]
-    ready = ["code is not None", "fn is not None", "self._h is not None"]
+    ready = ["code is not None", "fn is not None"]
     if spec.has_op:
-        lines.append("                cop = _C_SUM if op is _SUM else self._ops.get(op)")
+        # The default op costs one identity test; other names and members one lookup
+        # (the type test first: an unhashable op must reach the slow path's TypeError).
+        lines.append(
+            "                cop = _C_SUM if op is _SUM else self._ops.get(op) "
+            "if type(op) is _RedOp or type(op) is str else None"
+        )
         ready.insert(1, "cop is not None")
     lines += [
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
     ]
-    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20)
+    slow = (
+        f"return self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
+        "count, dtype, stream, config)"
+    )
+    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20, slow)
     # -- arrays with a cached handler ------------------------------------------------------
     lines += [
         "        elif count is None and dtype is None:",
@@ -142,22 +159,18 @@ def _method_source(spec: CollSpec) -> str:
         "            dev = self._device",
     ]
     conds = []
-    slow = (
-        f"return self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
-        "count, dtype, stream)"
-    )
     ordered = names if spec.count_from == "send" or len(names) == 1 else names[::-1]
     for b, p, nvar, _ in ordered:
         label = '"sendbuf"' if b == "sendbuf" else '"recvbuf"'
         writable = "True" if b != "sendbuf" else "recvbuf is None" if recv == "rb" else "False"
         lines += [
-            f"            if type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
-            f"                {slow}",
-            f"            if hd is _DEVBUF and not {b}._freed:",
+            f"            if type({b}) is _DeviceBuffer and not {b}._freed:",
             f"                {p} = {b}._ptr",
             f"                {nvar} = {b}._count",
             f"                dt_{p} = {b}._dtype",
             f"                dev_{p} = {b}._device",
+            f"            elif type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
+            f"                {slow}",
             "            else:",
             f"                {p}, {nvar}, dt_{p}, dev_{p} = "
             f"hd({b}, None, None, {label}, {writable}, s)",
@@ -184,28 +197,43 @@ def _method_source(spec: CollSpec) -> str:
         "                code = self._codes[dt]",
     ]
     if spec.has_op:
-        lines.append("                cop = _C_SUM if op is _SUM else self._array_ops.get(op)")
+        lines.append(
+            "                cop = _C_SUM if op is _SUM else self._array_ops.get(op) "
+            "if type(op) is _RedOp or type(op) is str else None"
+        )
     lines += [
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
         "                    if _OPEN:",
         f"                        _keep_alive(({bufs}))",
     ]
-    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20)
-    lines.append(
-        f"    self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
-        "count, dtype, stream)"
-    )
+    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20, slow)
+    lines.append("    " + slow)
     return "\n".join(lines) + "\n"
 
 
-def _sources() -> list[str]:
-    return [_method_source(spec) for spec in COLLECTIVES]
+def _init_source(spec: CollSpec) -> str:
+    """One row's ``<method>_init``: the method's signature, validated by the same slow path,
+    returning a :class:`~._persistent.PersistentOp`."""
+    sig, bufs, where = _params(spec)
+    op = "op" if spec.has_op else "None"
+    return (
+        f"def {spec.method}_init(self, {sig}):\n"
+        f"    return _persist(self, _ROWS[{spec.index}], {bufs}, {op}, {where}, count, dtype, "
+        "stream, config)\n"
+    )
+
+
+def _sources() -> list[tuple[str, str]]:
+    """``(function name, source)``: every row's method, then every row's ``_init``."""
+    return [(spec.method, _method_source(spec)) for spec in COLLECTIVES] + [
+        (spec.method + "_init", _init_source(spec)) for spec in COLLECTIVES
+    ]
 
 
 def source() -> str:
     """The generated source of every row, as compiled (a golden test diffs it)."""
-    return "\n".join(_sources())
+    return "\n".join(text for _, text in _sources())
 
 
 _ENV: dict[str, object] = {}
@@ -215,7 +243,9 @@ def _env() -> dict[str, object]:
     """The generated code's globals (built on first use: the groups/adapt imports)."""
     if not _ENV:
         from .. import groups
-        from .._adapt import _BUFFER_HANDLERS, _from_device_buffer
+        from .._adapt import _BUFFER_HANDLERS
+        from ..cuda import DeviceBuffer
+        from ._persistent import persistent
 
         _ENV.update(
             __name__=_MODULE,
@@ -227,9 +257,11 @@ def _env() -> dict[str, object]:
             _P63=1 << 63,
             _MASK=RING_MASK,
             _SIZE_ARGS=SIZE_ARGS,
+            _size_arg=size_arg,
+            _persist=persistent,
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
-            _DEVBUF=_from_device_buffer,
+            _DeviceBuffer=DeviceBuffer,
             _GROUPS=groups._local,
             _OPEN=groups.OPEN,
             _keep_alive=groups.keep_alive,
@@ -237,42 +269,61 @@ def _env() -> dict[str, object]:
     return _ENV
 
 
-def compile_method(spec: CollSpec) -> Callable[..., None]:
-    """Compile one row's method. Its lines are numbered as in :func:`source` (blank lines
-    before it), which the generated globals' ``__loader__`` serves to tracebacks."""
+def compile_method(spec: CollSpec, init: bool = False) -> Callable[..., Any]:
+    """Compile one row's method (its ``_init`` with ``init``). Its lines are numbered as in
+    :func:`source` (blank lines before it), which the generated globals' ``__loader__``
+    serves to tracebacks."""
     texts = _sources()
-    offset = sum(text.count("\n") + 1 for text in texts[: spec.index])
+    at = spec.index + (len(COLLECTIVES) if init else 0)
+    name, text = texts[at]
+    offset = sum(t.count("\n") + 1 for _, t in texts[:at])
     env = _env()
-    code = compile("\n" * offset + texts[spec.index], FILENAME, "exec")
+    code = compile("\n" * offset + text, FILENAME, "exec")
     exec(code, env)
-    fn: Any = env[spec.method]
-    fn.__doc__ = spec.doc
-    fn.__qualname__ = f"Communicator.{spec.method}"
+    fn: Any = env[name]
+    fn.__doc__ = _init_doc(spec) if init else spec.doc
+    fn.__qualname__ = f"Communicator.{name}"
     fn.__module__ = "pynccl.comm"
     return fn  # type: ignore[no-any-return]
+
+
+def _init_doc(spec: CollSpec) -> str:
+    return (
+        f"Persistent :meth:`{spec.method}`: the same arguments, checked once (the same errors "
+        f"as :meth:`{spec.method}`); returns a :class:`~pynccl.PersistentOp` whose call "
+        "``op()`` (or ``op(stream=s)``) issues the same operation again with prebuilt ctypes "
+        "arguments, on the same buffers, which it keeps alive until :meth:`~pynccl."
+        "PersistentOp.close`."
+    )
 
 
 class _Lazy:
     """A method compiled on first access (keeps ``import pynccl.comm`` cheap): the class
     attribute is then replaced by the compiled function."""
 
-    def __init__(self, spec: CollSpec) -> None:
+    def __init__(self, spec: CollSpec, init: bool = False) -> None:
         self.spec = spec
-        self.__doc__ = spec.doc
+        self.init = init
+        self.name = spec.method + ("_init" if init else "")
+        self.__doc__ = _init_doc(spec) if init else spec.doc
 
     def __get__(self, obj: object, cls: type | None = None) -> object:
         owner = cls if cls is not None else type(obj)
-        fn = compile_method(self.spec)
-        setattr(owner, self.spec.method, fn)
+        fn = compile_method(self.spec, self.init)
+        setattr(owner, self.name, fn)
         return fn if obj is None else fn.__get__(obj, owner)
 
 
 def install(cls: type) -> None:
-    """Give ``cls`` one method per row of the table, each compiled on first use."""
+    """Give ``cls`` one method per row of the table and its ``_init``, each compiled on
+    first use."""
     for spec in COLLECTIVES:
         setattr(cls, spec.method, _Lazy(spec))
+        setattr(cls, spec.method + "_init", _Lazy(spec, True))
 
 
-def generate() -> dict[str, Callable[..., None]]:
-    """Compile every row's method now; ``{method name: function}``."""
-    return {spec.method: compile_method(spec) for spec in COLLECTIVES}
+def generate() -> dict[str, Callable[..., Any]]:
+    """Compile every row's method and ``_init`` now; ``{name: function}``."""
+    out = {spec.method: compile_method(spec) for spec in COLLECTIVES}
+    out.update({spec.method + "_init": compile_method(spec, True) for spec in COLLECTIVES})
+    return out

@@ -1,7 +1,7 @@
 """``Communicator``: constructors, properties, lifecycle verbs, split, custom ops,
 memory, registration, windows, one-sided signals, synchronize and the watchdog. The
 collectives are generated from the spec table (:mod:`._codegen`) and attached at import;
-their one slow path is :meth:`_slow`."""
+their one slow path is :meth:`._collectives.Collectives._slow`, a base of the class."""
 
 from __future__ import annotations
 
@@ -15,17 +15,18 @@ from .._capi._enumargs import C_DATATYPE
 from .._capi.structs import ncclUniqueId
 from .._limits import C_INT_MAX, check_c_int, check_device_ordinal, check_index, check_timeout
 from ..enums import DataType, Result
-from ..errors import NcclInvalidUsage, NotSupportedError
+from ..errors import NcclInvalidUsage
 from ..library import cudart, lib
 from . import _recorder
-from ._args import op_table, prepare
+from ._args import RANK_ARGS_LIMIT, op_table, rank_args
 from ._codegen import install
+from ._collectives import Collectives
 from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
 from ._introspect import Introspection
 from ._signals import Signals, rma_limits
-from ._spec import COLLECTIVES, CollSpec
+from ._spec import COLLECTIVES
 from ._uid import UniqueId, as_unique_ids
 from ._vcoll import VCollectives
 
@@ -38,13 +39,21 @@ if TYPE_CHECKING:
 
     from .._capi.nccl import NcclLibrary
     from ..cuda import DeviceBuffer
-    from ..typing import BufferLike, DeviceLike, DTypeLike, OpLike, StreamLike
+    from ..typing import DeviceLike, StreamLike
 
-_IN_PROGRESS = 7
 _P63 = 1 << 63
+#: The inline raw-pointer path's largest count is a one-digit int (below 2**30), which
+#: the interpreter compares with a specialised instruction.
+_FAST_N_MAX = (1 << 30) - 1
 
 
-class Communicator(Signals, Introspection, VCollectives, Extras):
+def _fast_n(size: int) -> int:
+    """The largest count the inline raw-pointer path takes: pointer + count * 16 bytes
+    * nranks then stays below 2**64 without a multiplication per call."""
+    return min(_FAST_N_MAX, _P63 // (16 * max(size, 1)))
+
+
+class Communicator(Signals, Introspection, VCollectives, Collectives, Extras):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -67,7 +76,17 @@ class Communicator(Signals, Introspection, VCollectives, Extras):
     destroy or abort from another thread waits for the call in flight.
     """
 
-    __slots__ = ("_array_ops", "_barrier_buf", "_fast_n", "_ops", "_regs", "_rma", "_wins")
+    __slots__ = (
+        "_array_ops",
+        "_barrier_buf",
+        "_fast_n",
+        "_fast_w",
+        "_ops",
+        "_regs",
+        "_rma",
+        "_wargs",
+        "_wins",
+    )
 
     def __init__(
         self,
@@ -146,11 +165,16 @@ class Communicator(Signals, Introspection, VCollectives, Extras):
         self._ops = op_table(version)
         # Ops the inline array path takes: not prod/max/min, which need the complex check.
         self._array_ops = op_table(version, arrays=True)
-        # The largest count the inline raw-pointer path takes: pointer + count * 16 bytes
-        # * nranks then stays below 2**64 without a multiplication per call.
-        self._fast_n = _P63 // (16 * max(size, 1))
+        self._sized(size)
         self._raw_fn = [L.raw(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
         self._fn = list(self._raw_fn)
+
+    def _sized(self, size: int) -> None:
+        """What the inline paths derive from the size: the count bound, and the shared
+        c_int of each root/peer they take (``_wargs[r]`` for ``0 <= r < _fast_w``)."""
+        self._fast_n = _fast_n(size)
+        self._fast_w = min(size, RANK_ARGS_LIMIT)
+        self._wargs = rank_args(size)
 
     @classmethod
     def _wrap(
@@ -191,7 +215,7 @@ class Communicator(Signals, Introspection, VCollectives, Extras):
         child._rank = value.value
         L.ncclCommCount(handle, byref(value))
         child._size = value.value
-        child._fast_n = _P63 // (16 * max(child._size, 1))
+        child._sized(child._size)
         return child
 
     @classmethod
@@ -373,113 +397,6 @@ class Communicator(Signals, Introspection, VCollectives, Extras):
                 ResourceWarning,
                 stacklevel=2,
             )
-
-    # -- the collectives' shared path ---------------------------------------------------
-
-    def _slow(
-        self,
-        spec: CollSpec,
-        sendbuf: object,
-        recvbuf: object,
-        op: object,
-        where: object,
-        count: object,
-        dtype: object,
-        stream: StreamLike,
-    ) -> None:
-        """Every call the generated inline path does not take: checked in full here.
-        ``sendbuf``/``recvbuf`` stay referenced by this frame until the C calls return
-        (and by the group, if one is open, until it ends)."""
-        self._live()
-        plan, s = prepare(self, spec, sendbuf, recvbuf, op, where, count, dtype, stream)
-        if type(sendbuf) is not int or type(recvbuf) is not int:
-            _groups.keep_alive((sendbuf, recvbuf))
-        if len(plan) == 1:
-            self._issue(plan[0][0], plan[0][1], s)
-            return
-        with _groups.group():
-            for index, pre in plan:
-                self._issue(index, pre, s)
-
-    def _issue(self, index: int, pre: tuple[object, ...], s: int) -> None:
-        fn = self._fn[index]
-        if fn is None:
-            row = COLLECTIVES[index]
-            raise NotSupportedError(row.cfunc, row.since, self._lib.version)
-        gate = self._gate
-        try:
-            gate.pop()
-        except IndexError:
-            self._wait_gate()
-        try:
-            h = self._h
-            if h is None:
-                h = self._gone()
-            args = (*pre, h, s)
-            seq = self._seq + 1
-            self._seq = seq
-            self._ring[seq & _recorder.RING_MASK] = (
-                (index, args, _groups._local.s.gid) if _groups.OPEN else (index, args)
-            )
-            rc = fn(*args)
-        finally:
-            gate.append(True)
-        if rc:
-            self._failed(index, rc)
-
-    def _failed(self, index: int, rc: int) -> None:
-        if rc == _IN_PROGRESS:
-            if _groups.group_depth() > 0:
-                _groups.in_progress_later(self)
-            else:
-                self._mark_pending()
-            return
-        raise self._lib.make_error(rc, COLLECTIVES[index].cfunc)
-
-    if TYPE_CHECKING:
-        # Generated from the spec table (see _codegen); declared here for type checkers.
-        def all_reduce(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def broadcast(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
-            root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def reduce(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def all_gather(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def reduce_scatter(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def gather(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def scatter(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def all_to_all(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def send(
-            self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
-        def recv(
-            self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-        ) -> None: ...  # fmt: skip
 
 
 install(Communicator)

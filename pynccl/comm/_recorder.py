@@ -2,8 +2,11 @@
 
 The hot path stores one ``(row, args)`` tuple per operation into a fixed ring
 (``ring[seq & RING_MASK]``): ``row`` is the operation's index in
-:data:`~pynccl.comm._spec.COLLECTIVES`, ``args`` the C call's argument tuple. Operations
-are numbered from #1, as the loopback's mismatch report counts them. Everything else
+:data:`~pynccl.comm._spec.COLLECTIVES`, ``args`` the C call's argument tuple; inside a
+group ``(row, args, group)``; a call with a per-call config ``(row, args, group, config)``
+(``args`` then ends with the config pointer, and the function is the row's
+``nccl*Config``). A persistent operation stores a tuple it built once. Operations are
+numbered from #1, as the loopback's mismatch report counts them. Everything else
 (decoding, text) happens only when a record is read.
 """
 
@@ -47,10 +50,14 @@ def entry(ring: list[Any], newest: int, seq: int) -> FlightRecord | None:
         return None
     row, args = slot[0], slot[1]
     spec = COLLECTIVES[row]
+    name = spec.cfunc
+    if len(slot) > 3:  # a per-call config: nccl*Config, its pointer last
+        name += "Config"
+        args = args[:-1]
     plain = tuple(a.value if type(a) in (c_int, c_size_t) else a for a in args)
     # root / peer sit just before (comm, stream) in every prototype that has one.
     where = plain[-3] if spec.where else -1
-    return (seq, spec.cfunc, where, plain)
+    return (seq, name, where, plain)
 
 
 def record(ring: list[Any], newest: int) -> list[FlightRecord]:
@@ -96,6 +103,7 @@ def format_record(item: FlightRecord) -> str:
 
 
 COLLECTIVES_HAS_OP = {row.cfunc: row.has_op for row in COLLECTIVES}
+COLLECTIVES_HAS_OP.update({name + "Config": op for name, op in list(COLLECTIVES_HAS_OP.items())})
 
 
 def format_lines(

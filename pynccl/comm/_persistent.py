@@ -1,0 +1,277 @@
+"""Persistent operations (MPI-4's ``MPI_Allreduce_init``): ``comm.<method>_init(...)``.
+
+The arguments are checked once, by the collectives' one slow path (:func:`._args.prepare`,
+so the same mistakes raise the same errors), and the C call is prebuilt: every argument a
+ctypes object of its C parameter's type (``c_void_p`` pointers and handles, ``c_size_t``
+count, ``c_int`` type/op/root/peer, the config's pointer), passed to a second ctypes
+function object of the row's C function that has *no* ``argtypes``, so ctypes converts
+nothing per call. The flight-record entry is prebuilt too (the tuple the slow path would
+store). A call takes the communicator's gate like every other call, checks that its
+handle is still the one the arguments carry (None: destroyed, aborted, suspended,
+revoked, closing), records, calls and checks the result.
+
+Anything unusual — a ``stream=`` override, a grouped fallback plan (below NCCL 2.28),
+a communicator that is not ready — takes the slow path's issue (:meth:`Communicator._run`)
+with the checked plan: the same record, the same errors.
+"""
+
+from __future__ import annotations
+
+from ctypes import c_int, c_size_t, c_void_p
+
+from .. import groups as _groups
+from .._adapt import as_stream
+from .._capi.nccl import PROTOTYPES
+from ..enums import Result
+from ..errors import NcclInvalidUsage
+from ._args import prepare
+from ._recorder import RING_MASK as _MASK
+from ._spec import COLLECTIVES, CollSpec
+
+__all__ = ["PersistentOp", "persistent"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ..typing import StreamLike
+    from ._communicator import Communicator
+
+_local = _groups._local
+_OPEN = _groups.OPEN
+_keep_alive = _groups.keep_alive
+
+
+def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
+    """``values`` (the slow path's C arguments) as ctypes objects of the C parameter types."""
+    out: list[object] = []
+    value: Any
+    for (_, ctype), value in zip(PROTOTYPES[cfunc].args, values):
+        if type(value) is ctype or value is None:  # shared c_int / c_size_t, byref(config)
+            out.append(value)
+        elif ctype is c_int or ctype is c_size_t:
+            out.append(ctype(value.value if isinstance(value, (c_int, c_size_t)) else value))
+        elif ctype is c_void_p or getattr(ctype, "_type_", None) == "P":
+            out.append(c_void_p(value))  # pointers, ncclComm_t, cudaStream_t
+        else:  # POINTER(ncclCollConfig_t): the byref() the slow path made
+            out.append(value)
+    return tuple(out)
+
+
+class PersistentOp:
+    """A collective (or send/recv) checked once, issued again with every call.
+
+    Made by ``comm.<method>_init(...)`` (``all_reduce_init``, ``send_init``, ... — one per
+    collective, with the method's signature; ``config=`` included). ``op()`` issues the
+    same operation on the same buffers and stream; ``op(stream=s)`` on another stream.
+    Each call is recorded in the flight record, its result checked, and serialized with
+    the communicator's other calls; inside :func:`pynccl.group` the buffers stay alive
+    until the group ends. The operation keeps its buffers (and config) alive until
+    :meth:`close`; a call after the communicator is destroyed, aborted, suspended or
+    revoked raises :class:`~pynccl.NcclInvalidUsage` like any call, and one after
+    :meth:`close`, or after a ``DeviceBuffer`` it uses was closed, raises too (before
+    anything reaches NCCL). Usable as a context manager (closed on exit).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_args",
+        "_cfg",
+        "_checks",
+        "_comm",
+        "_config",
+        "_custom",
+        "_devbufs",
+        "_fn",
+        "_h",
+        "_keep",
+        "_plain",
+        "_plan",
+        "_row",
+        "_slot",
+        "_stream",
+    )
+
+    def __init__(
+        self,
+        comm: Communicator,
+        spec: CollSpec,
+        plan: list[tuple[int, tuple[object, ...]]],
+        s: int,
+        cfg: object,
+        config: object,
+        keep: tuple[object, ...],
+    ) -> None:
+        from ..cuda import DeviceBuffer
+
+        self._comm = comm
+        self._row = spec.index
+        self._plan = plan
+        self._stream = s
+        self._cfg = cfg
+        self._config = config
+        self._keep: tuple[object, ...] | None = keep
+        self._devbufs = tuple(b for b in keep if isinstance(b, DeviceBuffer))
+        custom = None
+        if spec.has_op and len(plan) == 1:
+            cop = plan[0][1][4]
+            custom = cop if type(cop) is int else None  # an op handle from create_premul_sum
+        self._custom = custom
+        self._h: int | None = None
+        self._fn: Any = None
+        self._args: tuple[object, ...] = ()
+        self._slot: tuple[object, ...] = ()
+        # One native call: prebuilt; a grouped fallback replays its plan.
+        self._plain = len(plan) == 1
+        # Something to check, or to do, before each call: the general path.
+        self._checks = bool(self._devbufs) or custom is not None or not self._plain
+        if self._plain:
+            self._bind(comm._h)
+
+    def _bind(self, h: int | None) -> None:
+        """Prebuild the call for handle ``h`` (the communicator's, READY)."""
+        if h is None:
+            return
+        index, pre = self._plan[0]
+        cfunc = COLLECTIVES[index].cfunc
+        rec: tuple[object, ...] = (*pre, h, self._stream)
+        if self._cfg is None:
+            self._slot = (index, rec)
+        else:
+            cfunc += "Config"
+            rec += (self._cfg,)
+            self._slot = (index, rec, 0, self._config)
+        self._fn = self._comm._lib.bare(cfunc)
+        self._args = _ctype_args(cfunc, rec)
+        self._h = h
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def __call__(self, stream: StreamLike = None) -> None:
+        """Issue the operation again (on ``stream`` if given, else the stream it was made
+        with)."""
+        if (stream is not None or self._checks) and self._general(stream):
+            return
+        comm = self._comm
+        gate = comm._gate
+        try:
+            gate.pop()
+        except IndexError:
+            comm._wait_gate()
+        try:
+            if comm._h is self._h:
+                seq = comm._seq + 1
+                comm._seq = seq
+                if _OPEN:
+                    _keep_alive(self)
+                    slot = self._slot
+                    comm._ring[seq & _MASK] = (slot[0], slot[1], _local.s.gid, *slot[3:])
+                else:
+                    comm._ring[seq & _MASK] = self._slot
+                rc = self._fn(*self._args)
+            else:
+                rc = -1
+        finally:
+            gate.append(True)
+        if rc:
+            if rc == -1:
+                # Not ready (waits for a non-blocking communicator) or gone (raises why).
+                self._bind(comm._live())
+                return self(stream)
+            comm._failed(self._row, rc, self._cfg is not None)
+        elif comm._watch is not None:
+            comm._watch.enqueued(seq, self._stream)
+
+    def _general(self, stream: StreamLike) -> bool:
+        """The checks a call needs beyond the plain prebuilt one (closed, a closed
+        DeviceBuffer, a destroyed custom op); then another stream or a fallback plan is
+        issued here, through the slow path's issue (True), or the prebuilt call is left to
+        the caller (False)."""
+        comm = self._comm
+        method = COLLECTIVES[self._row].method
+        if self._keep is None:
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "",
+                f"this persistent {method} was closed; make a new one with "
+                f"comm.{method}_init(...)",
+            )
+        for buf in self._devbufs:
+            if buf._freed:
+                raise ValueError(
+                    f"a DeviceBuffer of this persistent {method} was closed ({buf!r}); its "
+                    "memory is gone: make a new persistent operation"
+                )
+        if self._custom is not None and self._custom not in comm._custom_ops:
+            raise ValueError(
+                f"op {self._custom} of this persistent {method} was destroyed (destroy_op); "
+                "make a new persistent operation"
+            )
+        if stream is None and self._plain:
+            return False
+        s = self._stream if stream is None else as_stream(stream)
+        comm._live()
+        _groups.keep_alive(self)
+        comm._run(self._plan, s, self._cfg, self._config)
+        return True
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the buffers and config (inside a group they stay alive until it ends);
+        calls afterwards raise :class:`~pynccl.NcclInvalidUsage`."""
+        if self._keep is None:
+            return
+        _groups.keep_alive((*self._keep, self._config))
+        self._keep = None
+        self._config = None
+        self._devbufs = ()
+        self._checks = True
+        self._plain = False
+        self._args = ()
+        self._h = None
+
+    def __enter__(self) -> PersistentOp:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def method(self) -> str:
+        """The Communicator method this operation repeats (``"all_reduce"``)."""
+        return COLLECTIVES[self._row].method
+
+    @property
+    def function(self) -> str:
+        """The C function each call issues (``"ncclAllReduce"``; with a config the NCCL >= 2.31
+        variant ``"ncclAllReduceConfig"``; a grouped fallback's plan issues
+        ``ncclSend``/``ncclRecv``)."""
+        return COLLECTIVES[self._row].cfunc + ("" if self._cfg is None else "Config")
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._keep is None
+
+    def __repr__(self) -> str:
+        state = " closed" if self._keep is None else ""
+        return f"<pynccl.PersistentOp {self.function} on {self._comm!r}{state}>"
+
+
+def persistent(
+    comm: Communicator,
+    spec: CollSpec,
+    sendbuf: object,
+    recvbuf: object,
+    op: object,
+    where: object,
+    count: object,
+    dtype: object,
+    stream: StreamLike,
+    config: object,
+) -> PersistentOp:
+    """``comm.<spec.method>_init(...)``: check the call once and prebuild it."""
+    comm._live()
+    plan, s, cfg = prepare(comm, spec, sendbuf, recvbuf, op, where, count, dtype, stream, config)
+    return PersistentOp(comm, spec, plan, s, cfg, config, (sendbuf, recvbuf))
