@@ -22,7 +22,9 @@ from ._codegen import install
 from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
+from ._resilience import Resilience
 from ._spec import COLLECTIVES, CollSpec
+from ._suspend import Suspend
 from ._uid import UniqueId, as_unique_ids
 
 __all__ = ["Communicator"]
@@ -39,7 +41,7 @@ _IN_PROGRESS = 7
 _P63 = 1 << 63
 
 
-class Communicator(Extras):
+class Communicator(Suspend, Resilience, Extras):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -254,8 +256,9 @@ class Communicator(Extras):
 
     @property
     def state(self) -> State:
-        """``"ready"``, ``"initializing"`` (non-blocking), ``"finalized"``, ``"destroyed"``,
-        ``"aborted"`` or ``"closed"`` (a :class:`State`, equal to those strings)."""
+        """``"ready"``, ``"initializing"`` (non-blocking), ``"suspended"``, ``"revoked"``,
+        ``"finalized"``, ``"destroyed"``, ``"aborted"`` or ``"closed"`` (a :class:`State`,
+        equal to those strings)."""
         return self._state
 
     @property
