@@ -73,7 +73,7 @@ class Suspend(Observed):
         if self._state is State.SUSPENDED:
             raise NcclInvalidUsage(
                 Result.INVALID_USAGE,
-                "ncclCommSuspend",
+                "",
                 f"communicator rank {self._rank} is already suspended; call resume() first",
             )
         self._live()
@@ -91,7 +91,7 @@ class Suspend(Observed):
             if state is State.READY and self._closing is None:
                 raise NcclInvalidUsage(
                     Result.INVALID_USAGE,
-                    "ncclCommResume",
+                    "",
                     f"communicator rank {self._rank} is not suspended; resume() follows "
                     "suspend()",
                 )
