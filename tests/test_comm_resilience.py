@@ -310,11 +310,13 @@ def test_watchdog_on_hang_revoke_then_shrink(world4: ThreadWorld) -> None:
                 return None
             comm.start_watchdog(0.3, on_hang="revoke")
             comm.recv(buf, peer=1)  # never matched: hangs until revoked
-            deadline = time.monotonic() + 20
-            while comm.state != "revoked" and time.monotonic() < deadline:
-                time.sleep(0.01)
+            start = time.monotonic()
+            with pytest.raises(pynccl.NcclTimeoutError) as waited:
+                comm.synchronize(timeout=20)  # returns once the watchdog revoked the recv
+            assert time.monotonic() - start < 10
             with pytest.raises(pynccl.NcclTimeoutError) as info:
                 comm.all_reduce(buf)
+            assert info.value is waited.value
             return str(comm.state), str(info.value), comm.error is info.value
         finally:
             buf.close()
@@ -340,6 +342,28 @@ def test_watchdog_on_hang_revoke_then_shrink(world4: ThreadWorld) -> None:
             child.destroy()
 
     assert world4.run(survive) == {0: 3, 1: 3, 2: 3, 3: None}
+
+
+def test_watchdog_on_hang_from_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="watchdog_on_hang must be 'abort' or 'revoke', got 'x'"):
+        Communicator(1, UniqueId(), 0, device=0, watchdog_timeout=1.0, watchdog_on_hang="x")
+    monkeypatch.setenv("PYNCCL_LOOPBACK_HANG", "1")  # this communicator's first operation hangs
+    comm = Communicator(1, UniqueId(), 0, device=0, watchdog_timeout=0.3, watchdog_on_hang="revoke")
+    monkeypatch.delenv("PYNCCL_LOOPBACK_HANG")  # not the child's
+    buf = DeviceBuffer(16, "float32", device=0)
+    try:
+        assert comm._watch is not None and comm._watch.on_hang == "revoke"
+        comm.all_reduce(buf)  # hangs until revoked
+        with pytest.raises(pynccl.NcclTimeoutError, match="the watchdog revoked"):
+            comm.synchronize(timeout=20)
+        assert comm.state == "revoked"
+        child = comm.shrink([], abort=True)
+        checked_all_reduce(child, 0, [0])
+        child.destroy()
+    finally:
+        comm.destroy()
+        buf.close()
+    assert comm.state == "destroyed"
 
 
 # ---- older releases --------------------------------------------------------------------------
@@ -371,6 +395,8 @@ def test_older_releases_raise_not_supported_naming_the_release(
                 Communicator.join(2, UniqueId(), 1)
             with pytest.raises(NotSupportedError, match=r"on_hang='revoke'.*2\.28\.7"):
                 comm.start_watchdog(5.0, on_hang="revoke")
+            with pytest.raises(NotSupportedError, match=r"watchdog_on_hang='revoke'.*2\.28\.7"):
+                Communicator(1, UniqueId(), 0, watchdog_timeout=5.0, watchdog_on_hang="revoke")
             if "shrink" not in refused:
                 child = comm.shrink([])
                 assert child.size == 1

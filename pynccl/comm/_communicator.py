@@ -26,6 +26,7 @@ from ._resilience import Resilience
 from ._spec import COLLECTIVES, CollSpec
 from ._suspend import Suspend
 from ._uid import UniqueId, as_unique_ids
+from ._watchdog import check_on_hang
 
 __all__ = ["Communicator"]
 
@@ -58,6 +59,9 @@ class Communicator(Suspend, Resilience, Extras):
     :class:`~pynccl.NcclInvalidUsage`. Calls on one communicator are serialized: from
     two threads they run one at a time (never concurrently inside NCCL), and a
     destroy or abort from another thread waits for the call in flight.
+
+    ``watchdog_timeout=T`` starts :meth:`start_watchdog` once the communicator exists,
+    with ``on_hang=watchdog_on_hang`` (``"abort"``, or ``"revoke"`` on NCCL >= 2.28).
     """
 
     __slots__ = ("_array_ops", "_fast_n", "_ops")
@@ -72,6 +76,7 @@ class Communicator(Suspend, Resilience, Extras):
         config: Config | None = None,
         stream: StreamLike = None,
         watchdog_timeout: float | None = None,
+        watchdog_on_hang: str = "abort",
     ) -> None:
         L = lib()
         self._init_handle(L, True)
@@ -83,6 +88,8 @@ class Communicator(Suspend, Resilience, Extras):
             raise TypeError(f"config must be a pynccl.Config, got {type(config).__name__}")
         if watchdog_timeout is not None:
             check_timeout(watchdog_timeout, "watchdog_timeout")
+        if check_on_hang(watchdog_on_hang, "watchdog_on_hang") == "revoke":
+            L.require("watchdog_on_hang='revoke'", L.PROTOTYPES["ncclCommRevoke"].first)
         ids = as_unique_ids(unique_id)
         self._setup(L, rank, nranks, device, config, stream)
         if device is not None:
@@ -105,7 +112,7 @@ class Communicator(Suspend, Resilience, Extras):
         if self._device is None and self._h is not None:
             _ = self.device  # known from now on, so buffers can be checked against it
         if watchdog_timeout is not None:
-            self.start_watchdog(watchdog_timeout)
+            self.start_watchdog(watchdog_timeout, on_hang=watchdog_on_hang)
 
     def _setup(
         self,

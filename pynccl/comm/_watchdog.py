@@ -24,7 +24,7 @@ from .._limits import check_timeout
 from ..enums import Result
 from ..errors import NcclTimeoutError
 
-__all__ = ["Watchdog", "Watched"]
+__all__ = ["ON_HANG", "Watchdog", "Watched", "check_on_hang"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -49,6 +49,14 @@ else:
 
 #: What the watchdog may do to a hung communicator.
 ON_HANG = ("abort", "revoke")
+
+
+def check_on_hang(value: object, name: str = "on_hang") -> str:
+    """``value`` if it is one of :data:`ON_HANG`, else ValueError naming it."""
+    if type(value) is not str or value not in ON_HANG:
+        raise ValueError(f"{name} must be 'abort' or 'revoke', got {value!r}")
+    return value
+
 _EVENT_DISABLE_TIMING = 0x2
 _NOT_READY = 600
 
@@ -66,10 +74,8 @@ class Watchdog:
         seconds = check_timeout(timeout, "watchdog timeout")
         if seconds is None:
             raise ValueError("watchdog timeout must be a number of seconds, got None")
-        if type(on_hang) is not str or on_hang not in ON_HANG:
-            raise ValueError(f"on_hang must be 'abort' or 'revoke', got {on_hang!r}")
         #: ``"abort"`` or ``"revoke"``: what a hang or an asynchronous error makes it do.
-        self.on_hang = on_hang
+        self.on_hang = check_on_hang(on_hang)
         from ..library import cudart
 
         self._rt = cudart()
