@@ -193,6 +193,34 @@ def test_revoke_stops_a_hung_recv_then_the_survivors_shrink(world4: ThreadWorld)
     assert all(c.state == "destroyed" for c in world4.comms.values())
 
 
+def test_nonblocking_revoke_waits_until_quiescent_then_shrink() -> None:
+    with ThreadWorld(2, config=Config(blocking=False)) as w:
+        w.broken = True  # abort at the end, whatever happens
+
+        def run(r: int, comm: Communicator) -> Any:
+            comm.wait_ready(timeout=30)
+            buf = DeviceBuffer(64, "float32", device=r)
+            stream = Stream(device=r)
+            if r == 0:
+                comm.recv(buf, peer=1, stream=stream)  # never matched
+                time.sleep(0.2)
+                assert not stream.query()
+            comm.revoke()  # ncclInProgress at first: returns once quiescent
+            assert comm.state == "revoked"
+            stream.synchronize()
+            child = comm.shrink([], abort=True)
+            try:
+                assert child.state == "ready"
+                checked_all_reduce(child, r, [0, 1])
+                return child.rank, child.size
+            finally:
+                child.destroy()
+                stream.close()
+                buf.close()
+
+        assert w.run(run) == {0: (0, 2), 1: (1, 2)}
+
+
 def test_revoke_refused_after_teardown_and_while_capturing() -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
     blocking = Stream()
