@@ -238,13 +238,17 @@ class Observed(CommHandle):
 
     def _watch_revoke(self, reason: BaseException) -> bool:
         """``ncclCommRevoke`` from the watchdog thread; False (abort instead) if it failed.
-        Never raises: nothing on that thread would see it."""
+        Never raises: nothing on that thread would see it. A communicator the user revoked
+        meanwhile is left as it is, for shrink."""
         watch = self._watch
         try:
-            if self._state is not State.READY or self._closing is not None:
+            state = self._state
+            if self._closing is not None or state not in (State.READY, State.REVOKED):
                 return False
-            self._error = reason  # what the next call raises (the teardown would set it too)
-            rc = self._call_locked("ncclCommRevoke", HANDLE, 0, then=State.REVOKED)
+            rc = 0
+            if state is State.READY:
+                self._error = reason  # what the next call raises (a teardown would set it too)
+                rc = self._call_locked("ncclCommRevoke", HANDLE, 0, then=State.REVOKED)
             self._watch = None
             self._fn = list(self._raw_fn)
             if rc == _IN_PROGRESS:  # non-blocking: wait until quiescent, bounded
