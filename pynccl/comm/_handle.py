@@ -190,9 +190,11 @@ class CommHandle:
         """A C call outside the hot path, checked, under the gate; the handle replaces
         :data:`HANDLE` in ``args``. With ``ready=False`` the
         raw handle is used in any non-terminal state (async-error queries during init).
-        ``then``: the state the communicator enters when the call succeeds (or is in
-        progress), set before the gate is given back, so that no other thread's call
-        slips in between the C call and the change of state."""
+        ``then``: the state the communicator enters through this call. A state without a
+        handle (suspended, revoked) is entered just before the C call, so that calls
+        starting meanwhile refuse and a wait that sees the work stopped sees the new state
+        too; it is undone if the call fails. READY is entered once the call succeeded,
+        before the gate is given back, so that no other thread's call slips in between."""
         if ready:
             self._live()
         gate = self._gate
@@ -205,9 +207,18 @@ class CommHandle:
             if h is None:
                 h = self._gone()
             call = tuple(h if a is HANDLE else a for a in args)
-            rc = int(self._lib.raw(function)(*call))
-            if then is not None and (rc == 0 or rc == Result.IN_PROGRESS):
+            before, early, ok = self._state, False, False
+            if then is not None and then is not State.READY:
                 self._set_state(then)
+                early = True
+            try:
+                rc = int(self._lib.raw(function)(*call))
+                ok = rc == 0 or rc == Result.IN_PROGRESS
+            finally:
+                if early and not ok:
+                    self._set_state(before)
+                elif then is not None and ok and not early:
+                    self._set_state(then)
         finally:
             gate.append(True)
         if rc and rc != Result.IN_PROGRESS:
