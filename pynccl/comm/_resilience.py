@@ -10,7 +10,8 @@
   :meth:`Resilience.join` on the new ones (``ncclCommGetUniqueId`` / ``ncclCommGrow``,
   NCCL >= 2.29) make a larger communicator in which the existing ranks keep their numbers.
 
-None of them can be captured in a CUDA graph or issued inside a ``group()``: each says so
+None of them can be captured in a CUDA graph, and shrink, grow and join cannot be issued
+inside a ``group()`` (NCCL would write the new handle at the group's end): each says so
 before calling anything.
 """
 
