@@ -193,6 +193,42 @@ def test_revoke_stops_a_hung_recv_then_the_survivors_shrink(world4: ThreadWorld)
     assert all(c.state == "destroyed" for c in world4.comms.values())
 
 
+def test_revoke_from_another_thread_ends_a_waiting_synchronize() -> None:
+    with ThreadWorld(2) as w:
+        w.broken = True
+
+        def run(r: int, comm: Communicator) -> Any:
+            buf = DeviceBuffer(64, "float32", device=r)
+            try:
+                if r == 1:
+                    comm.revoke()
+                    return None
+                comm.recv(buf, peer=1)  # never matched
+                errors: list[BaseException] = []
+
+                def revoke_later() -> None:
+                    try:
+                        comm.revoke()
+                    except BaseException as exc:  # reported below
+                        errors.append(exc)
+
+                timer = threading.Timer(0.2, revoke_later)
+                timer.start()
+                with pytest.raises(NcclInvalidUsage) as info:
+                    comm.synchronize(timeout=20)  # the work was stopped, not done: it says so
+                timer.join()
+                assert errors == []
+                return str(info.value)
+            finally:
+                buf.close()
+
+        text = w.run(run)[0]
+        assert text == (
+            "communicator rank 0 is revoked; only shrink(), destroy() or abort() are possible"
+        )
+        assert w.run(lambda r, c: c.shrink([], abort=True).destroy()) == {0: None, 1: None}
+
+
 def test_nonblocking_revoke_waits_until_quiescent_then_shrink() -> None:
     with ThreadWorld(2, config=Config(blocking=False)) as w:
         w.broken = True  # abort at the end, whatever happens
