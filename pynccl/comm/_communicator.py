@@ -25,10 +25,13 @@ from ._config import Config
 from ._extras import Extras
 from ._handle import HANDLE, TERMINAL, State
 from ._introspect import Introspection
+from ._resilience import Resilience
 from ._signals import Signals, rma_limits
 from ._spec import COLLECTIVES
+from ._suspend import Suspend
 from ._uid import UniqueId, as_unique_ids
 from ._vcoll import VCollectives
+from ._watchdog import check_on_hang
 
 __all__ = ["Communicator"]
 
@@ -53,7 +56,9 @@ def _fast_n(size: int) -> int:
     return min(_FAST_N_MAX, _P63 // (16 * max(size, 1)))
 
 
-class Communicator(Signals, Introspection, VCollectives, Collectives, Extras):
+class Communicator(
+    Suspend, Resilience, Signals, Introspection, VCollectives, Collectives, Extras
+):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -74,6 +79,9 @@ class Communicator(Signals, Introspection, VCollectives, Collectives, Extras):
     :class:`~pynccl.NcclInvalidUsage`. Calls on one communicator are serialized: from
     two threads they run one at a time (never concurrently inside NCCL), and a
     destroy or abort from another thread waits for the call in flight.
+
+    ``watchdog_timeout=T`` starts :meth:`start_watchdog` once the communicator exists,
+    with ``on_hang=watchdog_on_hang`` (``"abort"``, or ``"revoke"`` on NCCL >= 2.28).
     """
 
     __slots__ = (
@@ -98,6 +106,7 @@ class Communicator(Signals, Introspection, VCollectives, Collectives, Extras):
         config: Config | None = None,
         stream: StreamLike = None,
         watchdog_timeout: float | None = None,
+        watchdog_on_hang: str = "abort",
     ) -> None:
         L = lib()
         self._init_handle(L, True)
@@ -109,6 +118,8 @@ class Communicator(Signals, Introspection, VCollectives, Collectives, Extras):
             raise TypeError(f"config must be a pynccl.Config, got {type(config).__name__}")
         if watchdog_timeout is not None:
             check_timeout(watchdog_timeout, "watchdog_timeout")
+        if check_on_hang(watchdog_on_hang, "watchdog_on_hang") == "revoke":
+            L.require("watchdog_on_hang='revoke'", L.PROTOTYPES["ncclCommRevoke"].first)
         ids = as_unique_ids(unique_id)
         self._setup(L, rank, nranks, device, config, stream)
         if device is not None:
@@ -132,7 +143,7 @@ class Communicator(Signals, Introspection, VCollectives, Collectives, Extras):
         if self._device is None and self._h is not None:
             _ = self.device  # known from now on, so buffers can be checked against it
         if watchdog_timeout is not None:
-            self.start_watchdog(watchdog_timeout)
+            self.start_watchdog(watchdog_timeout, on_hang=watchdog_on_hang)
 
     def _setup(
         self,
@@ -295,8 +306,9 @@ class Communicator(Signals, Introspection, VCollectives, Collectives, Extras):
 
     @property
     def state(self) -> State:
-        """``"ready"``, ``"initializing"`` (non-blocking), ``"finalized"``, ``"destroyed"``,
-        ``"aborted"`` or ``"closed"`` (a :class:`State`, equal to those strings)."""
+        """``"ready"``, ``"initializing"`` (non-blocking), ``"suspended"``, ``"revoked"``,
+        ``"finalized"``, ``"destroyed"``, ``"aborted"`` or ``"closed"`` (a :class:`State`,
+        equal to those strings)."""
         return self._state
 
     @property

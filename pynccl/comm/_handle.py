@@ -42,6 +42,8 @@ class State(str, Enum):
     INITIALIZING = "initializing"  #: a non-blocking init/split/finalize still in progress
     READY = "ready"
     FINALIZED = "finalized"  #: ncclCommFinalize done; only destroy is left
+    SUSPENDED = "suspended"  #: ncclCommSuspend done; resume() makes it ready again
+    REVOKED = "revoked"  #: ncclCommRevoke done; only shrink, destroy or abort are left
     DESTROYED = "destroyed"
     ABORTED = "aborted"
     CLOSED = "closed"  #: a borrowed handle, forgotten
@@ -53,6 +55,11 @@ class State(str, Enum):
 TERMINAL = frozenset({State.DESTROYED, State.ABORTED, State.CLOSED})
 #: Stands for the communicator's handle in the arguments of :meth:`CommHandle._call_locked`.
 HANDLE = object()
+#: What a communicator in a non-terminal state without a usable handle still allows.
+_GONE_TAILS = {
+    State.SUSPENDED: "call resume() first",
+    State.REVOKED: "only shrink(), destroy() or abort() are possible",
+}
 _POLL_FIRST = 0.0005
 _POLL_MAX = 0.01
 _GATE_POLL_MAX = 0.001
@@ -155,13 +162,15 @@ class CommHandle:
         """Raise why there is no handle to call with."""
         if self._error is not None:
             raise self._error
-        state = self._state.value
-        if self._closing is not None and self._state not in TERMINAL:
-            state = "being " + ("destroyed" if self._closing == "destroy" else "aborted")
+        state = self._state
+        if self._closing is not None and state not in TERMINAL:
+            what = "being " + ("destroyed" if self._closing == "destroy" else "aborted")
+            tail = "it cannot be used any more"
+        else:
+            what = state.value
+            tail = _GONE_TAILS.get(state, "it cannot be used any more")
         raise NcclInvalidUsage(
-            Result.INVALID_USAGE,
-            "",
-            f"communicator rank {self._rank} is {state}; it cannot be used any more",
+            Result.INVALID_USAGE, "", f"communicator rank {self._rank} is {what}; {tail}"
         )
 
     def _live(self) -> int:
@@ -175,10 +184,17 @@ class CommHandle:
                 return self._h
         return self._gone()
 
-    def _call_locked(self, function: str, *args: object, ready: bool = True) -> int:
+    def _call_locked(
+        self, function: str, *args: object, ready: bool = True, then: State | None = None
+    ) -> int:
         """A C call outside the hot path, checked, under the gate; the handle replaces
         :data:`HANDLE` in ``args``. With ``ready=False`` the
-        raw handle is used in any non-terminal state (async-error queries during init)."""
+        raw handle is used in any non-terminal state (async-error queries during init).
+        ``then``: the state the communicator enters through this call. A state without a
+        handle (suspended, revoked) is entered just before the C call, so that calls
+        starting meanwhile refuse and a wait that sees the work stopped sees the new state
+        too; it is undone if the call fails. READY is entered once the call succeeded,
+        before the gate is given back, so that no other thread's call slips in between."""
         if ready:
             self._live()
         gate = self._gate
@@ -191,12 +207,29 @@ class CommHandle:
             if h is None:
                 h = self._gone()
             call = tuple(h if a is HANDLE else a for a in args)
-            rc = int(self._lib.raw(function)(*call))
+            before, early, ok = self._state, False, False
+            if then is not None and then is not State.READY:
+                self._set_state(then)
+                early = True
+            try:
+                rc = int(self._lib.raw(function)(*call))
+                ok = rc == 0 or rc == Result.IN_PROGRESS
+            finally:
+                if early and not ok:
+                    self._set_state(before)
+                elif then is not None and ok and not early:
+                    self._set_state(then)
         finally:
             gate.append(True)
         if rc and rc != Result.IN_PROGRESS:
             raise self._lib.make_error(rc, function)
         return rc
+
+    def _require(self, method: str, function: str) -> None:
+        """NotSupportedError naming ``method``, ``function`` and the release that added
+        it, when the loaded library predates that release."""
+        lib = self._lib
+        lib.require(f"Communicator.{method} ({function})", lib.PROTOTYPES[function].first)
 
     # -- readiness -------------------------------------------------------------------------
 

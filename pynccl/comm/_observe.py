@@ -136,6 +136,8 @@ class Observed(CommHandle):
         finally:
             if current.value != device and current.value >= 0:
                 rt.raw("cudaSetDevice")(current.value)
+        if self._state is State.REVOKED:  # revoked meanwhile: its work was stopped, not done
+            self._gone()
         # An error found after the stream drained gets the same flight record as one
         # found while waiting: which of the two happens is a matter of timing.
         self._raise_async_error()
@@ -169,13 +171,21 @@ class Observed(CommHandle):
         if result not in (Result.SUCCESS, Result.IN_PROGRESS):
             raise self._with_record(self._lib.make_error(result, "ncclCommGetAsyncError"), ". ")
 
-    def start_watchdog(self, timeout: float, interval: float | None = None) -> None:
+    def start_watchdog(
+        self, timeout: float, interval: float | None = None, *, on_hang: str = "abort"
+    ) -> None:
         """Start a daemon thread that aborts this communicator when an operation hangs.
 
         An operation still incomplete ``timeout`` seconds after it was issued, an
         asynchronous NCCL error, or a non-blocking initialisation not done within
         ``timeout``, makes the watchdog abort the communicator and record why; the next
         call then raises that error. Costs a CUDA event record per operation.
+
+        ``on_hang="revoke"`` (``ncclCommRevoke``, NCCL >= 2.28) revokes it instead, for a
+        hung operation or an asynchronous error: the hung work stops, the communicator
+        becomes ``"revoked"`` and the survivors can :meth:`shrink` it; the next other call
+        raises the recorded error. A non-blocking initialisation that never completes is
+        aborted either way.
         """
         if self._state in TERMINAL:
             self._gone()
@@ -183,7 +193,9 @@ class Observed(CommHandle):
             raise NcclInvalidUsage(Result.INVALID_USAGE, "", "the watchdog is already running")
         from ._watchdog import Watchdog  # its threading/weakref/atexit: only when used
 
-        watch = Watchdog(self, timeout, interval)
+        if on_hang == "revoke":
+            self._require("start_watchdog(on_hang='revoke')", "ncclCommRevoke")
+        watch = Watchdog(self, timeout, interval, on_hang)
         self._watch = watch
         # Every row's slot gets a wrapper that records a completion event (the hot path
         # never tests for a watchdog).
@@ -212,14 +224,40 @@ class Observed(CommHandle):
                 ready = True
             return True, ready, None
         error = self._lib.make_error(result, "ncclCommGetAsyncError")
-        return True, True, self._with_record(error, "; the watchdog aborted the communicator. ")
+        watch = self._watch
+        verdict = "the watchdog aborted the communicator" if watch is None else watch.verdict
+        return True, True, self._with_record(error, f"; {verdict}. ")
 
-    def watch_trip(self, reason: BaseException) -> None:
-        """For the watchdog: abort through the one teardown, recording ``reason`` (with
-        the flight record: its last operations in the text, all of it as an attribute)."""
+    def watch_trip(self, reason: BaseException, revoke: bool = False) -> None:
+        """For the watchdog: abort through the one teardown (or, with ``revoke``, revoke),
+        recording ``reason`` (with the flight record: its last operations in the text,
+        all of it as an attribute)."""
         if isinstance(reason, NcclError) and not hasattr(reason, "flight_record"):
             self._with_record(reason)
+        if revoke and self._watch_revoke(reason):
+            return
         self._teardown("watchdog", reason)
+
+    def _watch_revoke(self, reason: BaseException) -> bool:
+        """``ncclCommRevoke`` from the watchdog thread; False (abort instead) if it failed.
+        Never raises: nothing on that thread would see it. A communicator the user revoked
+        meanwhile is left as it is, for shrink."""
+        watch = self._watch
+        try:
+            state = self._state
+            if self._closing is not None or state not in (State.READY, State.REVOKED):
+                return False
+            rc = 0
+            if state is State.READY:
+                self._error = reason  # what the next call raises (a teardown would set it too)
+                rc = self._call_locked("ncclCommRevoke", HANDLE, 0, then=State.REVOKED)
+            self._watch = None
+            self._fn = list(self._raw_fn)
+            if rc == _IN_PROGRESS:  # non-blocking: wait until quiescent, bounded
+                self.wait_ready(None if watch is None else watch.timeout)
+        except Exception:  # reported through the abort that follows
+            return self._state is State.REVOKED
+        return True
 
     # -- capture guard ---------------------------------------------------------------------
 

@@ -5,7 +5,10 @@ oldest event stays incomplete past the timeout, when the communicator reports an
 asynchronous error, or when a non-blocking initialisation is still not done after the
 timeout, it aborts the communicator (``ncclCommAbort`` releases work blocked on the GPU)
 through the communicator's one teardown, recording why, so that the next call raises
-that error. It talks to the communicator only through :class:`Watched`.
+that error. With ``on_hang="revoke"`` it revokes instead (``ncclCommRevoke``: the hung
+work stops, the communicator stays for ``shrink``) — for a hang or an asynchronous
+error; an initialisation that never completes is still aborted (there is nothing to
+shrink yet). It talks to the communicator only through :class:`Watched`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from .._limits import check_timeout
 from ..enums import Result
 from ..errors import NcclTimeoutError
 
-__all__ = ["Watchdog", "Watched"]
+__all__ = ["ON_HANG", "Watchdog", "Watched", "check_on_hang"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -40,9 +43,19 @@ if TYPE_CHECKING:
 
         def format_flight_record(self) -> str: ...
 
-        def watch_trip(self, reason: BaseException) -> None: ...
+        def watch_trip(self, reason: BaseException, revoke: bool = False) -> None: ...
 else:
     Watched = object
+
+#: What the watchdog may do to a hung communicator.
+ON_HANG = ("abort", "revoke")
+
+
+def check_on_hang(value: object, name: str = "on_hang") -> str:
+    """``value`` if it is one of :data:`ON_HANG`, else ValueError naming it."""
+    if type(value) is not str or value not in ON_HANG:
+        raise ValueError(f"{name} must be 'abort' or 'revoke', got {value!r}")
+    return value
 
 _EVENT_DISABLE_TIMING = 0x2
 _NOT_READY = 600
@@ -51,10 +64,18 @@ _NOT_READY = 600
 class Watchdog:
     """Watches one communicator's enqueued work and asynchronous errors (see module doc)."""
 
-    def __init__(self, comm: Watched, timeout: float, interval: float | None = None) -> None:
+    def __init__(
+        self,
+        comm: Watched,
+        timeout: float,
+        interval: float | None = None,
+        on_hang: str = "abort",
+    ) -> None:
         seconds = check_timeout(timeout, "watchdog timeout")
         if seconds is None:
             raise ValueError("watchdog timeout must be a number of seconds, got None")
+        #: ``"abort"`` or ``"revoke"``: what a hang or an asynchronous error makes it do.
+        self.on_hang = check_on_hang(on_hang)
         from ..library import cudart
 
         self._rt = cudart()
@@ -145,6 +166,7 @@ class Watchdog:
                             f"communicator rank {comm.rank} was not ready within "
                             f"{self.timeout:g} s; the watchdog aborted it",
                         ),
+                        revoke=False,
                     )
                     return
                 continue
@@ -169,12 +191,22 @@ class Watchdog:
                         Result.TIMEOUT,
                         comm.describe(seq),
                         f"operation #{seq} did not complete within {self.timeout:g} s; "
-                        "the watchdog aborted the communicator. ",  # + the record (watch_trip)
+                        f"{self.verdict}. ",  # + the record (watch_trip)
                     )
                 return None
         return None
 
-    def _trip(self, comm: Watched, reason: BaseException) -> None:
+    @property
+    def verdict(self) -> str:
+        """What the watchdog did, as the errors it records say it."""
+        if self.on_hang == "revoke":
+            return (
+                "the watchdog revoked the communicator (shrink(), destroy() or abort() "
+                "are possible)"
+            )
+        return "the watchdog aborted the communicator"
+
+    def _trip(self, comm: Watched, reason: BaseException, revoke: bool | None = None) -> None:
         self.reason = reason
-        comm.watch_trip(reason)
+        comm.watch_trip(reason, self.on_hang == "revoke" if revoke is None else revoke)
         self.stop()  # from this thread: no join, frees the events

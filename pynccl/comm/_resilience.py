@@ -1,0 +1,265 @@
+"""Fault tolerance: ``revoke``, ``shrink``, ``grow_id`` / ``grow`` and ``join``.
+
+* :meth:`Resilience.revoke` (``ncclCommRevoke``, NCCL >= 2.28) stops the in-flight
+  operations; the communicator becomes ``"revoked"`` and only :meth:`~Resilience.shrink`,
+  ``destroy()`` and ``abort()`` remain.
+* :meth:`Resilience.shrink` (``ncclCommShrink``, NCCL >= 2.27) makes a child of the ranks
+  not excluded, renumbered in order; ``abort=True`` (``NCCL_SHRINK_ABORT``) first
+  terminates the parent's operations, which is what works after a peer died.
+* :meth:`Resilience.grow_id` / :meth:`Resilience.grow` on the existing ranks and
+  :meth:`Resilience.join` on the new ones (``ncclCommGetUniqueId`` / ``ncclCommGrow``,
+  NCCL >= 2.29) make a larger communicator in which the existing ranks keep their numbers.
+
+None of them can be captured in a CUDA graph, and shrink, grow and join cannot be issued
+inside a ``group()`` (NCCL would write the new handle at the group's end): each says so
+before calling anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from ctypes import byref, c_int, c_void_p
+
+from .. import groups as _groups
+from .._capi.structs import ncclUniqueId
+from .._limits import C_INT_MAX, check_c_int, check_index
+from ..enums import Result, RevokeFlag, ShrinkFlag
+from ..errors import NcclInvalidUsage
+from ._handle import HANDLE, State
+from ._observe import Observed
+from ._uid import UniqueId, as_unique_ids
+
+__all__ = ["Resilience"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from .._capi.nccl import NcclLibrary
+    from ..typing import StreamLike
+    from ._communicator import Communicator
+    from ._config import Config
+
+
+def _refuse_in_group(function: str) -> None:
+    """An init-like call inside a group would leave the new handle to be written at the
+    group's end, after this call has returned: refuse it, clearly."""
+    if _groups.group_depth() > 0:
+        raise NcclInvalidUsage(
+            Result.INVALID_USAGE,
+            function,
+            f"{function} cannot be issued inside a group(); call it outside the group "
+            "(from one thread per rank)",
+        )
+
+
+def _check_config(config: object) -> None:
+    from ._config import Config
+
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a pynccl.Config, got {type(config).__name__}")
+
+
+def _one_id(unique_id: object) -> UniqueId:
+    ids = as_unique_ids(unique_id)
+    if len(ids) != 1:
+        raise ValueError(f"unique_id must be one unique id (from grow_id()), got {len(ids)}")
+    return ids[0]
+
+
+class Resilience(Observed):
+    """revoke, shrink, grow and join (a base of Communicator)."""
+
+    __slots__ = ()
+
+    _blocking: bool
+    _config: object
+
+    def _child(self, handle: int, blocking: bool, cfg: object) -> Communicator:
+        raise NotImplementedError  # pragma: no cover - Communicator defines it
+
+    def _setup(
+        self,
+        L: NcclLibrary,
+        rank: int,
+        size: int,
+        device: int | None,
+        config: Config | None,
+        stream: StreamLike,
+    ) -> None:
+        raise NotImplementedError  # pragma: no cover - Communicator defines it
+
+    def _new_comm(
+        self,
+        function: str,
+        pre: tuple[object, ...],
+        post: tuple[object, ...],
+        config: Config | None,
+        ready: bool,
+    ) -> Communicator:
+        """``function(*pre, &newcomm, config, *post)`` with this communicator's handle for
+        :data:`HANDLE`, then the child once it is ready (non-blocking: as ``split`` does)."""
+        cfg = None if config is None else config.to_struct(self._lib.version)
+        out = c_void_p()
+        result = self._call_locked(
+            function, *pre, byref(out), None if cfg is None else byref(cfg), *post, ready=ready
+        )
+        blocking = (
+            self._blocking if config is None or config.blocking is None else bool(config.blocking)
+        )
+        if result == Result.IN_PROGRESS or (not blocking and not out.value):
+            self._mark_pending()  # the parent's own state; a revoked one stays revoked
+            self.wait_ready()
+        if not out.value:
+            raise self._lib.make_error(Result.INTERNAL_ERROR, function)
+        return self._child(out.value, blocking, cfg)
+
+    # -- revoke --------------------------------------------------------------------------
+
+    def revoke(self) -> None:
+        """``ncclCommRevoke`` (NCCL >= 2.28): stop every operation in flight on this rank
+        (a hung one included) and wait until the communicator is quiescent.
+
+        The communicator is then ``"revoked"``: collectives and most verbs raise
+        :class:`~pynccl.NcclInvalidUsage` saying so; :meth:`shrink` (every surviving
+        rank, usually with ``abort=True``), ``destroy()`` and ``abort()`` remain.
+        A second call does nothing.
+        """
+        self._require("revoke", "ncclCommRevoke")
+        if self._state is State.REVOKED:
+            return
+        self._live()
+        self._refuse_if_capturing("ncclCommRevoke")
+        flags = int(RevokeFlag.DEFAULT)
+        rc = self._call_locked("ncclCommRevoke", HANDLE, flags, then=State.REVOKED)
+        if rc == Result.IN_PROGRESS:  # non-blocking: quiescent once the async error is success
+            self.wait_ready()
+
+    # -- shrink --------------------------------------------------------------------------
+
+    def shrink(
+        self, exclude: Sequence[int], *, abort: bool = False, config: Config | None = None
+    ) -> Communicator:
+        """``ncclCommShrink`` (NCCL >= 2.27): a new communicator of the ranks not in
+        ``exclude``, renumbered in order (rank r becomes r minus the excluded ranks below
+        it). Every remaining rank calls it with the same ``exclude``; the excluded ranks
+        do not call it (they may be dead).
+
+        ``abort=True`` (``NCCL_SHRINK_ABORT``) first terminates this communicator's
+        operations (needed when a peer died or after :meth:`revoke`); the default waits
+        for them. ``config=None`` inherits this communicator's configuration. This
+        communicator stays to be destroyed or aborted.
+        """
+        self._require("shrink", "ncclCommShrink")
+        if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Sequence):
+            raise TypeError(
+                f"exclude must be a sequence of ranks, got {type(exclude).__name__} {exclude!r}"
+            )
+        if type(abort) is not bool:
+            raise TypeError(f"abort must be a bool, got {type(abort).__name__} {abort!r}")
+        _check_config(config)
+        size, me = self._size, self._rank
+        ranks: list[int] = []
+        for i, value in enumerate(exclude):
+            r = check_index(value, f"exclude[{i}]", size, f"for a communicator of size {size}")
+            if r in ranks:
+                raise ValueError(f"exclude names rank {r} twice: {list(exclude)!r}")
+            if r == me:
+                raise ValueError(
+                    f"exclude names rank {r}, the caller: excluded ranks do not call shrink()"
+                )
+            ranks.append(r)
+        revoked = self._state is State.REVOKED
+        if not revoked:
+            self._live()
+        self._refuse_if_capturing("ncclCommShrink")
+        _refuse_in_group("ncclCommShrink")
+        array = (c_int * max(len(ranks), 1))(*ranks)
+        flags = int(ShrinkFlag.ABORT if abort else ShrinkFlag.DEFAULT)
+        pre = (HANDLE, array, len(ranks))
+        return self._new_comm("ncclCommShrink", pre, (flags,), config, ready=not revoked)
+
+    # -- grow ----------------------------------------------------------------------------
+
+    def grow_id(self) -> UniqueId:
+        """``ncclCommGetUniqueId`` (NCCL >= 2.29): the id of a :meth:`grow`, taken by one
+        existing rank (the *root* of the grow, usually rank 0) and handed to the new
+        ranks (for :meth:`join`). A new id can be taken once the previous one was used."""
+        self._require("grow_id", "ncclCommGetUniqueId")
+        self._live()
+        self._refuse_if_capturing("ncclCommGetUniqueId")
+        uid = ncclUniqueId()
+        self._call_locked("ncclCommGetUniqueId", HANDLE, byref(uid))
+        return UniqueId(bytes(uid))
+
+    def grow(
+        self,
+        nranks: int,
+        unique_id: UniqueId | bytes | None = None,
+        *,
+        config: Config | None = None,
+    ) -> Communicator:
+        """``ncclCommGrow`` (NCCL >= 2.29) on an existing rank: a communicator of
+        ``nranks`` ranks in which every existing rank keeps its number and the new ranks
+        (:meth:`join`) take the others.
+
+        The rank that took the id with :meth:`grow_id` passes it as ``unique_id``; the
+        other existing ranks pass None. Returns once every rank has joined.
+        """
+        self._require("grow", "ncclCommGrow")
+        size = self._size
+        nranks = check_c_int(
+            nranks, "nranks", size + 1, C_INT_MAX, f"(more than the communicator's {size} ranks)"
+        )
+        uid = None if unique_id is None else _one_id(unique_id)
+        _check_config(config)
+        self._live()
+        self._refuse_if_capturing("ncclCommGrow")
+        _refuse_in_group("ncclCommGrow")
+        ref = None if uid is None else byref(uid.struct)
+        return self._new_comm("ncclCommGrow", (HANDLE, nranks, ref, -1), (), config, ready=True)
+
+    @classmethod
+    def join(
+        cls,
+        nranks: int,
+        unique_id: UniqueId | bytes,
+        rank: int,
+        *,
+        device: int | None = None,
+        config: Config | None = None,
+        stream: StreamLike = None,
+    ) -> Communicator:
+        """``ncclCommGrow`` (NCCL >= 2.29) on a new rank: join the grow of an existing
+        communicator as ``rank`` of ``nranks``, with the ``unique_id`` its root took
+        (:meth:`grow_id`). ``device`` is made the thread's current device first, as
+        ``Communicator(...)`` does; a non-blocking ``config`` returns at once, ready
+        after ``wait_ready()``."""
+        from ..library import cudart, lib
+        from ._communicator import Communicator
+
+        L = lib()
+        L.require("Communicator.join (ncclCommGrow)", L.PROTOTYPES["ncclCommGrow"].first)
+        nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
+        rank = check_index(rank, "rank", nranks, f"for a communicator of size {nranks}")
+        if device is not None:
+            device = check_c_int(device, "device", 0)
+        uid = _one_id(unique_id)
+        _check_config(config)
+        if not issubclass(cls, Communicator):
+            raise TypeError(f"join() makes a Communicator; {cls.__name__} is not one")
+        self = cls.__new__(cls)
+        self._init_handle(L, True)
+        self._setup(L, rank, nranks, device, config, stream)
+        if device is not None:
+            cudart().cudaSetDevice(device)
+        self._refuse_if_capturing("ncclCommGrow")
+        _refuse_in_group("ncclCommGrow")
+        cfg = None if config is None else config.to_struct(L.version)
+        self._config = cfg  # NCCL keeps the commName pointer: keep the struct alive
+        out = c_void_p()
+        result = L.ncclCommGrow(
+            None, nranks, byref(uid.struct), rank, byref(out), None if cfg is None else byref(cfg)
+        )
+        self._adopt(out.value, result == Result.IN_PROGRESS)
+        if self._device is None and self._h is not None:
+            _ = self.device
+        return self
