@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 __all__ = [
     "C_INT_MAX",
     "C_INT_MIN",
+    "ON_HANG",
     "U64",
     "check_c_int",
     "check_count",
     "check_device_ordinal",
     "check_extent",
     "check_index",
+    "check_on_hang",
     "check_pointer",
     "check_timeout",
     "index_int",
@@ -178,3 +180,14 @@ def check_timeout(value: Any, name: str = "timeout") -> float | None:
     if not seconds > 0 or seconds == float("inf"):
         raise ValueError(f"{name}={value!r} is out of range; expected a finite number > 0")
     return seconds
+
+
+#: What the watchdog may do to a hung communicator.
+ON_HANG = ("abort", "revoke")
+
+
+def check_on_hang(value: object, name: str = "on_hang") -> str:
+    """``value`` if it is one of :data:`ON_HANG`, else ValueError naming it."""
+    if type(value) is not str or value not in ON_HANG:
+        raise ValueError(f"{name} must be 'abort' or 'revoke', got {value!r}")
+    return value

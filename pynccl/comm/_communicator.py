@@ -13,7 +13,14 @@ from .. import groups as _groups
 from .._adapt import as_stream
 from .._capi._enumargs import C_DATATYPE
 from .._capi.structs import ncclUniqueId
-from .._limits import C_INT_MAX, check_c_int, check_device_ordinal, check_index, check_timeout
+from .._limits import (
+    C_INT_MAX,
+    check_c_int,
+    check_device_ordinal,
+    check_index,
+    check_on_hang,
+    check_timeout,
+)
 from ..enums import DataType, Result
 from ..errors import NcclInvalidUsage
 from ..library import cudart, lib
@@ -31,7 +38,6 @@ from ._spec import COLLECTIVES
 from ._suspend import Suspend
 from ._uid import UniqueId, as_unique_ids
 from ._vcoll import VCollectives
-from ._watchdog import check_on_hang
 
 __all__ = ["Communicator"]
 

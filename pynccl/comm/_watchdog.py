@@ -20,7 +20,7 @@ import time
 import weakref
 from ctypes import byref, c_int, c_void_p
 
-from .._limits import check_timeout
+from .._limits import ON_HANG, check_on_hang, check_timeout
 from ..enums import Result
 from ..errors import NcclTimeoutError
 
@@ -48,14 +48,6 @@ else:
     Watched = object
 
 #: What the watchdog may do to a hung communicator.
-ON_HANG = ("abort", "revoke")
-
-
-def check_on_hang(value: object, name: str = "on_hang") -> str:
-    """``value`` if it is one of :data:`ON_HANG`, else ValueError naming it."""
-    if type(value) is not str or value not in ON_HANG:
-        raise ValueError(f"{name} must be 'abort' or 'revoke', got {value!r}")
-    return value
 
 _EVENT_DISABLE_TIMING = 0x2
 _NOT_READY = 600
