@@ -66,9 +66,11 @@ def _params(spec: CollSpec) -> tuple[str, str, str]:
     return ", ".join(sig), f"{send}, {recv}", spec.where or "None"
 
 
-def _issue(cargs: list[str], i: int, pad: str, slow: str) -> list[str]:
+def _issue(cargs: list[str], i: int, pad: str, slow: str, memo: str = "") -> list[str]:
     """The gate, the record, the C call and the result check, at indent ``pad``; ``slow``
-    is the slow-path call taken when the handle is gone once the gate is held."""
+    is the slow-path call taken when the handle is gone once the gate is held. With
+    ``memo`` (the call's own arguments, as a tuple's items) the checked C arguments are
+    remembered for the next identical call (see :func:`_memo_hit`)."""
     body = [
         "try:",
         "    cn = _SIZE_ARGS[n]",
@@ -83,6 +85,7 @@ def _issue(cargs: list[str], i: int, pad: str, slow: str) -> list[str]:
         "    h = self._h",
         "    if h is not None:",
         f"        args = ({', '.join(cargs)})",
+        *([f"        self._memo[{i}] = ({memo}, None, ({i}, args))"] if memo else []),
         "        seq = self._seq + 1",
         "        self._seq = seq",
         f"        self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
@@ -98,14 +101,74 @@ def _issue(cargs: list[str], i: int, pad: str, slow: str) -> list[str]:
     return [pad + line for line in body]
 
 
+def _memo_key(spec: CollSpec) -> list[str]:
+    """The parameters whose objects identify a call for the memo (``stream`` and
+    ``config`` must be None)."""
+    key = ["sendbuf"] if spec.send != "-" else []
+    key += ["recvbuf"] if spec.recv != "-" else []
+    key += ["count", "dtype"] + (["op"] if spec.has_op else [])
+    return key + ([spec.where] if spec.where else [])
+
+
+def slow_call(spec: CollSpec) -> str:
+    """The row's call of the one slow path, with the method's own arguments."""
+    _, bufs, where = _params(spec)
+    op = "op" if spec.has_op else "None"
+    return f"self._slow(_ROWS[{spec.index}], {bufs}, {op}, {where}, count, dtype, stream, config)"
+
+
+def _memo_hit(key: list[str], i: int, slow: str) -> list[str]:
+    """The memo: a raw-pointer call whose arguments are the very objects (``is``) of this
+    row's last checked raw-pointer call reuses that call's record entry and C arguments,
+    made ctypes objects on the first reuse (``Observed._promote``) and passed to the row's
+    function without argtypes (``self._bfn``: ctypes converts nothing).
+    Only ints, a DataType, an op name/member and None are remembered (immutable, so the
+    earlier checks still hold, and nothing large is kept alive; a PreMulSum op, an int,
+    takes the slow path and is never remembered); ``comm.stream = ...`` forgets the memo.
+    Anything else falls through to the checks."""
+    conds = [f"{k} is m[{j}]" for j, k in enumerate(key)] + ["stream is None", "config is None"]
+    n = len(key)
+    body = [
+        f"m = self._memo[{i}]",
+        "if " + " and ".join(conds) + ":",
+        f"    cargs = m[{n}]",
+        "    if cargs is None:",
+        f"        cargs = self._promote({i}, m)",
+        f"    fn = self._bfn[{i}]",
+        "    gate = self._gate",
+        "    try:",
+        "        gate.pop()",
+        "    except IndexError:",
+        "        self._wait_gate()",
+        "    try:",
+        "        h = self._h",
+        "        if h is not None:",
+        "            seq = self._seq + 1",
+        "            self._seq = seq",
+        f"            self._ring[seq & _MASK] = "
+        f"({i}, m[{n + 1}][1], _GROUPS.s.gid) if _OPEN else m[{n + 1}]",
+        "            rc = fn(*cargs)",
+        "    finally:",
+        "        gate.append(True)",
+        "    if h is None:",
+        f"        return {slow}",
+        "    if rc:",
+        f"        self._failed({i}, rc)",
+        "    return",
+    ]
+    return ["    " + line for line in body]
+
+
 def _method_source(spec: CollSpec) -> str:
     """One row's method: the inline raw-pointer path, the inline array path (objects
     whose handler is cached, no count/dtype; a live DeviceBuffer's slots read inline,
     exactly what its handler ``_from_device_buffer`` returns, without the handler lookup),
     then the slow path for anything else."""
-    sig, bufs, where = _params(spec)
+    sig, bufs, _ = _params(spec)
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
+    key = _memo_key(spec)
+    lines += _memo_hit(key, i, slow_call(spec))
     has_send, has_recv = spec.send != "-", spec.recv != "-"
     recv = "recvbuf"
     if spec.in_place == "recvbuf=None":
@@ -147,11 +210,8 @@ def _method_source(spec: CollSpec) -> str:
         f"                fn = self._fn[{i}]",
         "                if " + " and ".join(ready) + ":",
     ]
-    slow = (
-        f"return self._slow(_ROWS[{i}], {bufs}, {'op' if spec.has_op else 'None'}, {where}, "
-        "count, dtype, stream, config)"
-    )
-    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20, slow)
+    slow = "return " + slow_call(spec)
+    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20, slow, ", ".join(key))
     # -- arrays with a cached handler ------------------------------------------------------
     lines += [
         "        elif count is None and dtype is None:",

@@ -185,6 +185,8 @@ class Communicator(
         self._sized(size)
         self._raw_fn = [L.raw(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
         self._fn = list(self._raw_fn)
+        self._raw_bfn = [L.bare(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
+        self._bfn = list(self._raw_bfn)
 
     def _sized(self, size: int) -> None:
         """What the inline paths derive from the size: the count bound, and the shared
@@ -192,6 +194,7 @@ class Communicator(
         self._fast_n = _fast_n(size)
         self._fast_w = min(size, RANK_ARGS_LIMIT)
         self._wargs = rank_args(size)
+        self._forget_memos()
 
     @classmethod
     def _wrap(
@@ -309,6 +312,7 @@ class Communicator(
     @stream.setter
     def stream(self, value: StreamLike) -> None:
         self._stream = 0 if value is None else as_stream(value)
+        self._forget_memos()
 
     @property
     def state(self) -> State:

@@ -4,7 +4,7 @@ watchdog's interface (:class:`~._watchdog.Watched`) and the CUDA-graph capture g
 from __future__ import annotations
 
 import time
-from ctypes import byref, c_int
+from ctypes import byref, c_int, c_void_p
 
 from .._adapt import as_stream
 from .._limits import check_timeout
@@ -13,6 +13,7 @@ from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupported
 from ..library import cudart
 from . import _recorder
 from ._handle import HANDLE, TERMINAL, CommHandle, State
+from ._spec import COLLECTIVES
 
 __all__ = ["Observed"]
 
@@ -29,11 +30,24 @@ _IN_PROGRESS = 7
 class Observed(CommHandle):
     """Recorder, synchronize, watchdog and capture guard (a base of Communicator)."""
 
-    __slots__ = ("_device", "_fn", "_raw_fn", "_ring", "_seq", "_stream")
+    __slots__ = (
+        "_bfn",
+        "_device",
+        "_fn",
+        "_memo",
+        "_raw_bfn",
+        "_raw_fn",
+        "_ring",
+        "_seq",
+        "_stream",
+    )
 
     _device: int | None
     _fn: list[Any]
     _raw_fn: list[Any]
+    _bfn: list[Any]
+    _raw_bfn: list[Any]
+    _memo: list[tuple[object, ...]]
     _ring: list[object]
     _seq: int
     _stream: int
@@ -200,14 +214,35 @@ class Observed(CommHandle):
         # Every row's slot gets a wrapper that records a completion event (the hot path
         # never tests for a watchdog).
         self._fn = [None if fn is None else _watched(self, fn, watch) for fn in self._raw_fn]
+        self._bfn = [None if fn is None else _watched(self, fn, watch) for fn in self._raw_bfn]
 
     def stop_watchdog(self) -> None:
         """Stop the watchdog thread, if one runs."""
         watch = self._watch
         self._watch = None
-        self._fn = list(self._raw_fn)
+        self._unwatch()
         if watch is not None:
             watch.stop()
+
+    def _unwatch(self) -> None:
+        """Every row's call slots back to the bare functions (the watchdog's are dropped)."""
+        self._fn = list(self._raw_fn)
+        self._bfn = list(self._raw_bfn)
+
+    def _forget_memos(self) -> None:
+        """Forget each row's memo of its last raw-pointer call (``_codegen._memo_hit``):
+        what its C arguments were built from (the size, the stream) changed."""
+        self._memo = [_NO_MEMO] * len(COLLECTIVES)
+
+    def _promote(self, i: int, memo: tuple[object, ...]) -> tuple[object, ...]:
+        """Row ``i``'s memo, reused for the first time: its C arguments as ctypes objects
+        (every int among them is a pointer, a handle or a stream), for the row's function
+        without argtypes; the memo keeps them."""
+        n = len(memo) - 2
+        args: tuple[object, ...] = memo[n + 1][1]  # type: ignore[index]
+        cargs = tuple(c_void_p(a) if type(a) is int else a for a in args)
+        self._memo[i] = (*memo[:n], cargs, memo[n + 1])
+        return cargs
 
     def watch_status(self) -> tuple[bool, bool, BaseException | None]:
         """For the watchdog: ``(alive, ready, asynchronous error or None)``."""
@@ -252,7 +287,7 @@ class Observed(CommHandle):
                 self._error = reason  # what the next call raises (a teardown would set it too)
                 rc = self._call_locked("ncclCommRevoke", HANDLE, 0, then=State.REVOKED)
             self._watch = None
-            self._fn = list(self._raw_fn)
+            self._unwatch()
             if rc == _IN_PROGRESS:  # non-blocking: wait until quiescent, bounded
                 self.wait_ready(None if watch is None else watch.timeout)
         except Exception:  # reported through the abort that follows
@@ -286,13 +321,20 @@ class Observed(CommHandle):
         )
 
 
+#: An empty memo: no argument is any of these objects.
+_NO_MEMO = (object(),) * 8
+
+
 def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
     """``fn`` (a row's bare ctypes function) recording a completion event per operation."""
 
     def call(*args: object) -> int:
         rc = int(fn(*args))
         if rc == 0 or rc == _IN_PROGRESS:
-            watch.enqueued(comm._seq, args[-1])  # type: ignore[arg-type]
+            stream = args[-1]  # an int, or a c_void_p from a memo (``_promote``)
+            if type(stream) is c_void_p:
+                stream = stream.value or 0
+            watch.enqueued(comm._seq, stream)  # type: ignore[arg-type]
         return rc
 
     return call

@@ -1,0 +1,159 @@
+"""The generated methods' memo of their last raw-pointer call (``_codegen._memo_hit``).
+
+A raw-pointer call made with the very objects of the row's previous one reuses that call's
+checked C arguments. These tests pin what must not change because of it: results (against
+numpy), the flight record, a changed default stream, the watchdog, teardown, and calls
+with equal but different objects or other types.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from _worlds import ThreadWorld
+
+from pynccl import DataType, NcclInvalidUsage
+from pynccl.comm import Communicator, UniqueId
+from pynccl.cuda import DeviceBuffer, Stream
+
+pytestmark = pytest.mark.usefixtures("lb")
+
+F32 = DataType.FLOAT32
+N = 64
+
+
+def test_repeated_calls_with_the_same_objects_compute_each_time() -> None:
+    with ThreadWorld(2) as world:
+
+        def one(r: int, comm: Communicator) -> list[np.ndarray]:
+            send = DeviceBuffer(N, F32, device=r)
+            recv = DeviceBuffer(2 * N, F32, device=r)
+            sp, rp, n = send.ptr, recv.ptr, N  # the same int objects on every call
+            got = []
+            for step in range(4):
+                send.copy_from(np.full(N, 10 * step + r, np.float32))
+                comm.all_reduce(sp, rp, count=n, dtype=F32)
+                comm.synchronize()
+                got.append(recv.to_numpy()[:N].copy())
+                comm.all_gather(sp, rp, count=n, dtype=F32)
+                comm.synchronize()
+                got.append(recv.to_numpy().copy())
+            send.close()
+            recv.close()
+            return got
+
+        results = world.run(one)
+    for r in range(2):
+        for step in range(4):
+            a = [np.full(N, 10 * step + k, np.float32) for k in range(2)]
+            np.testing.assert_array_equal(results[r][2 * step], a[0] + a[1])
+            np.testing.assert_array_equal(results[r][2 * step + 1], np.concatenate(a))
+
+
+def test_memo_hits_are_recorded_like_other_calls() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+    try:
+        sp, rp = a.ptr, b.ptr
+        for _ in range(3):
+            comm.broadcast(sp, rp, root=0, count=N, dtype=F32)
+        records = comm.flight_record()[-3:]
+        seqs = [r[0] for r in records]
+        assert seqs == [comm._seq - 2, comm._seq - 1, comm._seq]
+        # (seq, function, root, (send, recv, count, dtype, root, comm, stream))
+        assert {(r[1], r[2], r[3]) for r in records} == {
+            ("ncclBroadcast", 0, (sp, rp, N, int(F32), 0, comm.handle, 0))
+        }
+    finally:
+        a.close()
+        b.close()
+        comm.destroy()
+
+
+def test_a_new_default_stream_is_used_by_the_next_identical_call() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    a = DeviceBuffer(N, F32)
+    s = Stream()
+    try:
+        ptr = a.ptr
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        comm.all_reduce(ptr, count=N, dtype=F32)  # a hit
+        assert comm.flight_record()[-1][3][-1] == 0
+        comm.stream = s
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        assert comm.flight_record()[-1][3][-1] == s.handle
+        assert comm.flight_record()[-2][3][-1] == s.handle
+    finally:
+        comm.stream = None
+        a.close()
+        s.close()
+        comm.destroy()
+
+
+def test_the_watchdog_sees_calls_that_hit_the_memo() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    a = DeviceBuffer(N, F32)
+    try:
+        ptr = a.ptr
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        comm.all_reduce(ptr, count=N, dtype=F32)  # the memo now holds ctypes arguments
+        comm.start_watchdog(30.0, interval=0.01)
+        watch = comm._watch
+        assert watch is not None
+        calls: list[tuple[int, int]] = []
+        real = watch.enqueued
+        watch.enqueued = lambda seq, stream: (calls.append((seq, stream)), real(seq, stream))  # type: ignore[method-assign]
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        assert calls == [(comm._seq - 1, 0), (comm._seq, 0)]
+        comm.stop_watchdog()
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        assert len(calls) == 2
+        comm.synchronize(timeout=60)
+    finally:
+        comm.stop_watchdog()
+        a.close()
+        comm.destroy()
+
+
+def test_after_destroy_the_same_objects_are_refused() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    a = DeviceBuffer(N, F32)
+    ptr = a.ptr
+    comm.all_reduce(ptr, count=N, dtype=F32)
+    comm.all_reduce(ptr, count=N, dtype=F32)
+    comm.destroy()
+    with pytest.raises(NcclInvalidUsage, match="destroyed"):
+        comm.all_reduce(ptr, count=N, dtype=F32)
+    a.close()
+
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        ({"count": float(N)}, TypeError),
+        ({"count": True}, TypeError),
+        ({"dtype": "float32x"}, (TypeError, ValueError)),
+        ({"count": -1}, ValueError),
+    ],
+)
+def test_a_remembered_call_does_not_let_an_equal_mistake_through(
+    bad: dict[str, Any], error: Any
+) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    a = DeviceBuffer(N, F32)
+    try:
+        ptr = a.ptr
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        comm.all_reduce(ptr, count=N, dtype=F32)
+        kwargs: dict[str, Any] = {"count": N, "dtype": F32, **bad}
+        with pytest.raises(error):
+            comm.all_reduce(ptr, **kwargs)
+        with pytest.raises(TypeError):
+            comm.all_reduce(float(ptr), count=N, dtype=F32)
+    finally:
+        a.close()
+        comm.destroy()
