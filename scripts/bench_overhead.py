@@ -13,8 +13,11 @@ collective, plus send and recv) it times:
 * persistent  ``op()`` of ``op = comm.<method>_init(ptr, ptr, count=, dtype=)``: checked
             once, issued with prebuilt ctypes arguments through a function without argtypes
 
-plus all_reduce's generated code compiled without the gate (what serializing teardown
-against calls in flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
+The raw rows repeat one call with the same objects, so they take the generated methods'
+memo (the previous call's checked C arguments reused); ``all_reduce(memo miss)`` alternates
+two calls that swap the buffers, so every call is checked in full. Then all_reduce's
+generated code compiled without the gate (what serializing teardown against calls in
+flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
 ``ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd``, the low-level layer
 (``lib().ncclAllReduce``), and the import times of ``import pynccl`` and
 ``from pynccl import Communicator`` in fresh interpreters of this install (an editable
@@ -168,6 +171,18 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
     v["all_reduce(no gate) raw"] = lambda: nogate(send, recv, count=n, dtype=f32)
     v["all_reduce(gate) raw"] = v["all_reduce raw"]
     v["all_reduce(gate) floor"] = v["all_reduce floor"]
+    # The raw path when the memo misses (the arguments are not the previous call's
+    # objects): two calls that swap the buffers, against two bare calls.
+    ar = comm.all_reduce
+    floor_ar2 = _bare(cdll, "ncclAllReduce", PROTOTYPES["ncclAllReduce"])
+    v["all_reduce(memo miss) floor"] = lambda: (
+        floor_ar2(send, recv, n, 7, 0, h, 0),
+        floor_ar2(recv, send, n, 7, 0, h, 0),
+    )
+    v["all_reduce(memo miss) raw"] = lambda: (
+        ar(send, recv, count=n, dtype=f32),
+        ar(recv, send, count=n, dtype=f32),
+    )
     floor_ar = _bare(cdll, "ncclAllReduce", PROTOTYPES["ncclAllReduce"])
     low = pynccl.lib().ncclAllReduce
     v["low-level floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, 0)
