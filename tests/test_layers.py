@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, int]] = [
     ("pynccl.errors", 0),
     ("pynccl.dtypes", 0),
     ("pynccl._limits", 0),
+    ("pynccl._closable", 0),
     ("pynccl.typing", 0),
     ("pynccl.bootstrap", 0),
     ("pynccl._loader", 1),

@@ -89,15 +89,8 @@ class Collectives(Observed):
                 raise NotSupportedError(row.cfunc, row.since, self._lib.version)
         else:  # outside the watchdog's slots: it is told below
             fn = self._lib.raw(row.cfunc + "Config")
-        gate = self._gate
-        try:
-            gate.pop()
-        except IndexError:
-            self._wait_gate()
-        try:
-            h = self._h
-            if h is None:
-                h = self._gone()
+
+        def issue(h: int) -> tuple[int, int]:
             seq = self._seq + 1
             self._seq = seq
             gid = _groups._local.s.gid if _groups.OPEN else 0
@@ -108,9 +101,9 @@ class Collectives(Observed):
                 args = (*pre, h, s, cfg)
                 slot = (index, args, gid, config)
             self._ring[seq & _recorder.RING_MASK] = slot
-            rc = fn(*args)
-        finally:
-            gate.append(True)
+            return fn(*args), seq
+
+        rc, seq = self._under_gate(issue)
         if rc:
             self._failed(index, rc, cfg is not None)
         elif cfg is not None and self._watch is not None:

@@ -32,6 +32,9 @@ __all__ = ["HANDLE", "TERMINAL", "CommHandle", "State"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
     from .._capi.nccl import NcclLibrary
     from ._watchdog import Watchdog
 
@@ -184,6 +187,24 @@ class CommHandle:
                 return self._h
         return self._gone()
 
+    def _under_gate(self, fn: Callable[[int], Any], *, ready: bool = True) -> Any:
+        """``fn(handle)`` under the gate, returning what it returns: the one way a call
+        outside the generated hot path gets the handle (read under the gate, so a teardown
+        on another thread never hands a freed one to C). With ``ready=False`` the raw
+        handle is used in any non-terminal state (async-error queries during init)."""
+        gate = self._gate
+        try:
+            gate.pop()
+        except IndexError:
+            self._wait_gate()
+        try:
+            h = self._h if ready else (None if self._closing else self._handle)
+            if h is None:
+                h = self._gone()
+            return fn(h)
+        finally:
+            gate.append(True)
+
     def _call_locked(
         self, function: str, *args: object, ready: bool = True, then: State | None = None
     ) -> int:
@@ -197,30 +218,25 @@ class CommHandle:
         before the gate is given back, so that no other thread's call slips in between."""
         if ready:
             self._live()
-        gate = self._gate
-        try:
-            gate.pop()
-        except IndexError:
-            self._wait_gate()
-        try:
-            h = self._h if ready else (None if self._closing else self._handle)
-            if h is None:
-                h = self._gone()
-            call = tuple(h if a is HANDLE else a for a in args)
+        raw = self._lib.raw(function)
+
+        def call(h: int) -> int:
+            call_args = tuple(h if a is HANDLE else a for a in args)
             before, early, ok = self._state, False, False
             if then is not None and then is not State.READY:
                 self._set_state(then)
                 early = True
             try:
-                rc = int(self._lib.raw(function)(*call))
+                rc = int(raw(*call_args))
                 ok = rc == 0 or rc == Result.IN_PROGRESS
             finally:
                 if early and not ok:
                     self._set_state(before)
                 elif then is not None and ok and not early:
                     self._set_state(then)
-        finally:
-            gate.append(True)
+            return rc
+
+        rc: int = self._under_gate(call, ready=ready)
         if rc and rc != Result.IN_PROGRESS:
             raise self._lib.make_error(rc, function)
         return rc

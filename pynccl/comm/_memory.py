@@ -13,6 +13,7 @@ from __future__ import annotations
 from ctypes import byref, c_void_p
 
 from .._adapt import as_buffer, check_device
+from .._closable import Closable
 from .._limits import check_count, check_pointer
 from ..enums import DataType, Result
 from ..errors import NcclInvalidUsage
@@ -23,7 +24,6 @@ __all__ = ["Memory", "Registration", "buffer_range"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from types import TracebackType
 
     from ..cuda import DeviceBuffer
     from ..typing import BufferLike, DTypeLike
@@ -50,7 +50,7 @@ def buffer_range(
     return ptr, size, dt
 
 
-class Registration:
+class Registration(Closable):
     """A buffer registered with ``ncclCommRegister`` (:meth:`Communicator.register`; NCCL >= 2.19).
 
     ``handle`` is NCCL's registration handle (an ``int``); :meth:`close` (or the end of a
@@ -97,16 +97,7 @@ class Registration:
         communicator is gone, whose teardown freed it)."""
         self._comm._deregister(self)
 
-    def __enter__(self) -> Registration:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"handle={self._handle:#x}"

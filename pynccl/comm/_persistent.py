@@ -22,6 +22,7 @@ from ctypes import c_int, c_size_t, c_void_p
 from .. import groups as _groups
 from .._adapt import as_stream
 from .._capi.nccl import PROTOTYPES
+from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
 from ._args import prepare
@@ -58,7 +59,7 @@ def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
     return tuple(out)
 
 
-class PersistentOp:
+class PersistentOp(Closable):
     """A collective (or send/recv) checked once, issued again with every call.
 
     Made by ``comm.<method>_init(...)`` (``all_reduce_init``, ``send_init``, ... — one per
@@ -231,11 +232,7 @@ class PersistentOp:
         self._args = ()
         self._h = None
 
-    def __enter__(self) -> PersistentOp:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def method(self) -> str:

@@ -126,18 +126,7 @@ class Signals(Windows):
     def _rma_issue(self, fn: Any, function: str, s: int, *args: object) -> None:
         """``fn(*args, comm, s)`` under the gate (as the collectives' issue path: the
         handle is read under it, so a teardown on another thread never passes a freed one)."""
-        gate = self._gate
-        try:
-            gate.pop()
-        except IndexError:
-            self._wait_gate()
-        try:
-            h = self._h
-            if h is None:
-                h = self._gone()
-            rc = fn(*args, h, s)
-        finally:
-            gate.append(True)
+        rc = self._under_gate(lambda h: fn(*args, h, s))
         if rc == Result.IN_PROGRESS:
             if _groups.group_depth() > 0:
                 _groups.in_progress_later(self)  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from __future__ import annotations
 from ctypes import byref, c_int64, c_void_p, sizeof
 
 from .. import groups as _groups
+from .._closable import Closable
 from .._limits import U64, check_count, check_index
 from ..enums import WIN_REQUIRED_ALIGNMENT, DataType, Result, WinFlag
 from ..errors import NcclInvalidUsage
@@ -26,7 +27,6 @@ __all__ = ["Window", "Windows"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from types import TracebackType
     from typing import Any
 
     from ..typing import BufferLike
@@ -35,7 +35,7 @@ _WINDOWS = (2, 27, 3)  # ncclCommWindowRegister
 _PEER_POINTER = (2, 29, 2)  # ncclGetPeerDevicePointer, ncclWinGetUserPtr
 
 
-class Window:
+class Window(Closable):
     """A registered memory window (``ncclWindow_t``), from :meth:`Communicator.register_window`.
 
     ``handle`` is the ``ncclWindow_t`` as an int, ``user_ptr`` / ``nbytes`` the range it
@@ -191,16 +191,7 @@ class Window:
         2.27, collective: every rank closes its window). Idempotent once closed."""
         self._comm._close_window(self)
 
-    def __enter__(self) -> Window:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"refs={self._refs}"
@@ -319,18 +310,7 @@ class Windows(Memory):
         """A value-returning host function of ``nccl_device/host.h`` taking only the
         communicator (``ncclTeamLsa``), under the gate."""
         self._live()
-        gate = self._gate
-        try:
-            gate.pop()
-        except IndexError:
-            self._wait_gate()
-        try:
-            h = self._h
-            if h is None:
-                h = self._gone()
-            return self._lib.raw(function)(h)
-        finally:
-            gate.append(True)
+        return self._under_gate(self._lib.raw(function))
 
     def _settle(self, rc: int) -> None:
         """A non-blocking communicator's registration still in progress: wait for it

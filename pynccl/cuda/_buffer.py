@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ctypes import byref, c_void_p
 
+from .._closable import Closable
 from .._limits import check_extent, index_int
 from ..dtypes import as_element_type, canonical_name, complex_name, to_numpy_dtype
 from ..enums import DataType
@@ -76,7 +77,7 @@ def _element_name(dtype: DataType, lanes: int) -> str:
     return complex_name(dtype) if lanes == 2 else canonical_name(dtype)
 
 
-class DeviceBuffer:
+class DeviceBuffer(Closable):
     """An owned, C-contiguous device allocation (``cudaMalloc``) of ``shape`` and ``dtype``.
 
     ``DeviceBuffer(shape, dtype="float32", device=None)`` allocates (contents
@@ -338,18 +339,10 @@ class DeviceBuffer:
 
     free = close
 
-    def __enter__(self) -> DeviceBuffer:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_ptr", 0):
-            try:
-                self.close()
-            except Exception:  # interpreter shutdown or a dead context
-                pass
+    def _held(self) -> bool:
+        return bool(getattr(self, "_ptr", 0))
 
     def __repr__(self) -> str:
         state = "freed" if self.closed else f"ptr={self._ptr:#x}"

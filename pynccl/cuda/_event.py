@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ctypes import byref, c_float, c_void_p
 
+from .._closable import Closable
 from . import _runtime
 from ._runtime import _ERR_NOT_READY
 from ._streamlike import as_stream as stream_handle
@@ -17,7 +18,7 @@ _EVENT_BLOCKING_SYNC = 0x1
 _EVENT_DISABLE_TIMING = 0x2
 
 
-class Event:
+class Event(Closable):
     """A CUDA event (owned): record on a stream, wait for it, time between two.
 
     ``timing=False`` makes a lighter event that cannot be used with
@@ -73,18 +74,10 @@ class Event:
         if handle:
             _runtime._rt().cudaEventDestroy(handle)
 
-    def __enter__(self) -> Event:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_handle", 0):
-            try:
-                self.close()
-            except Exception:  # interpreter shutdown or a dead context
-                pass
+    def _held(self) -> bool:
+        return bool(getattr(self, "_handle", 0))
 
     def __repr__(self) -> str:
         return f"<pynccl.cuda.Event {self._handle:#x}>"

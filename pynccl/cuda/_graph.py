@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from ctypes import byref, c_void_p
 from enum import IntEnum
 
+from .._closable import Closable
 from . import _runtime
 from ._stream import _STREAM_LEGACY, Stream, stream_handle
 
@@ -43,7 +44,7 @@ def _unsafe_calls_prohibited() -> bool:
     )
 
 
-class Graph:
+class Graph(Closable):
     """Work captured from a stream into a CUDA graph, replayed as one launch.
 
     ::
@@ -146,18 +147,10 @@ class Graph:
         if exe:
             _runtime._rt().cudaGraphExecDestroy(exe)
 
-    def __enter__(self) -> Graph:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_exec", 0):
-            try:
-                self.close()
-            except Exception:  # interpreter shutdown or a dead context
-                pass
+    def _held(self) -> bool:
+        return bool(getattr(self, "_exec", 0))
 
     def __repr__(self) -> str:
         state = "capturing" if self._capturing else "captured" if self._exec else "empty"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ctypes import byref, c_int, c_void_p
 
+from .._closable import Closable
 from . import _runtime
 from ._device import _DeviceScope
 from ._event import Event
@@ -33,7 +34,7 @@ def stream_handle(stream: StreamLike) -> int:
     return as_stream(stream)
 
 
-class Stream:
+class Stream(Closable):
     """A CUDA stream: ``Stream()`` creates (and owns) one; :meth:`wrap` borrows one.
 
     ``handle`` is the ``cudaStream_t`` as an ``int``; ``__cuda_stream__()``
@@ -158,18 +159,10 @@ class Stream:
         if owned and handle:
             _runtime._rt().cudaStreamDestroy(handle)
 
-    def __enter__(self) -> Stream:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
-    def __del__(self) -> None:
-        if getattr(self, "_owned", False):
-            try:
-                self.close()
-            except Exception:  # interpreter shutdown or a dead context: nothing to report to
-                pass
+    def _held(self) -> bool:
+        return bool(getattr(self, "_owned", False))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Stream):
