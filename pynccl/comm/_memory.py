@@ -143,7 +143,7 @@ class Memory(Observed):
         return reg
 
     def deregister(self, handle: Registration | int) -> None:
-        """``ncclCommDeregister``: a :class:`Registration` (like its ``close()``) or a bare
+        """``ncclCommDeregister`` (NCCL >= 2.19): a :class:`Registration` (like its ``close()``) or a bare
         handle (an ``int``, as ``register`` returned before it returned Registrations)."""
         if isinstance(handle, Registration):
             if handle._comm is not self:
