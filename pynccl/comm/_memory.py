@@ -143,8 +143,9 @@ class Memory(Observed):
         return reg
 
     def deregister(self, handle: Registration | int) -> None:
-        """``ncclCommDeregister`` (NCCL >= 2.19): a :class:`Registration` (like its ``close()``) or a bare
-        handle (an ``int``, as ``register`` returned before it returned Registrations)."""
+        """``ncclCommDeregister`` (NCCL >= 2.19): a :class:`Registration` (like its
+        ``close()``) or a bare handle (an ``int``, as ``register`` returned before it
+        returned Registrations)."""
         if isinstance(handle, Registration):
             if handle._comm is not self:
                 raise ValueError(f"{handle!r} belongs to another communicator")
