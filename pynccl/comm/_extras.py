@@ -66,17 +66,30 @@ class Extras(Observed):
                 ) from None
         key = self._rank if key is None else check_c_int(key, "key")
         self._refuse_if_capturing("ncclCommSplit")
+        return self._new_comm("ncclCommSplit", (HANDLE, color, key), (), config)
+
+    def _new_comm(
+        self,
+        function: str,
+        pre: tuple[object, ...],
+        post: tuple[object, ...],
+        config: Config | None,
+        ready: bool = True,
+    ) -> Communicator | None:
+        """``function(*pre, &newcomm, config, *post)`` with this communicator's handle for
+        :data:`HANDLE` (split, shrink, grow), then the child once it is ready; None if NCCL
+        made none (a split with ``NCCL_SPLIT_NOCOLOR``). Non-blocking: the new handle is
+        written later by NCCL, so the parent is polled first."""
         cfg = None if config is None else config.to_struct(self._lib.version)
         out = c_void_p()
         result = self._call_locked(
-            "ncclCommSplit", HANDLE, color, key, byref(out), None if cfg is None else byref(cfg)
+            function, *pre, byref(out), None if cfg is None else byref(cfg), *post, ready=ready
         )
         blocking = (
             self._blocking if config is None or config.blocking is None else bool(config.blocking)
         )
         if result == Result.IN_PROGRESS or (not blocking and not out.value):
-            # Non-blocking: the new handle is written later by NCCL; poll the parent.
-            self._mark_pending()
+            self._mark_pending()  # the parent's own state; a revoked one stays revoked
             self.wait_ready()
         if not out.value:
             return None

@@ -25,8 +25,8 @@ from .._capi.structs import ncclUniqueId
 from .._limits import C_INT_MAX, check_c_int, check_index
 from ..enums import Result, RevokeFlag, ShrinkFlag
 from ..errors import NcclInvalidUsage
+from ._extras import Extras
 from ._handle import HANDLE, State
-from ._observe import Observed
 from ._uid import UniqueId, as_unique_ids
 
 __all__ = ["Resilience"]
@@ -65,16 +65,10 @@ def _one_id(unique_id: object) -> UniqueId:
     return ids[0]
 
 
-class Resilience(Observed):
+class Resilience(Extras):
     """revoke, shrink, grow and join (a base of Communicator)."""
 
     __slots__ = ()
-
-    _blocking: bool
-    _config: object
-
-    def _child(self, handle: int, blocking: bool, cfg: object) -> Communicator:
-        raise NotImplementedError  # pragma: no cover - Communicator defines it
 
     def _setup(
         self,
@@ -87,7 +81,7 @@ class Resilience(Observed):
     ) -> None:
         raise NotImplementedError  # pragma: no cover - Communicator defines it
 
-    def _new_comm(
+    def _new_child(
         self,
         function: str,
         pre: tuple[object, ...],
@@ -95,22 +89,11 @@ class Resilience(Observed):
         config: Config | None,
         ready: bool,
     ) -> Communicator:
-        """``function(*pre, &newcomm, config, *post)`` with this communicator's handle for
-        :data:`HANDLE`, then the child once it is ready (non-blocking: as ``split`` does)."""
-        cfg = None if config is None else config.to_struct(self._lib.version)
-        out = c_void_p()
-        result = self._call_locked(
-            function, *pre, byref(out), None if cfg is None else byref(cfg), *post, ready=ready
-        )
-        blocking = (
-            self._blocking if config is None or config.blocking is None else bool(config.blocking)
-        )
-        if result == Result.IN_PROGRESS or (not blocking and not out.value):
-            self._mark_pending()  # the parent's own state; a revoked one stays revoked
-            self.wait_ready()
-        if not out.value:
+        """:meth:`~._extras.Extras._new_comm` for a call that always makes a child."""
+        child = self._new_comm(function, pre, post, config, ready=ready)
+        if child is None:
             raise self._lib.make_error(Result.INTERNAL_ERROR, function)
-        return self._child(out.value, blocking, cfg)
+        return child
 
     # -- revoke --------------------------------------------------------------------------
 
@@ -175,7 +158,7 @@ class Resilience(Observed):
         array = (c_int * max(len(ranks), 1))(*ranks)
         flags = int(ShrinkFlag.ABORT if abort else ShrinkFlag.DEFAULT)
         pre = (HANDLE, array, len(ranks))
-        return self._new_comm("ncclCommShrink", pre, (flags,), config, ready=not revoked)
+        return self._new_child("ncclCommShrink", pre, (flags,), config, ready=not revoked)
 
     # -- grow ----------------------------------------------------------------------------
 
@@ -215,7 +198,7 @@ class Resilience(Observed):
         self._refuse_if_capturing("ncclCommGrow")
         _refuse_in_group("ncclCommGrow")
         ref = None if uid is None else byref(uid.struct)
-        return self._new_comm("ncclCommGrow", (HANDLE, nranks, ref, -1), (), config, ready=True)
+        return self._new_child("ncclCommGrow", (HANDLE, nranks, ref, -1), (), config, ready=True)
 
     @classmethod
     def join(
