@@ -115,6 +115,18 @@ def test_collectives_take_cudeviceptr(thread_worlds: Callable[[int], ThreadWorld
         np.testing.assert_array_equal(z, np.concatenate([base, base * 2]))
 
 
+def test_register_takes_cudeviceptr(lb: Any) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    try:
+        with DeviceBuffer(4096, "uint8") as x:
+            with comm.register(CUdeviceptr(x.ptr), nbytes=4096) as reg:
+                assert (reg.ptr, reg.nbytes) == (x.ptr, 4096)
+            with pytest.raises(TypeError, match="needs nbytes="):
+                comm.register(CUdeviceptr(x.ptr))
+    finally:
+        comm.destroy()
+
+
 # --- cuda.core Buffer -------------------------------------------------------------------------
 
 

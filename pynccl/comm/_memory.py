@@ -14,7 +14,7 @@ from ctypes import byref, c_void_p
 
 from .._adapt import as_buffer, check_device
 from .._closable import Closable
-from .._limits import check_count, check_pointer
+from .._limits import check_count, check_pointer, is_pointer_object
 from ..enums import DataType, Result
 from ..errors import NcclInvalidUsage
 from ._handle import HANDLE, TERMINAL
@@ -36,7 +36,7 @@ def buffer_range(
 ) -> tuple[int, int, DataType]:
     """``(ptr, bytes, element type)`` of the range ``verb`` (register, register_window)
     covers: a buffer (its first ``nbytes`` if given) or a raw pointer with ``nbytes``."""
-    if type(buf) is int:
+    if type(buf) is int or is_pointer_object(buf):  # a raw pointer (or a CUdeviceptr)
         if nbytes is None:
             raise TypeError(f"{verb}(ptr) with a raw pointer needs nbytes=")
         size = check_count(nbytes, "nbytes")
