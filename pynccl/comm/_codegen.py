@@ -66,16 +66,11 @@ def _params(spec: CollSpec) -> tuple[str, str, str]:
     return ", ".join(sig), f"{send}, {recv}", spec.where or "None"
 
 
-def _issue(cargs: list[str], i: int, pad: str, slow: str, memo: str = "") -> list[str]:
-    """The gate, the record, the C call and the result check, at indent ``pad``; ``slow``
-    is the slow-path call taken when the handle is gone once the gate is held. With
-    ``memo`` (the call's own arguments, as a tuple's items) the checked C arguments are
-    remembered for the next identical call (see :func:`_memo_hit`)."""
-    body = [
-        "try:",
-        "    cn = _SIZE_ARGS[n]",
-        "except KeyError:",
-        "    cn = _size_arg(n)",
+def _gated(i: int, prepare: list[str], record: str, call: str, slow: str) -> list[str]:
+    """Every generated C call's frame: take the gate, test the handle, run ``prepare``,
+    store ``record`` in the flight recorder, make the C call ``call``, give the gate back;
+    then ``slow`` (a statement) if the handle was gone, and the result check."""
+    return [
         "gate = self._gate",
         "try:",
         "    gate.pop()",
@@ -84,12 +79,11 @@ def _issue(cargs: list[str], i: int, pad: str, slow: str, memo: str = "") -> lis
         "try:",
         "    h = self._h",
         "    if h is not None:",
-        f"        args = ({', '.join(cargs)})",
-        *([f"        self._memo[{i}] = ({memo}, None, ({i}, args))"] if memo else []),
+        *["        " + line for line in prepare],
         "        seq = self._seq + 1",
         "        self._seq = seq",
-        f"        self._ring[seq & _MASK] = ({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)",
-        "        rc = fn(*args)",
+        f"        self._ring[seq & _MASK] = {record}",
+        f"        rc = {call}",
         "finally:",
         "    gate.append(True)",
         "if h is None:",
@@ -97,6 +91,24 @@ def _issue(cargs: list[str], i: int, pad: str, slow: str, memo: str = "") -> lis
         "if rc:",
         f"    self._failed({i}, rc)",
         "return",
+    ]
+
+
+def _issue(cargs: list[str], i: int, pad: str, slow: str, memo: str = "") -> list[str]:
+    """The shared count argument, then the gated call (:func:`_gated`) at indent ``pad``;
+    ``slow`` is the slow-path call taken when the handle is gone once the gate is held.
+    With ``memo`` (the call's own arguments, as a tuple's items) the checked C arguments
+    are remembered for the next identical call (see :func:`_memo_hit`)."""
+    prepare = [f"args = ({', '.join(cargs)})"]
+    if memo:
+        prepare.append(f"self._memo[{i}] = ({memo}, None, ({i}, args))")
+    record = f"({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)"
+    body = [
+        "try:",
+        "    cn = _SIZE_ARGS[n]",
+        "except KeyError:",
+        "    cn = _size_arg(n)",
+        *_gated(i, prepare, record, "fn(*args)", slow),
     ]
     return [pad + line for line in body]
 
@@ -128,6 +140,7 @@ def _memo_hit(key: list[str], i: int, slow: str) -> list[str]:
     Anything else falls through to the checks."""
     conds = [f"{k} is m[{j}]" for j, k in enumerate(key)] + ["stream is None", "config is None"]
     n = len(key)
+    record = f"({i}, m[{n + 1}][1], _GROUPS.s.gid) if _OPEN else m[{n + 1}]"
     body = [
         f"m = self._memo[{i}]",
         "if " + " and ".join(conds) + ":",
@@ -135,26 +148,7 @@ def _memo_hit(key: list[str], i: int, slow: str) -> list[str]:
         "    if cargs is None:",
         f"        cargs = self._promote({i}, m)",
         f"    fn = self._bfn[{i}]",
-        "    gate = self._gate",
-        "    try:",
-        "        gate.pop()",
-        "    except IndexError:",
-        "        self._wait_gate()",
-        "    try:",
-        "        h = self._h",
-        "        if h is not None:",
-        "            seq = self._seq + 1",
-        "            self._seq = seq",
-        f"            self._ring[seq & _MASK] = "
-        f"({i}, m[{n + 1}][1], _GROUPS.s.gid) if _OPEN else m[{n + 1}]",
-        "            rc = fn(*cargs)",
-        "    finally:",
-        "        gate.append(True)",
-        "    if h is None:",
-        f"        return {slow}",
-        "    if rc:",
-        f"        self._failed({i}, rc)",
-        "    return",
+        *["    " + line for line in _gated(i, [], record, "fn(*cargs)", "return " + slow)],
     ]
     return ["    " + line for line in body]
 
