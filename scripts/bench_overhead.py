@@ -174,16 +174,15 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
     # The raw path when the memo misses (the arguments are not the previous call's
     # objects): two calls that swap the buffers, against two bare calls.
     ar = comm.all_reduce
-    floor_ar2 = _bare(cdll, "ncclAllReduce", PROTOTYPES["ncclAllReduce"])
+    floor_ar = _bare(cdll, "ncclAllReduce", PROTOTYPES["ncclAllReduce"])
     v["all_reduce(memo miss) floor"] = lambda: (
-        floor_ar2(send, recv, n, 7, 0, h, 0),
-        floor_ar2(recv, send, n, 7, 0, h, 0),
+        floor_ar(send, recv, n, 7, 0, h, 0),
+        floor_ar(recv, send, n, 7, 0, h, 0),
     )
     v["all_reduce(memo miss) raw"] = lambda: (
         ar(send, recv, count=n, dtype=f32),
         ar(recv, send, count=n, dtype=f32),
     )
-    floor_ar = _bare(cdll, "ncclAllReduce", PROTOTYPES["ncclAllReduce"])
     low = pynccl.lib().ncclAllReduce
     v["low-level floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, 0)
     op_sum = RedOp.SUM  # hoisted like f32: an enum member lookup costs ~100 ns here
