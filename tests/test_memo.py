@@ -157,3 +157,122 @@ def test_a_remembered_call_does_not_let_an_equal_mistake_through(
     finally:
         a.close()
         comm.destroy()
+
+
+# -- the DeviceBuffer memo (each buffer's _arg tuple, never the buffer) --------------------
+
+
+def test_devicebuffer_calls_hit_the_array_memo_and_compute_each_time() -> None:
+    with ThreadWorld(2) as world:
+
+        def one(r: int, comm: Communicator) -> list[np.ndarray]:
+            send = DeviceBuffer(N, F32, device=r)
+            recv = DeviceBuffer(N, F32, device=r)
+            got = []
+            for step in range(4):
+                send.copy_from(np.full(N, 10 * step + r, np.float32))
+                comm.all_reduce(send, recv, "max")
+                comm.synchronize()
+                got.append(recv.to_numpy().copy())
+                comm.broadcast(send, recv, root=1)
+                comm.synchronize()
+                got.append(recv.to_numpy().copy())
+            send.close()
+            recv.close()
+            return got
+
+        results = world.run(one)
+    for r in range(2):
+        for step in range(4):
+            np.testing.assert_array_equal(results[r][2 * step], np.full(N, 10 * step + 1))
+            np.testing.assert_array_equal(results[r][2 * step + 1], np.full(N, 10 * step + 1))
+
+
+def test_the_array_memo_keeps_no_buffer_alive() -> None:
+    import gc
+    import weakref
+
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    try:
+        a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+        for _ in range(3):
+            comm.all_reduce(a, b)
+        assert comm._amemo[0][0] is a._arg  # remembered
+        refs = weakref.ref(a), weakref.ref(b)
+        del a, b
+        gc.collect()
+        assert refs[0]() is None and refs[1]() is None
+    finally:
+        comm.destroy()
+
+
+def test_a_closed_or_replaced_buffer_is_checked_again() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    fresh = Communicator(1, UniqueId(), 0, device=0)  # never saw these buffers
+    a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+    try:
+        comm.all_reduce(a, b)
+        comm.all_reduce(a, b)
+        b.close()
+        with pytest.raises(ValueError) as hit:
+            comm.all_reduce(a, b)
+        with pytest.raises(ValueError) as cold:
+            fresh.all_reduce(a, b)
+        assert str(hit.value) == str(cold.value) and "freed" in str(hit.value)
+        # A smaller buffer (perhaps at the freed address): the size is checked afresh.
+        small = DeviceBuffer(N // 2, F32)
+        with pytest.raises(ValueError, match="elements"):
+            comm.all_reduce(a, small)
+        small.close()
+    finally:
+        a.close()
+        comm.destroy()
+        fresh.destroy()
+
+
+def test_the_array_memo_is_recorded_and_follows_the_stream() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+    s = Stream()
+    try:
+        for _ in range(3):
+            comm.reduce(a, b, "min", root=0)
+        records = comm.flight_record()[-3:]
+        assert [r[0] for r in records] == [comm._seq - 2, comm._seq - 1, comm._seq]
+        # (seq, function, root, (send, recv, count, dtype, op, root, comm, stream))
+        assert {(r[1], r[2], r[3]) for r in records} == {
+            ("ncclReduce", 0, (a.ptr, b.ptr, N, int(F32), 3, 0, comm.handle, 0))
+        }
+        comm.stream = s
+        comm.reduce(a, b, "min", root=0)
+        comm.reduce(a, b, "min", root=0)
+        assert [r[3][-1] for r in comm.flight_record()[-2:]] == [s.handle, s.handle]
+    finally:
+        comm.stream = None
+        a.close()
+        b.close()
+        s.close()
+        comm.destroy()
+
+
+def test_an_array_memo_hit_inside_a_group_keeps_the_buffers_until_it_ends() -> None:
+    import gc
+    import weakref
+
+    from pynccl import group
+
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    try:
+        a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+        comm.all_reduce(a, b)
+        comm.all_reduce(a, b)
+        refs = weakref.ref(a), weakref.ref(b)
+        with group():
+            comm.all_reduce(a, b)  # a hit
+            del a, b
+            gc.collect()
+            assert refs[0]() is not None and refs[1]() is not None
+        gc.collect()
+        assert refs[0]() is None and refs[1]() is None
+    finally:
+        comm.destroy()

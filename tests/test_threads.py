@@ -104,14 +104,14 @@ def test_a_call_stuck_in_another_thread_is_reported_not_waited_on(
     monkeypatch.setattr(type(comm), "GATE_TIMEOUT", 0.2)
     release = threading.Event()
     entered = threading.Event()
-    real = comm._fn[0]
+    real = comm._bfn[0]
 
     def stuck(*args: Any) -> int:  # an ncclAllReduce that does not return
         entered.set()
         release.wait(30)
         return int(real(*args))
 
-    comm._fn[0] = stuck
+    comm._bfn[0] = stuck
     late: list[BaseException] = []
 
     def issue() -> None:
@@ -152,14 +152,14 @@ def test_a_refused_destroy_leaves_the_communicator_usable(
     comm = Communicator(1, UniqueId(), 0, device=0)
     monkeypatch.setattr(type(comm), "GATE_TIMEOUT", 0.2)
     release, entered = threading.Event(), threading.Event()
-    real = comm._fn[0]
+    real = comm._bfn[0]
 
     def stuck(*args: Any) -> int:
         entered.set()
         release.wait(30)
         return int(real(*args))
 
-    comm._fn[0] = stuck
+    comm._bfn[0] = stuck
     worker = threading.Thread(target=comm.all_reduce, args=(a, b))
     worker.start()
     try:
@@ -170,7 +170,7 @@ def test_a_refused_destroy_leaves_the_communicator_usable(
     finally:
         release.set()
         worker.join(30)
-    comm._fn[0] = real
+    comm._bfn[0] = real
     b.copy_from(np.zeros(N, np.float32))
     comm.all_reduce(a, b)
     comm.synchronize(timeout=30)

@@ -4,6 +4,7 @@ reports (``.device`` or ``__dlpack_device__``)."""
 from __future__ import annotations
 
 import math
+from types import FunctionType
 
 from .._limits import check_extent, check_pointer
 from ..dtypes import as_datatype, canonical_name, complex_component
@@ -165,13 +166,89 @@ def _from_cai(
     return ptr, n, dt, None if device_of is _no_device else device_of(obj, name)
 
 
-def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
+def common_case(
+    obj: str,
+    writable: str,
+    out: tuple[str, str, str],
+    ok: list[str],
+    ptr_checked: bool = True,
+) -> list[str]:
+    """Source lines reading ``obj``'s ``__cuda_array_interface__`` in its common case — a
+    dict describing a 1-D, C-contiguous, unmasked array of fewer than 2**30 elements of a
+    typestr seen before, whose data pointer is an int (in [1, 2**63) unless
+    ``ptr_checked`` is False: then ``ok`` must check it) and which is writable if
+    ``writable`` (a source expression, or the constants ``"True"``/``"False"``) — into
+    the names ``out`` (pointer, element count, DataType), then the lines ``ok``; in any
+    other case ``cai`` is None and nothing else is bound (the full reading,
+    :func:`_from_cai` through the type's handler, says what is wrong).
+
+    The one definition of the common case: the handlers run it (:func:`_make_cai_handler`)
+    and the Communicator's generated methods inline it, in the namespace of
+    :func:`common_case_globals`.
+    """
+    ptr, n, dt = out
+    # Items are at most 8 bytes (complex typestrs take the full reading): with fewer than
+    # 2**30 of them, [ptr, ptr + n items) ends below 2**64. The bound is a one-digit int,
+    # which the interpreter compares with a specialised instruction.
+    conds = ["type(cai) is dict", "type(shape) is tuple", f"type({n}) is int",
+             f"0 <= {n} < _CAI_N", f"type({ptr}) is int"]  # fmt: skip
+    if ptr_checked:
+        conds.append(f"0 < {ptr} < _CAI_P63")
+    if writable == "True":
+        conds.append("not readonly")
+    elif writable != "False":
+        conds.append(f"not (readonly and {writable})")
+    conds += ["cai.get('strides') is None", "'mask' not in cai"]
+    return [
+        "try:  # a missing key or an odd value: the full reading",
+        f"    cai = {obj}.__cuda_array_interface__",
+        f"    ({n},) = shape = cai['shape']",
+        f"    {ptr}, readonly = cai['data']",
+        f"    {dt} = _CAI_TYPESTRS[cai['typestr']]",
+        "except Exception:",
+        "    cai = None",
+        "if " + " and ".join(conds) + ":",
+        *["    " + line for line in ok],
+        "else:",
+        "    cai = None",
+    ]
+
+
+def common_case_globals() -> dict[str, object]:
+    """The names :func:`common_case`'s lines use."""
+    return {"_CAI_TYPESTRS": _TYPESTR_CACHE, "_CAI_N": 1 << 30, "_CAI_P63": 1 << 63}
+
+
+#: The types read through a ``__cuda_array_interface__`` handler: each one's device
+#: getter (None: the array says nothing). Generated code inlines :func:`common_case`
+#: for these.
+CAI_TYPES: dict[type, DeviceGetter | None] = {}
+
+
+def _handler_code() -> Any:
+    ok = ["return ptr, n, dt, None if device_of is None else device_of(obj, name)"]
+    lines = [
+        "def handler(obj, count, dtype, name, writable, stream):",
+        "    if count is None and dtype is None:",
+        *["        " + line for line in common_case("obj", "writable", ("ptr", "n", "dt"), ok)],
+        "    return full(obj, count, dtype, name, writable, stream)",
+    ]
+    namespace: dict[str, Any] = {}
+    exec(compile("\n".join(lines) + "\n", __file__ + ":common_case", "exec"), namespace)
+    return namespace["handler"].__code__
+
+
+_HANDLER_CODE: Any = None
+
+
+def _make_cai_handler(cls: type, obj: Any) -> tuple[BufferHandler, DeviceGetter | None]:
+    """The handler for ``cls`` and its device getter (None: none); the handler runs
+    :func:`common_case`, then the full reading."""
+    global _HANDLER_CODE
     device_of = _device_getter(cls, obj)
-    no_device = device_of is _no_device
-    typestrs = _TYPESTR_CACHE  # closure cells: cheaper than global lookups
     dlpack = _make_dlpack_handler(cls) if hasattr(cls, "__dlpack__") else None
 
-    def handler(
+    def full(
         obj: Any, count: Any, dtype: Any, name: str, writable: bool, stream: int | None
     ) -> BufferInfo:
         try:
@@ -185,32 +262,11 @@ def _make_cai_handler(cls: type, obj: Any) -> BufferHandler:
             if hasattr(type(obj), "__cuda_array_interface__"):
                 raise  # the producer's own reason
             raise _not_a_buffer(obj, name) from None
-        # The common case without a second frame: a dict describing a 1-D, C-contiguous,
-        # unmasked, writable-as-needed array of a known typestr; the rest goes to _from_cai.
-        if (
-            count is None
-            and dtype is None
-            and type(cai) is dict
-            and cai.get("strides") is None
-            and "mask" not in cai
-        ):
-            try:  # subscripts and unpacking: a missing key or odd value takes the slow path
-                (n,) = shape = cai["shape"]  # 1-D only
-                ptr, readonly = cai["data"]
-                dt = typestrs[cai["typestr"]]
-            except (KeyError, TypeError, ValueError):
-                pass
-            else:
-                if (
-                    type(shape) is tuple
-                    and type(n) is int
-                    and type(ptr) is int
-                    # items are at most 8 bytes: [ptr, ptr + n items) ends below 2**64
-                    and 0 <= n < 1 << 60
-                    and 0 < ptr < 1 << 63
-                    and not (readonly and writable)
-                ):
-                    return ptr, n, dt, None if no_device else device_of(obj, name)
         return _from_cai(obj, cai, count, dtype, name, writable, device_of)
 
-    return handler
+    if _HANDLER_CODE is None:
+        _HANDLER_CODE = _handler_code()
+    getter = None if device_of is _no_device else device_of
+    namespace = {**common_case_globals(), "device_of": getter, "full": full}
+    handler: BufferHandler = FunctionType(_HANDLER_CODE, namespace, "handler")
+    return handler, getter

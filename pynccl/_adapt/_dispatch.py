@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..enums import DataType
-from ._cai import _make_cai_handler
+from ._cai import CAI_TYPES, _make_cai_handler
 from ._common import _CACHE_LIMIT, _instance_has, _not_a_buffer
 from ._devbuf import _device_buffer_handler
 from ._dlpack import _make_dlpack_handler
@@ -30,7 +30,9 @@ def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
     elif hasattr(cls, "__cuda_array_interface__") or _instance_has(obj, "__cuda_array_interface__"):
         # Decided on the class where possible: evaluating the property may raise
         # for this instance (a torch CPU or bfloat16 tensor) and not for the next.
-        handler = _make_cai_handler(cls, obj)
+        handler, device_of = _make_cai_handler(cls, obj)
+        if len(_BUFFER_HANDLERS) < _CACHE_LIMIT:
+            CAI_TYPES[cls] = device_of  # only types whose handler is cached (inlined)
     elif hasattr(cls, "__dlpack__"):
         handler = _make_dlpack_handler(cls)
     else:

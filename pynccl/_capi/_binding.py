@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 from _thread import RLock
 from collections import namedtuple
-from ctypes import c_char_p, c_int, c_size_t
+from ctypes import c_char_p, c_int, c_size_t, c_void_p
 
 from ..enums import release_str
 from ..errors import NotSupportedError
@@ -24,7 +24,16 @@ if TYPE_CHECKING:
 
     from ..enums import Release
 
-__all__ = ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "BoundLibrary", "Prototype", "size_arg"]
+__all__ = [
+    "PTR_ARGS",
+    "PTR_ARGS_LIMIT",
+    "SIZE_ARGS",
+    "SIZE_ARGS_LIMIT",
+    "BoundLibrary",
+    "Prototype",
+    "ptr_arg",
+    "size_arg",
+]
 
 #: Most shared c_size_t objects :data:`SIZE_ARGS` keeps.
 SIZE_ARGS_LIMIT = 4096
@@ -48,6 +57,36 @@ def size_arg(count: int) -> c_size_t:
         if len(SIZE_ARGS) < SIZE_ARGS_LIMIT:
             SIZE_ARGS[count] = arg
     return arg
+
+
+#: Most shared c_void_p objects :data:`PTR_ARGS` keeps before it starts afresh.
+PTR_ARGS_LIMIT = 4096
+_P63 = 1 << 63
+
+#: Device pointers repeat too (a framework's buffers, call after call), and a function
+#: without argtypes takes a c_void_p object with no conversion at all (an int it would
+#: pass as a 32-bit C int): the Communicator's hot paths pass these, shared and never
+#: mutated, keyed by the address. Only addresses in [1, 2**63) are kept, so a hit is also
+#: a range check passed (the hot path checks an address only when it misses). Unlike
+#: counts, the set of live addresses drifts as memory is freed and reallocated, so a full
+#: cache is emptied and refilled rather than frozen (objects already handed out stay
+#: valid: nothing mutates them). Hot paths look an address up with
+#: ``try: PTR_ARGS[p] except KeyError: ptr_arg(p)``.
+PTR_ARGS: dict[int, c_void_p] = {}
+
+
+def ptr_arg(address: int) -> c_void_p:
+    """``address`` (an int in [0, 2**64)) as a c_void_p: the shared one of
+    :data:`PTR_ARGS` for an address in [1, 2**63), else a new one."""
+    arg = PTR_ARGS.get(address)
+    if arg is None:
+        arg = c_void_p(address)
+        if 0 < address < _P63:
+            if len(PTR_ARGS) >= PTR_ARGS_LIMIT:
+                PTR_ARGS.clear()
+            PTR_ARGS[address] = arg
+    return arg
+
 
 if TYPE_CHECKING:
 

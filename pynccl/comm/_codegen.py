@@ -3,8 +3,9 @@ of :class:`~pynccl.Communicator`, once, at import.
 
 The generated code is straight-line for its row (no run-time branches on spec flags):
 the raw-pointer call checked inline — pointers, count, dtype, op, root/peer — then the
-gate, one flight-recorder store, the C call through the row's slot in ``self._fn`` (which
-the watchdog may swap) and one result check. Anything else — a ``stream=``, a
+gate, one flight-recorder store, the C call through the row's slot in ``self._bfn`` (a
+function without argtypes, which the watchdog may swap; every argument a shared ctypes
+object, so ctypes converts nothing) and one result check. Anything else — a ``stream=``, a
 ``config=`` (the row's ``nccl*Config`` variant), names, odd values — goes to the one slow
 path, ``Collectives._slow``, which words every error the same way for every row. Each row
 also gets ``<method>_init`` (same signature): a persistent operation
@@ -16,6 +17,8 @@ globals, so tracebacks show real lines (see :func:`source`).
 
 from __future__ import annotations
 
+from .._adapt._cai import CAI_TYPES, common_case, common_case_globals
+from .._capi._binding import PTR_ARGS, ptr_arg
 from .._capi._enumargs import C_REDOP
 from ..enums import DataType, RedOp
 from ._args import SIZE_ARGS, size_arg
@@ -94,23 +97,50 @@ def _gated(i: int, prepare: list[str], record: str, call: str, slow: str) -> lis
     ]
 
 
-def _issue(cargs: list[str], i: int, pad: str, slow: str, memo: str = "") -> list[str]:
-    """The shared count argument, then the gated call (:func:`_gated`) at indent ``pad``;
-    ``slow`` is the slow-path call taken when the handle is gone once the gate is held.
-    With ``memo`` (the call's own arguments, as a tuple's items) the checked C arguments
-    are remembered for the next identical call (see :func:`_memo_hit`)."""
+def _issue(
+    cargs: list[str],
+    i: int,
+    pad: str,
+    slow: str,
+    memo: str = "",
+    ptrs: tuple[str, ...] = (),
+    amemo: tuple[str, str] = ("", ""),
+) -> list[str]:
+    """The shared count argument and the shared pointer arguments of ``ptrs`` (ints, as
+    ``c_<name>``), then the gated call (:func:`_gated`) at indent ``pad``: every argument a
+    ctypes object, passed to the row's function without argtypes (``self._bfn``: ctypes
+    converts nothing). ``slow`` is the slow-path call taken when the handle is gone once
+    the gate is held. With ``memo`` (the call's own arguments, as a tuple's items) the C
+    arguments are remembered for the next identical call (see :func:`_memo_hit`); with
+    ``amemo`` (a condition, the memo's items) likewise in the array memo."""
     prepare = [f"args = ({', '.join(cargs)})"]
-    if memo:
-        prepare.append(f"self._memo[{i}] = ({memo}, None, ({i}, args))")
     record = f"({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)"
-    body = [
-        "try:",
-        "    cn = _SIZE_ARGS[n]",
-        "except KeyError:",
-        "    cn = _size_arg(n)",
-        *_gated(i, prepare, record, "fn(*args)", slow),
-    ]
+    if memo:
+        prepare += [f"entry = ({i}, args)", f"self._memo[{i}] = ({memo}, args, entry)"]
+        record = f"({i}, args, _GROUPS.s.gid) if _OPEN else entry"
+    elif amemo[0]:  # (when every buffer was a DeviceBuffer, the memo's items)
+        prepare += [
+            f"entry = ({i}, args)",
+            f"if {amemo[0]}:",
+            f"    self._amemo[{i}] = ({amemo[1]}, args, entry)",
+        ]
+        record = f"({i}, args, _GROUPS.s.gid) if _OPEN else entry"
+    body = _shared_arg("cn", "n", "_SIZE_ARGS", "_size_arg")
+    for name in ptrs:
+        # A cached address passed the range check before (PTR_ARGS keeps only those).
+        body += _shared_arg(f"c_{name}", name, "_PTRS", "_ptr_arg", f"0 < {name} < _P63", slow)
+    body += _gated(i, prepare, record, "fn(*args)", slow)
     return [pad + line for line in body]
+
+
+def _shared_arg(
+    var: str, value: str, table: str, make: str, check: str = "", slow: str = ""
+) -> list[str]:
+    """``var`` = the shared ctypes object of ``value`` (one subscript when cached); on a
+    miss, ``check`` (if given) must hold, else ``slow`` is taken."""
+    miss = [f"    if not ({check}):", f"        {slow}"] if check else []
+    return ["try:", f"    {var} = {table}[{value}]", "except KeyError:", *miss,
+            f"    {var} = {make}({value})"]  # fmt: skip
 
 
 def _memo_key(spec: CollSpec) -> list[str]:
@@ -129,40 +159,44 @@ def slow_call(spec: CollSpec) -> str:
     return f"self._slow(_ROWS[{spec.index}], {bufs}, {op}, {where}, count, dtype, stream, config)"
 
 
-def _memo_hit(key: list[str], i: int, slow: str) -> list[str]:
-    """The memo: a raw-pointer call whose arguments are the very objects (``is``) of this
-    row's last checked raw-pointer call reuses that call's record entry and C arguments,
-    made ctypes objects on the first reuse (``Observed._promote``) and passed to the row's
-    function without argtypes (``self._bfn``: ctypes converts nothing).
-    Only ints, a DataType, an op name/member and None are remembered (immutable, so the
-    earlier checks still hold, and nothing large is kept alive; a PreMulSum op, an int,
-    takes the slow path and is never remembered); ``comm.stream = ...`` forgets the memo.
-    Anything else falls through to the checks."""
-    conds = [f"{k} is m[{j}]" for j, k in enumerate(key)] + ["stream is None", "config is None"]
-    n = len(key)
-    record = f"({i}, m[{n + 1}][1], _GROUPS.s.gid) if _OPEN else m[{n + 1}]"
+def _memo_hit(
+    memo: str, conds: list[str], n: int, i: int, slow: str, pre: tuple[str, ...] = ()
+) -> list[str]:
+    """A memo (``self._memo`` or ``self._amemo``): a call whose arguments are those its row's
+    last checked call of that kind was made from (``conds``, identity tests against the
+    memo ``m``, whose first ``n`` items they test) reuses that call's C arguments (shared
+    ctypes objects) and record entry, after the lines ``pre``.
+
+    ``self._memo`` (raw pointers) remembers the argument objects themselves: only ints,
+    a DataType, an op name/member and None (immutable, so the earlier checks still hold,
+    and nothing large is kept alive; a PreMulSum op, an int, takes the slow path and is
+    never remembered). ``self._amemo`` (DeviceBuffers) remembers each buffer's ``_arg``
+    tuple, not the buffer: a closed buffer's is None, a new buffer's a new tuple, and
+    the buffer itself is not kept alive. ``comm.stream = ...`` forgets both. Anything
+    else falls through to the checks."""
+    record = f"({i}, m[{n}], _GROUPS.s.gid) if _OPEN else m[{n + 1}]"
     body = [
-        f"m = self._memo[{i}]",
+        f"m = {memo}[{i}]",
         "if " + " and ".join(conds) + ":",
-        f"    cargs = m[{n}]",
-        "    if cargs is None:",
-        f"        cargs = self._promote({i}, m)",
+        *["    " + line for line in pre],
         f"    fn = self._bfn[{i}]",
-        *["    " + line for line in _gated(i, [], record, "fn(*cargs)", "return " + slow)],
+        *["    " + line for line in _gated(i, [], record, f"fn(*m[{n}])", "return " + slow)],
     ]
-    return ["    " + line for line in body]
+    return body
 
 
 def _method_source(spec: CollSpec) -> str:
     """One row's method: the inline raw-pointer path, the inline array path (objects
-    whose handler is cached, no count/dtype; a live DeviceBuffer's slots read inline,
+    whose handler is cached, no count/dtype; a live DeviceBuffer's ``_arg`` read inline,
     exactly what its handler ``_from_device_buffer`` returns, without the handler lookup),
     then the slow path for anything else."""
     sig, bufs, _ = _params(spec)
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
     key = _memo_key(spec)
-    lines += _memo_hit(key, i, slow_call(spec))
+    conds = [f"{k} is m[{j}]" for j, k in enumerate(key)] + ["stream is None", "config is None"]
+    hit = _memo_hit("self._memo", conds, len(key), i, slow_call(spec))
+    lines += ["    " + line for line in hit]
     has_send, has_recv = spec.send != "-", spec.recv != "-"
     recv = "recvbuf"
     if spec.in_place == "recvbuf=None":
@@ -177,14 +211,14 @@ def _method_source(spec: CollSpec) -> str:
     # A root/peer goes as its shared c_int (faster for ctypes than an int).
     tail = ["cn", "code"] + (["cop"] if spec.has_op else [])
     tail += [f"self._wargs[{spec.where}]"] if spec.where else []
-    tail += ["h", "self._stream"]
+    tail += ["h", "self._cstream"]
     lines.append("    if " + " and ".join(first) + ":")
     # -- raw pointers ------------------------------------------------------------------
     raw = [f"type({b}) is int" for b, _, _, _ in names[1:]] + [
         "type(count) is int",
         "type(dtype) is _DataType",
     ]
-    ranges = [f"0 < {b} < _P63" for b, _, _, _ in names] + ["0 <= count < self._fast_n"]
+    ranges = ["0 <= count < self._fast_n"]  # the pointers': in _issue, on a cache miss
     lines += [
         f"        if type({names[0][0]}) is int:",
         "            if " + " and ".join(raw) + " and " + " and ".join(ranges) + ":",
@@ -201,14 +235,27 @@ def _method_source(spec: CollSpec) -> str:
         )
         ready.insert(1, "cop is not None")
     lines += [
-        f"                fn = self._fn[{i}]",
+        f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
     ]
     slow = "return " + slow_call(spec)
-    lines += _issue([b for b, _, _, _ in names] + tail, i, " " * 20, slow, ", ".join(key))
+    bufs_raw = tuple(b for b, _, _, _ in names)
+    lines += _issue(
+        [f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, ", ".join(key), bufs_raw
+    )
     # -- arrays with a cached handler ------------------------------------------------------
+    lines.append("        elif count is None and dtype is None:")
+    # DeviceBuffers again: the array memo (each buffer's _arg tuple, the op, the root/peer).
+    akey = [
+        f"type({b}) is _DeviceBuffer and {b}._arg is m[{j}]"
+        for j, (b, _, _, _) in enumerate(names)
+    ]
+    extra = (["op"] if spec.has_op else []) + ([spec.where] if spec.where else [])
+    akey += [f"{k} is m[{len(names) + j}]" for j, k in enumerate(extra)]
+    keep = ("if _OPEN:", f"    _keep_alive(({bufs}))")
+    hit = _memo_hit("self._amemo", akey, len(akey), i, slow_call(spec), keep)
+    lines += ["            " + line for line in hit]
     lines += [
-        "        elif count is None and dtype is None:",
         "            s = self._stream",
         "            dev = self._device",
     ]
@@ -217,17 +264,40 @@ def _method_source(spec: CollSpec) -> str:
     for b, p, nvar, _ in ordered:
         label = '"sendbuf"' if b == "sendbuf" else '"recvbuf"'
         writable = "True" if b != "sendbuf" else "recvbuf is None" if recv == "rb" else "False"
+        shared = _shared_arg(p, p, "_PTRS", "_ptr_arg")
+        handler = [
+            f"{p}, {nvar}, dt_{p}, dev_{p} = hd({b}, None, None, {label}, {writable}, s)",
+            *shared,
+        ]
+        # An array type read through __cuda_array_interface__: its common case inline
+        # (the handlers' own definition, _adapt._cai.common_case), else its handler. A
+        # cached pointer argument is a range check passed (PTR_ARGS keeps only those).
+        ok = [
+            "try:",
+            f"    {p} = _PTRS[{p}]",
+            "except KeyError:",
+            f"    {p} = _ptr_arg({p}) if 0 < {p} < _P63 else None",
+            f"if {p} is None:",
+            "    cai = None",
+            "else:",
+            f"    dev_{p} = None if dg is None else dg({b}, {label})",
+        ]
+        cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, ptr_checked=False)
         lines += [
-            f"            if type({b}) is _DeviceBuffer and not {b}._freed:",
-            f"                {p} = {b}._ptr",
-            f"                {nvar} = {b}._count",
-            f"                dt_{p} = {b}._dtype",
-            f"                dev_{p} = {b}._device",
+            f"            if type({b}) is _DeviceBuffer and (t := {b}._arg) is not None:",
+            f"                {p}, {nvar}, dt_{p}, dev_{p} = t",
+            f"                k_{p} = t",
+            f"            elif (dg := _CAI_TYPES.get(type({b}), _NO)) is not _NO:",
+            f"                k_{p} = _NO",
+            *["                " + line for line in cai],
+            "                if cai is None:",
+            f"                    hd = _HANDLERS[type({b})]",
+            *["                    " + line for line in handler],
             f"            elif type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
             f"                {slow}",
             "            else:",
-            f"                {p}, {nvar}, dt_{p}, dev_{p} = "
-            f"hd({b}, None, None, {label}, {writable}, s)",
+            f"                k_{p} = _NO",
+            *["                " + line for line in handler],
         ]
         conds.append(f"(dev_{p} is None or dev_{p} == dev)")
     src_p, src_n, src_kind = (
@@ -256,12 +326,14 @@ def _method_source(spec: CollSpec) -> str:
             "if type(op) is _RedOp or type(op) is str else None"
         )
     lines += [
-        f"                fn = self._fn[{i}]",
+        f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
         "                    if _OPEN:",
         f"                        _keep_alive(({bufs}))",
     ]
-    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20, slow)
+    tokens = [f"k_{p}" for _, p, _, _ in names]
+    amemo = (" and ".join(f"{k} is not _NO" for k in tokens), ", ".join(tokens + extra))
+    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20, slow, amemo=amemo)
     lines.append("    " + slow)
     return "\n".join(lines) + "\n"
 
@@ -312,9 +384,14 @@ def _env() -> dict[str, object]:
             _MASK=RING_MASK,
             _SIZE_ARGS=SIZE_ARGS,
             _size_arg=size_arg,
+            _PTRS=PTR_ARGS,
+            _ptr_arg=ptr_arg,
             _persist=persistent,
             _ROWS=COLLECTIVES,
             _HANDLERS=_BUFFER_HANDLERS,
+            _CAI_TYPES=CAI_TYPES,
+            _NO=object(),
+            **common_case_globals(),
             _DeviceBuffer=DeviceBuffer,
             _GROUPS=groups._local,
             _OPEN=groups.OPEN,

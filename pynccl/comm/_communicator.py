@@ -164,7 +164,7 @@ class Communicator(
         self._size = size
         self._device = device
         self._blocking = config is None or config.blocking is None or bool(config.blocking)
-        self._stream = as_stream(stream) if stream is not None else 0
+        self._use_stream(as_stream(stream) if stream is not None else 0)
         self._custom_ops: set[int] = set()
         self._config = None
         self._regs = {}
@@ -311,8 +311,7 @@ class Communicator(
 
     @stream.setter
     def stream(self, value: StreamLike) -> None:
-        self._stream = 0 if value is None else as_stream(value)
-        self._forget_memos()
+        self._use_stream(0 if value is None else as_stream(value))
 
     @property
     def state(self) -> State:

@@ -3,6 +3,9 @@
 * :class:`State` lists the states; :meth:`CommHandle._set_state` is the only code that
   assigns one, and it keeps ``_h`` (the handle calls may use) equal to the handle in
   state READY and None in every other state, so the hot path tests one attribute.
+  ``_h`` is the handle as a ``c_void_p``, made once when the handle is adopted: what the
+  generated calls pass to functions without argtypes, and what functions with argtypes
+  take as readily as an int (``_handle`` is the int).
 * The *gate* is held around every C call that passes the handle, and by the teardown
   while it retires the handle: a communicator destroyed or aborted by another thread
   mid-call never hands a destroyed handle to C, and two threads issuing on one
@@ -22,7 +25,7 @@
 from __future__ import annotations
 
 import time
-from ctypes import byref, c_int
+from ctypes import byref, c_int, c_void_p
 from enum import Enum
 
 from ..enums import Result
@@ -33,7 +36,7 @@ __all__ = ["HANDLE", "TERMINAL", "CommHandle", "State"]
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any
+    from typing import Any, NoReturn
 
     from .._capi.nccl import NcclLibrary
     from ._watchdog import Watchdog
@@ -78,6 +81,7 @@ class CommHandle:
         "_gate",
         "_h",
         "_handle",
+        "_harg",
         "_lib",
         "_owner",
         "_rank",
@@ -90,8 +94,9 @@ class CommHandle:
     #: before raising NcclInvalidUsage (calls only enqueue work: they return quickly).
     GATE_TIMEOUT = 10.0
 
-    _h: int | None
+    _h: c_void_p | None
     _handle: int | None
+    _harg: c_void_p | None
     _lib: NcclLibrary
     _rank: int
     _size: int
@@ -102,6 +107,7 @@ class CommHandle:
         self._owner = owner
         self._h = None
         self._handle = None
+        self._harg = None
         self._state = State.INITIALIZING
         self._gate: list[bool] = [True]
         self._closing: str | None = None
@@ -113,7 +119,7 @@ class CommHandle:
     def _set_state(self, state: State) -> None:
         self._state = state
         ready = state is State.READY and self._closing is None
-        self._h = self._handle if ready else None
+        self._h = self._harg if ready else None
 
     def _adopt(self, handle: int | None, pending: bool) -> None:
         """Take ``handle`` from an init/split: READY, or INITIALIZING if non-blocking."""
@@ -124,6 +130,7 @@ class CommHandle:
                 Result.INTERNAL_ERROR, "ncclCommInit", "NCCL returned a NULL communicator"
             )
         self._handle = handle
+        self._harg = c_void_p(handle)
         self._set_state(State.INITIALIZING if pending else State.READY)
 
     def _mark_pending(self) -> None:
@@ -161,7 +168,7 @@ class CommHandle:
             time.sleep(delay)
             delay = min(delay * 2, _GATE_POLL_MAX)
 
-    def _gone(self) -> int:
+    def _gone(self) -> NoReturn:
         """Raise why there is no handle to call with."""
         if self._error is not None:
             raise self._error
@@ -176,7 +183,7 @@ class CommHandle:
             Result.INVALID_USAGE, "", f"communicator rank {self._rank} is {what}; {tail}"
         )
 
-    def _live(self) -> int:
+    def _live(self) -> c_void_p:
         """The handle for a call, waiting for a non-blocking communicator if needed."""
         h = self._h
         if h is not None:
@@ -187,7 +194,7 @@ class CommHandle:
                 return self._h
         return self._gone()
 
-    def _under_gate(self, fn: Callable[[int], Any], *, ready: bool = True) -> Any:
+    def _under_gate(self, fn: Callable[[Any], Any], *, ready: bool = True) -> Any:
         """``fn(handle)`` under the gate, returning what it returns: the one way a call
         outside the generated hot path gets the handle (read under the gate, so a teardown
         on another thread never hands a freed one to C). With ``ready=False`` the raw
@@ -220,7 +227,7 @@ class CommHandle:
             self._live()
         raw = self._lib.raw(function)
 
-        def call(h: int) -> int:
+        def call(h: object) -> int:
             call_args = tuple(h if a is HANDLE else a for a in args)
             before, early, ok = self._state, False, False
             if then is not None and then is not State.READY:
@@ -339,7 +346,7 @@ class CommHandle:
                 final = State.CLOSED
             else:
                 final = State.DESTROYED if kind == "destroy" else State.ABORTED
-            self._handle = None
+            self._handle = self._harg = None
             self._set_state(final)
         finally:
             if closing is None:

@@ -31,7 +31,9 @@ class Observed(CommHandle):
     """Recorder, synchronize, watchdog and capture guard (a base of Communicator)."""
 
     __slots__ = (
+        "_amemo",
         "_bfn",
+        "_cstream",
         "_device",
         "_fn",
         "_memo",
@@ -48,9 +50,11 @@ class Observed(CommHandle):
     _bfn: list[Any]
     _raw_bfn: list[Any]
     _memo: list[tuple[object, ...]]
+    _amemo: list[tuple[object, ...]]
     _ring: list[object]
     _seq: int
     _stream: int
+    _cstream: c_void_p  # _stream as the generated calls pass it
 
     def abort(self) -> None:
         raise NotImplementedError  # pragma: no cover - Communicator defines it
@@ -229,20 +233,20 @@ class Observed(CommHandle):
         self._fn = list(self._raw_fn)
         self._bfn = list(self._raw_bfn)
 
-    def _forget_memos(self) -> None:
-        """Forget each row's memo of its last raw-pointer call (``_codegen._memo_hit``):
-        what its C arguments were built from (the size, the stream) changed."""
-        self._memo = [_NO_MEMO] * len(COLLECTIVES)
+    def _use_stream(self, stream: int) -> None:
+        """Make ``stream`` (a handle) the default stream of every call: the generated
+        calls' shared c_void_p of it too, and their memos are forgotten (their C
+        arguments hold the previous one)."""
+        self._stream = stream
+        self._cstream = c_void_p(stream)
+        self._forget_memos()
 
-    def _promote(self, i: int, memo: tuple[object, ...]) -> tuple[object, ...]:
-        """Row ``i``'s memo, reused for the first time: its C arguments as ctypes objects
-        (every int among them is a pointer, a handle or a stream), for the row's function
-        without argtypes; the memo keeps them."""
-        n = len(memo) - 2
-        args: tuple[object, ...] = memo[n + 1][1]  # type: ignore[index]
-        cargs = tuple(c_void_p(a) if type(a) is int else a for a in args)
-        self._memo[i] = (*memo[:n], cargs, memo[n + 1])
-        return cargs
+    def _forget_memos(self) -> None:
+        """Forget each row's memos of its last raw-pointer and DeviceBuffer calls
+        (``_codegen._memo_hit``): what their C arguments were built from (the size, the
+        stream) changed."""
+        self._memo = [_NO_MEMO] * len(COLLECTIVES)
+        self._amemo = [_NO_MEMO] * len(COLLECTIVES)
 
     def watch_status(self) -> tuple[bool, bool, BaseException | None]:
         """For the watchdog: ``(alive, ready, asynchronous error or None)``."""
@@ -331,7 +335,7 @@ def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
     def call(*args: object) -> int:
         rc = int(fn(*args))
         if rc == 0 or rc == _IN_PROGRESS:
-            stream = args[-1]  # an int, or a c_void_p from a memo (``_promote``)
+            stream = args[-1]  # an int (the slow path), or the generated calls' c_void_p
             if type(stream) is c_void_p:
                 stream = stream.value or 0
             watch.enqueued(comm._seq, stream)  # type: ignore[arg-type]

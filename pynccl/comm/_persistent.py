@@ -118,7 +118,7 @@ class PersistentOp(Closable):
             cop = plan[0][1][4]
             custom = cop if type(cop) is int else None  # an op handle from create_premul_sum
         self._custom = custom
-        self._h: int | None = None
+        self._h: c_void_p | None = None
         self._fn: Any = None
         self._args: tuple[object, ...] = ()
         self._slot: tuple[object, ...] = ()
@@ -129,7 +129,7 @@ class PersistentOp(Closable):
         if self._plain:
             self._bind(comm._h)
 
-    def _bind(self, h: int | None) -> None:
+    def _bind(self, h: c_void_p | None) -> None:
         """Prebuild the call for handle ``h`` (the communicator's, READY)."""
         if h is None:
             return

@@ -2,7 +2,8 @@
 
 The hot path stores one ``(row, args)`` tuple per operation into a fixed ring
 (``ring[seq & RING_MASK]``): ``row`` is the operation's index in
-:data:`~pynccl.comm._spec.COLLECTIVES`, ``args`` the C call's argument tuple; inside a
+:data:`~pynccl.comm._spec.COLLECTIVES`, ``args`` the C call's argument tuple (as passed:
+ints or shared ctypes objects); inside a
 group ``(row, args, group)``; a call with a per-call config ``(row, args, group, config)``
 (``args`` then ends with the config pointer, and the function is the row's
 ``nccl*Config``). A persistent operation stores a tuple it built once. Operations are
@@ -12,7 +13,7 @@ numbered from #1, as the loopback's mismatch report counts them. Everything else
 
 from __future__ import annotations
 
-from ctypes import c_int, c_size_t
+from ctypes import c_int, c_size_t, c_void_p
 
 from ..enums import DataType, RedOp
 from ._spec import COLLECTIVES
@@ -54,10 +55,22 @@ def entry(ring: list[Any], newest: int, seq: int) -> FlightRecord | None:
     if len(slot) > 3:  # a per-call config: nccl*Config, its pointer last
         name += "Config"
         args = args[:-1]
-    plain = tuple(a.value if type(a) in (c_int, c_size_t) else a for a in args)
+    plain = tuple(_plain(a) for a in args)
     # root / peer sit just before (comm, stream) in every prototype that has one.
-    where = plain[-3] if spec.where else -1
+    where = int(plain[-3]) if spec.where else -1  # type: ignore[call-overload]
     return (seq, name, where, plain)
+
+
+def _plain(arg: object) -> object:
+    """A C argument as the hot path passed it (an int, or a shared ctypes object:
+    ``c_void_p`` pointers/handle/stream, ``c_int`` codes, ``c_size_t`` counts) as a plain
+    value (a NULL ``c_void_p`` is 0)."""
+    kind = type(arg)
+    if kind is c_void_p:
+        return arg.value or 0  # type: ignore[attr-defined]
+    if kind is c_int or kind is c_size_t:
+        return arg.value  # type: ignore[attr-defined]
+    return arg
 
 
 def record(ring: list[Any], newest: int) -> list[FlightRecord]:

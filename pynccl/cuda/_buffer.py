@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ctypes import byref, c_void_p
 
+from .._capi._binding import ptr_arg
 from .._closable import Closable
 from .._limits import check_extent, index_int
 from ..dtypes import as_element_type, canonical_name, complex_name, to_numpy_dtype
@@ -103,6 +104,7 @@ class DeviceBuffer(Closable):
 
     __slots__ = (
         "__weakref__",
+        "_arg",
         "_count",
         "_device",
         "_dtype",
@@ -116,6 +118,9 @@ class DeviceBuffer(Closable):
 
     _ptr: int
     _freed: bool
+    #: What a Communicator's hot path reads in one go: ``(pointer as a shared c_void_p,
+    #: count, dtype, device)``; None once freed.
+    _arg: tuple[c_void_p, int, DataType, int] | None
     _nccl: bool  # allocated by ncclMemAlloc (freed by ncclMemFree)
     _nbytes: int
     _count: int  # elements as NCCL counts them (2 floats per complex element)
@@ -133,6 +138,7 @@ class DeviceBuffer(Closable):
         allocator: str = "cuda",
     ) -> None:
         self._ptr = 0
+        self._arg = None
         self._freed = False
         self._nccl = False
         if allocator not in ("cuda", "nccl"):
@@ -154,6 +160,7 @@ class DeviceBuffer(Closable):
                 _runtime._rt().cudaMalloc(byref(out), self._nbytes)
         self._device = dev
         self._ptr = out.value or 0
+        self._arg = (ptr_arg(self._ptr), self._count, self._dtype, dev)
 
     def _nccl_alloc(self, out: c_void_p) -> None:
         """``ncclMemAlloc`` of :attr:`nbytes` into ``out`` (nothing for 0 bytes, which
@@ -329,6 +336,7 @@ class DeviceBuffer(Closable):
     def close(self) -> None:
         """Free the allocation (idempotent). Work still queued on it must have finished."""
         ptr, self._ptr = self._ptr, 0
+        self._arg = None
         self._freed = True
         if ptr and self._nccl:
             from .. import library

@@ -1,0 +1,183 @@
+"""The generated methods' inline paths against the one slow path they stand in for.
+
+A ``__cuda_array_interface__`` type whose handler is cached has its common case read
+inline (``_adapt._cai.common_case``); everything else goes to the type's handler. Each
+case here is called twice on a new type: first through the slow path (the type is not
+cached yet), then through the inline path; both must give the same result (checked
+against numpy) or the same exception and message. Also the shared pointer arguments
+(``PTR_ARGS``), whose hits stand for a passed range check.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from pynccl import DataType
+from pynccl._capi import _binding
+from pynccl.comm import Communicator, UniqueId
+from pynccl.cuda import DeviceBuffer
+
+pytestmark = pytest.mark.usefixtures("lb")
+
+N = 8
+F32 = DataType.FLOAT32
+
+
+def _cai(buf: DeviceBuffer, **change: Any) -> dict[str, Any]:
+    cai: dict[str, Any] = {
+        "shape": (N,),
+        "typestr": "<f4",
+        "data": (buf.ptr, False),
+        "strides": None,
+        "version": 3,
+    }
+    for key, value in change.items():
+        if value is _DROP:
+            del cai[key]
+        else:
+            cai[key] = value
+    return cai
+
+
+_DROP = object()
+
+# (name, change to sendbuf's interface, change to recvbuf's); sendbuf holds 1..N
+CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
+    ("plain", {}, {}),
+    ("read-only recvbuf", {}, {"data": "readonly"}),
+    ("read-only sendbuf (not written)", {"data": "readonly"}, {}),
+    ("mask", {"mask": object()}, {}),
+    ("mask None", {"mask": None}, {}),
+    ("strided", {"strides": (8,), "shape": (N // 2,)}, {}),
+    ("contiguous strides", {"strides": (4,)}, {}),
+    ("2-D", {"shape": (2, N // 2)}, {}),
+    ("shape as a list", {"shape": [N]}, {}),
+    ("unknown typestr", {"typestr": "<f3"}, {}),
+    ("other dtype", {"typestr": "<i4"}, {}),
+    ("complex", {"typestr": "<c8", "shape": (N // 2,)}, {"typestr": "<c8", "shape": (N // 2,)}),
+    ("float pointer", {"data": "float"}, {}),
+    ("pointer past 2**64", {"data": (1 << 64, False)}, {}),
+    ("no data", {"data": _DROP}, {}),
+    ("negative shape", {"shape": (-1,)}, {}),
+    ("bool shape", {"shape": (True,)}, {}),
+    ("recvbuf too small", {}, {"shape": (N // 2,)}),
+    ("not a dict", {"as": types.MappingProxyType}, {}),
+    ("no strides key", {"strides": _DROP}, {}),
+]
+
+
+def _reduce(comm: Communicator, x: object, y: object) -> None:
+    comm.all_reduce(x, y)  # type: ignore[arg-type]
+    comm.synchronize()
+
+
+def _outcome(call: Callable[[], None], recv: DeviceBuffer) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", repr(recv.to_numpy().tolist())
+
+
+@pytest.mark.parametrize("name, send_change, recv_change", CASES, ids=[c[0] for c in CASES])
+def test_the_inline_cai_path_matches_the_slow_path(
+    name: str, send_change: dict[str, Any], recv_change: dict[str, Any]
+) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    src = DeviceBuffer.from_numpy(np.arange(1, N + 1, dtype=np.float32))
+    dst = DeviceBuffer(N, F32)
+
+    def make(buf: DeviceBuffer, change: dict[str, Any]) -> dict[str, Any]:
+        change = dict(change)
+        wrap = change.pop("as", None)
+        data = change.get("data")
+        if data == "readonly":
+            change["data"] = (buf.ptr, True)
+        elif data == "float":
+            change["data"] = (float(buf.ptr), False)
+        cai = _cai(buf, **change)
+        return wrap(cai) if wrap is not None else cai
+
+    cls = type("Fresh", (), {})  # a new type: its handler is not cached yet
+    outcomes = []
+    try:
+        for _ in range(3):  # slow path, then inline twice
+            dst.copy_from(np.zeros(N, np.float32))
+            x, y = cls(), cls()
+            x.__cuda_array_interface__ = make(src, send_change)
+            y.__cuda_array_interface__ = make(dst, recv_change)
+            outcomes.append(_outcome(lambda x=x, y=y: _reduce(comm, x, y), dst))
+        assert outcomes[0] == outcomes[1] == outcomes[2]
+        kind, text = outcomes[0]
+        if name in ("plain", "read-only sendbuf (not written)", "mask None", "contiguous strides",
+                    "2-D", "shape as a list", "complex", "no strides key"):  # fmt: skip
+            assert kind == "ok", text
+            assert text == repr(np.arange(1, N + 1, dtype=np.float32).tolist())
+        else:
+            assert kind in ("TypeError", "ValueError"), (kind, text)
+    finally:
+        src.close()
+        dst.close()
+        comm.destroy()
+
+
+def test_inline_cai_path_reads_the_device_the_array_reports() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    buf = DeviceBuffer(N, F32)
+
+    class OnDevice:
+        def __init__(self, device: int) -> None:
+            self.device = device
+            self.__cuda_array_interface__ = _cai(buf)
+
+    try:
+        for _ in range(3):
+            comm.all_reduce(OnDevice(0), OnDevice(0))
+            with pytest.raises(ValueError, match="device 3"):
+                comm.all_reduce(OnDevice(3), OnDevice(0))
+    finally:
+        buf.close()
+        comm.destroy()
+
+
+def test_shared_pointer_arguments_are_kept_only_in_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_binding, "PTR_ARGS", {})
+    cache = _binding.PTR_ARGS
+    assert _binding.ptr_arg(0).value is None and 0 not in cache
+    assert _binding.ptr_arg((1 << 63) + 8).value == (1 << 63) + 8 and not cache
+    one = _binding.ptr_arg(4096)
+    assert _binding.ptr_arg(4096) is one and cache == {4096: one}
+    monkeypatch.setattr(_binding, "PTR_ARGS_LIMIT", 3)
+    for p in (8192, 12288):
+        _binding.ptr_arg(p)
+    assert len(cache) == 3
+    _binding.ptr_arg(16384)  # full: emptied, then refilled
+    assert list(cache) == [16384]
+    assert one.value == 4096  # objects handed out stay as they were
+
+
+@pytest.mark.parametrize("ptr", [0, 1 << 64, -8])
+def test_a_raw_pointer_out_of_range_is_refused_by_every_call(ptr: int) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    buf = DeviceBuffer(N, F32)
+    try:
+        messages = set()
+        for _ in range(2):
+            for call in (
+                lambda: comm.all_reduce(ptr, buf.ptr, count=N, dtype=F32),
+                lambda: comm.all_reduce(buf.ptr, ptr, count=N, dtype=F32),
+                lambda: comm.broadcast(ptr, buf.ptr, root=0, count=N, dtype=F32),
+            ):
+                with pytest.raises((ValueError, TypeError)) as info:
+                    call()
+                text = str(info.value).replace("recvbuf", "BUF").replace("sendbuf", "BUF")
+                messages.add((type(info.value), text))
+        assert len(messages) == 1, messages
+    finally:
+        buf.close()
+        comm.destroy()
