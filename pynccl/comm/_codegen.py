@@ -164,8 +164,8 @@ def _memo_hit(
 ) -> list[str]:
     """A memo (``self._memo`` or ``self._amemo``): a call whose arguments are those its row's
     last checked call of that kind was made from (``conds``, identity tests against the
-    memo ``m``, whose first ``n`` items they test) reuses that call's C arguments (shared
-    ctypes objects) and record entry, after the lines ``pre``.
+    memo's first ``n`` items, unpacked as ``m0``, ``m1``, ...) reuses that call's C
+    arguments (shared ctypes objects) and record entry, after the lines ``pre``.
 
     ``self._memo`` (raw pointers) remembers the argument objects themselves: only ints,
     a DataType, an op name/member and None (immutable, so the earlier checks still hold,
@@ -174,15 +174,36 @@ def _memo_hit(
     tuple, not the buffer: a closed buffer's is None, a new buffer's a new tuple, and
     the buffer itself is not kept alive. ``comm.stream = ...`` forgets both. Anything
     else falls through to the checks."""
-    record = f"({i}, m[{n}], _GROUPS.s.gid) if _OPEN else m[{n + 1}]"
+    record = f"({i}, margs, _GROUPS.s.gid) if _OPEN else mentry"
+    names = ", ".join(f"m{j}" for j in range(n))
     body = [
-        f"m = {memo}[{i}]",
+        f"{names}, margs, mentry = {memo}[{i}]",
         "if " + " and ".join(conds) + ":",
         *["    " + line for line in pre],
         f"    fn = self._bfn[{i}]",
-        *["    " + line for line in _gated(i, [], record, f"fn(*m[{n}])", "return " + slow)],
+        *["    " + line for line in _gated(i, [], record, "fn(*margs)", "return " + slow)],
     ]
     return body
+
+
+def _array_key(spec: CollSpec) -> list[str]:
+    """What the DeviceBuffer memo tests besides the buffers' ``_arg``: op, root/peer."""
+    return (["op"] if spec.has_op else []) + ([spec.where] if spec.where else [])
+
+
+def _buffer_count(spec: CollSpec) -> int:
+    return (spec.send != "-") + (spec.recv != "-")
+
+
+def empty_memos() -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
+    """Each row's raw-pointer and DeviceBuffer memos with nothing remembered: as many
+    items as the generated code unpacks, each an object no argument can be."""
+    nothing = object()
+    raw = [(nothing,) * (len(_memo_key(spec)) + 2) for spec in COLLECTIVES]
+    arrays = [
+        (nothing,) * (_buffer_count(spec) + len(_array_key(spec)) + 2) for spec in COLLECTIVES
+    ]
+    return raw, arrays
 
 
 def _method_source(spec: CollSpec) -> str:
@@ -194,7 +215,7 @@ def _method_source(spec: CollSpec) -> str:
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
     key = _memo_key(spec)
-    conds = [f"{k} is m[{j}]" for j, k in enumerate(key)] + ["stream is None", "config is None"]
+    conds = [f"{k} is m{j}" for j, k in enumerate(key)] + ["stream is None", "config is None"]
     hit = _memo_hit("self._memo", conds, len(key), i, slow_call(spec))
     lines += ["    " + line for line in hit]
     has_send, has_recv = spec.send != "-", spec.recv != "-"
@@ -247,13 +268,14 @@ def _method_source(spec: CollSpec) -> str:
     lines.append("        elif count is None and dtype is None:")
     # DeviceBuffers again: the array memo (each buffer's _arg tuple, the op, the root/peer).
     akey = [
-        f"type({b}) is _DeviceBuffer and {b}._arg is m[{j}]"
+        f"type({b}) is _DeviceBuffer and {b}._arg is m{j}"
         for j, (b, _, _, _) in enumerate(names)
     ]
-    extra = (["op"] if spec.has_op else []) + ([spec.where] if spec.where else [])
-    akey += [f"{k} is m[{len(names) + j}]" for j, k in enumerate(extra)]
+    extra = _array_key(spec)
+    akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
     keep = ("if _OPEN:", f"    _keep_alive(({bufs}))")
     hit = _memo_hit("self._amemo", akey, len(akey), i, slow_call(spec), keep)
+    assert len(names) == _buffer_count(spec)
     lines += ["            " + line for line in hit]
     lines += [
         "            s = self._stream",

@@ -12,8 +12,8 @@ from ..enums import Result
 from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
 from ..library import cudart
 from . import _recorder
+from ._codegen import empty_memos as _empty_memos
 from ._handle import HANDLE, TERMINAL, CommHandle, State
-from ._spec import COLLECTIVES
 
 __all__ = ["Observed"]
 
@@ -245,8 +245,7 @@ class Observed(CommHandle):
         """Forget each row's memos of its last raw-pointer and DeviceBuffer calls
         (``_codegen._memo_hit``): what their C arguments were built from (the size, the
         stream) changed."""
-        self._memo = [_NO_MEMO] * len(COLLECTIVES)
-        self._amemo = [_NO_MEMO] * len(COLLECTIVES)
+        self._memo, self._amemo = _empty_memos()
 
     def watch_status(self) -> tuple[bool, bool, BaseException | None]:
         """For the watchdog: ``(alive, ready, asynchronous error or None)``."""
@@ -325,8 +324,6 @@ class Observed(CommHandle):
         )
 
 
-#: An empty memo: no argument is any of these objects.
-_NO_MEMO = (object(),) * 8
 
 
 def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
