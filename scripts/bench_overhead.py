@@ -14,8 +14,10 @@ collective, plus send and recv) it times:
             once, issued with prebuilt ctypes arguments through a function without argtypes
 
 The raw rows repeat one call with the same objects, so they take the generated methods'
-memo (the previous call's checked C arguments reused); ``all_reduce(memo miss)`` alternates
-two calls that swap the buffers, so every call is checked in full. Then all_reduce's
+memo (the previous call's checked C arguments reused), and the DevBuf rows their
+DeviceBuffer memo (keyed on each buffer's ``_arg`` tuple); ``all_reduce(memo miss)`` and
+``all_reduce(DevBuf miss)`` alternate two calls that swap the buffers, so every call is
+checked in full. Then all_reduce's
 generated code compiled without the gate (what serializing teardown against calls in
 flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
 ``ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd``, the low-level layer
@@ -183,6 +185,8 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
         ar(send, recv, count=n, dtype=f32),
         ar(recv, send, count=n, dtype=f32),
     )
+    v["all_reduce(DevBuf miss) floor"] = v["all_reduce(memo miss) floor"]
+    v["all_reduce(DevBuf miss) DevBuf"] = lambda: (ar(a, b), ar(b, a))
     low = pynccl.lib().ncclAllReduce
     v["low-level floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, 0)
     op_sum = RedOp.SUM  # hoisted like f32: an enum member lookup costs ~100 ns here
