@@ -24,31 +24,43 @@ F32 = DataType.FLOAT32
 N = 64
 
 
-def test_repeated_calls_with_the_same_objects_compute_each_time() -> None:
+def _repeat(calls: Any, recv_n: int) -> list[list[np.ndarray]]:
+    """Four steps on two ranks of ``calls(comm, send, recv)`` (two calls, the same objects
+    each step), each step's send filled with ``10 * step + rank``: what recv held after
+    each call."""
     with ThreadWorld(2) as world:
 
         def one(r: int, comm: Communicator) -> list[np.ndarray]:
             send = DeviceBuffer(N, F32, device=r)
-            recv = DeviceBuffer(2 * N, F32, device=r)
-            sp, rp, n = send.ptr, recv.ptr, N  # the same int objects on every call
+            recv = DeviceBuffer(recv_n, F32, device=r)
             got = []
+            issue = calls(comm, send, recv)
             for step in range(4):
                 send.copy_from(np.full(N, 10 * step + r, np.float32))
-                comm.all_reduce(sp, rp, count=n, dtype=F32)
-                comm.synchronize()
-                got.append(recv.to_numpy()[:N].copy())
-                comm.all_gather(sp, rp, count=n, dtype=F32)
-                comm.synchronize()
-                got.append(recv.to_numpy().copy())
+                for call in issue:
+                    call()
+                    comm.synchronize()
+                    got.append(recv.to_numpy().copy())
             send.close()
             recv.close()
             return got
 
-        results = world.run(one)
+        return world.run(one)
+
+
+def test_repeated_calls_with_the_same_objects_compute_each_time() -> None:
+    def raw(comm: Communicator, send: DeviceBuffer, recv: DeviceBuffer) -> list[Any]:
+        sp, rp, n = send.ptr, recv.ptr, N  # the same int objects on every call
+        return [
+            lambda: comm.all_reduce(sp, rp, count=n, dtype=F32),
+            lambda: comm.all_gather(sp, rp, count=n, dtype=F32),
+        ]
+
+    results = _repeat(raw, 2 * N)
     for r in range(2):
         for step in range(4):
             a = [np.full(N, 10 * step + k, np.float32) for k in range(2)]
-            np.testing.assert_array_equal(results[r][2 * step], a[0] + a[1])
+            np.testing.assert_array_equal(results[r][2 * step][:N], a[0] + a[1])
             np.testing.assert_array_equal(results[r][2 * step + 1], np.concatenate(a))
 
 
@@ -163,25 +175,13 @@ def test_a_remembered_call_does_not_let_an_equal_mistake_through(
 
 
 def test_devicebuffer_calls_hit_the_array_memo_and_compute_each_time() -> None:
-    with ThreadWorld(2) as world:
+    def bufs(comm: Communicator, send: DeviceBuffer, recv: DeviceBuffer) -> list[Any]:
+        return [
+            lambda: comm.all_reduce(send, recv, "max"),
+            lambda: comm.broadcast(send, recv, root=1),
+        ]
 
-        def one(r: int, comm: Communicator) -> list[np.ndarray]:
-            send = DeviceBuffer(N, F32, device=r)
-            recv = DeviceBuffer(N, F32, device=r)
-            got = []
-            for step in range(4):
-                send.copy_from(np.full(N, 10 * step + r, np.float32))
-                comm.all_reduce(send, recv, "max")
-                comm.synchronize()
-                got.append(recv.to_numpy().copy())
-                comm.broadcast(send, recv, root=1)
-                comm.synchronize()
-                got.append(recv.to_numpy().copy())
-            send.close()
-            recv.close()
-            return got
-
-        results = world.run(one)
+    results = _repeat(bufs, N)
     for r in range(2):
         for step in range(4):
             np.testing.assert_array_equal(results[r][2 * step], np.full(N, 10 * step + 1))
