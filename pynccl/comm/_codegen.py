@@ -102,28 +102,23 @@ def _issue(
     i: int,
     pad: str,
     slow: str,
-    memo: str = "",
+    memo: tuple[str, str, str] = ("", "", ""),
     ptrs: tuple[str, ...] = (),
-    amemo: tuple[str, str] = ("", ""),
 ) -> list[str]:
     """The shared count argument and the shared pointer arguments of ``ptrs`` (ints, as
     ``c_<name>``), then the gated call (:func:`_gated`) at indent ``pad``: every argument a
     ctypes object, passed to the row's function without argtypes (``self._bfn``: ctypes
     converts nothing). ``slow`` is the slow-path call taken when the handle is gone once
-    the gate is held. With ``memo`` (the call's own arguments, as a tuple's items) the C
-    arguments are remembered for the next identical call (see :func:`_memo_hit`); with
-    ``amemo`` (a condition, the memo's items) likewise in the array memo."""
+    the gate is held. With ``memo`` — ``(memo list, condition or "", its items before the
+    C arguments)`` — the C arguments are remembered for the next identical call (see
+    :func:`_memo_hit`), when the condition holds."""
     prepare = [f"args = ({', '.join(cargs)})"]
     record = f"({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)"
-    if memo:
-        prepare += [f"entry = ({i}, args)", f"self._memo[{i}] = ({memo}, args, entry)"]
-        record = f"({i}, args, _GROUPS.s.gid) if _OPEN else entry"
-    elif amemo[0]:  # (when every buffer was a DeviceBuffer, the memo's items)
-        prepare += [
-            f"entry = ({i}, args)",
-            f"if {amemo[0]}:",
-            f"    self._amemo[{i}] = ({amemo[1]}, args, entry)",
-        ]
+    table, condition, items = memo
+    if table:
+        store = f"{table}[{i}] = ({items}, args, entry)"
+        prepare += [f"entry = ({i}, args)"]
+        prepare += [f"if {condition}:", "    " + store] if condition else [store]
         record = f"({i}, args, _GROUPS.s.gid) if _OPEN else entry"
     body = _shared_arg("cn", "n", "_SIZE_ARGS", "_size_arg")
     for name in ptrs:
@@ -134,13 +129,16 @@ def _issue(
 
 
 def _shared_arg(
-    var: str, value: str, table: str, make: str, check: str = "", slow: str = ""
+    var: str, value: str, table: str, make: str, check: str = "", otherwise: str = ""
 ) -> list[str]:
     """``var`` = the shared ctypes object of ``value`` (one subscript when cached); on a
-    miss, ``check`` (if given) must hold, else ``slow`` is taken."""
-    miss = [f"    if not ({check}):", f"        {slow}"] if check else []
-    return ["try:", f"    {var} = {table}[{value}]", "except KeyError:", *miss,
-            f"    {var} = {make}({value})"]  # fmt: skip
+    miss, made only if ``check`` (if given) holds, else the statement ``otherwise`` runs
+    instead."""
+    lookup = ["try:", f"    {var} = {table}[{value}]", "except KeyError:"]
+    if not check:
+        return [*lookup, f"    {var} = {make}({value})"]
+    return [*lookup, f"    if {check}:", f"        {var} = {make}({value})", "    else:",
+            f"        {otherwise}"]  # fmt: skip
 
 
 def _memo_key(spec: CollSpec) -> list[str]:
@@ -261,9 +259,8 @@ def _method_source(spec: CollSpec) -> str:
     ]
     slow = "return " + slow_call(spec)
     bufs_raw = tuple(b for b, _, _, _ in names)
-    lines += _issue(
-        [f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, ", ".join(key), bufs_raw
-    )
+    memo = ("self._memo", "", ", ".join(key))
+    lines += _issue([f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, memo, bufs_raw)
     # -- arrays with a cached handler ------------------------------------------------------
     lines.append("        elif count is None and dtype is None:")
     # DeviceBuffers again: the array memo (each buffer's _arg tuple, the op, the root/peer).
@@ -295,13 +292,8 @@ def _method_source(spec: CollSpec) -> str:
         # (the handlers' own definition, _adapt._cai.common_case), else its handler. A
         # cached pointer argument is a range check passed (PTR_ARGS keeps only those).
         ok = [
-            "try:",
-            f"    {p} = _PTRS[{p}]",
-            "except KeyError:",
-            f"    {p} = _ptr_arg({p}) if 0 < {p} < _P63 else None",
-            f"if {p} is None:",
-            "    cai = None",
-            "else:",
+            *_shared_arg(p, p, "_PTRS", "_ptr_arg", f"0 < {p} < _P63", "cai = None"),
+            "if cai is not None:",
             f"    dev_{p} = None if dg is None else dg({b}, {label})",
         ]
         cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, ptr_checked=False)
@@ -354,8 +346,10 @@ def _method_source(spec: CollSpec) -> str:
         f"                        _keep_alive(({bufs}))",
     ]
     tokens = [f"k_{p}" for _, p, _, _ in names]
-    amemo = (" and ".join(f"{k} is not _NO" for k in tokens), ", ".join(tokens + extra))
-    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20, slow, amemo=amemo)
+    # Remembered when every buffer was a DeviceBuffer.
+    every = " and ".join(f"{k} is not _NO" for k in tokens)
+    memo = ("self._amemo", every, ", ".join(tokens + extra))
+    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20, slow, memo)
     lines.append("    " + slow)
     return "\n".join(lines) + "\n"
 
