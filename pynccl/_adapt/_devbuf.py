@@ -15,13 +15,13 @@ if TYPE_CHECKING:
 
 # DeviceBuffer's slots read by the fast handler; its public properties cost about
 # four times as much on this path. Checked once against the class (see below).
-_DEVICE_BUFFER_SLOTS = frozenset({"_ptr", "_freed", "_count", "_dtype", "_device", "_lanes"})
+_DEVICE_BUFFER_SLOTS = frozenset({"_ptr", "_arg", "_count", "_dtype", "_device", "_lanes"})
 
 
 def _from_device_buffer(
     obj: Any, count: Any, dtype: Any, name: str, writable: bool, stream: int | None
 ) -> BufferInfo:
-    if obj._freed:
+    if obj._arg is None:  # freed
         raise ValueError(f"{name} is a DeviceBuffer that has been freed")
     dt = obj._dtype
     n = obj._count  # as NCCL counts: a complex buffer has 2 floats per element

@@ -324,8 +324,6 @@ class Observed(CommHandle):
         )
 
 
-
-
 def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
     """``fn`` (a row's bare ctypes function) recording a completion event per operation."""
 

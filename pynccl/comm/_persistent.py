@@ -198,7 +198,7 @@ class PersistentOp(Closable):
                 f"comm.{method}_init(...)",
             )
         for buf in self._devbufs:
-            if buf._freed:
+            if buf._arg is None:  # freed
                 raise ValueError(
                     f"a DeviceBuffer of this persistent {method} was closed ({buf!r}); its "
                     "memory is gone: make a new persistent operation"

@@ -108,7 +108,6 @@ class DeviceBuffer(Closable):
         "_count",
         "_device",
         "_dtype",
-        "_freed",
         "_lanes",
         "_nbytes",
         "_nccl",
@@ -117,9 +116,8 @@ class DeviceBuffer(Closable):
     )
 
     _ptr: int
-    _freed: bool
     #: What a Communicator's hot path reads in one go: ``(pointer as a shared c_void_p,
-    #: count, dtype, device)``; None once freed.
+    #: count, dtype, device)``; None once freed (or before the allocation succeeded).
     _arg: tuple[c_void_p, int, DataType, int] | None
     _nccl: bool  # allocated by ncclMemAlloc (freed by ncclMemFree)
     _nbytes: int
@@ -139,7 +137,6 @@ class DeviceBuffer(Closable):
     ) -> None:
         self._ptr = 0
         self._arg = None
-        self._freed = False
         self._nccl = False
         if allocator not in ("cuda", "nccl"):
             raise ValueError(f"allocator must be 'cuda' or 'nccl', got {allocator!r}")
@@ -220,7 +217,7 @@ class DeviceBuffer(Closable):
     @property
     def closed(self) -> bool:
         """True once the allocation has been freed."""
-        return self._freed
+        return self._arg is None
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -337,7 +334,6 @@ class DeviceBuffer(Closable):
         """Free the allocation (idempotent). Work still queued on it must have finished."""
         ptr, self._ptr = self._ptr, 0
         self._arg = None
-        self._freed = True
         if ptr and self._nccl:
             from .. import library
 
