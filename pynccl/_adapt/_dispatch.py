@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
     """Pick (and cache) the handler for buffers of type ``cls``; raise if none fits."""
+    cai = False
     if issubclass(cls, int):
         if issubclass(cls, bool):
             raise _not_a_buffer(obj, name)
@@ -31,14 +32,15 @@ def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
         # Decided on the class where possible: evaluating the property may raise
         # for this instance (a torch CPU or bfloat16 tensor) and not for the next.
         handler, device_of = _make_cai_handler(cls, obj)
-        if len(_BUFFER_HANDLERS) < _CACHE_LIMIT:
-            CAI_TYPES[cls] = device_of  # only types whose handler is cached (inlined)
+        cai = True
     elif hasattr(cls, "__dlpack__"):
         handler = _make_dlpack_handler(cls)
     else:
         raise _not_a_buffer(obj, name)
     if len(_BUFFER_HANDLERS) < _CACHE_LIMIT:
         _BUFFER_HANDLERS[cls] = handler
+        if cai:  # inlined by the generated methods, which fall back on the cached handler
+            CAI_TYPES[cls] = device_of
     return handler
 
 
