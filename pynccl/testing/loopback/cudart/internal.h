@@ -102,7 +102,10 @@ typedef struct {
     uint64_t seq;
 } lb_snap;
 
-enum lb_sync_scope { LB_SYNC_SELF, LB_SYNC_DEVICE };
+/* What lb_sync_targets snapshots: the stream (and, for the legacy stream, the device's
+ * blocking streams), every stream of a device, or the legacy stream's implicit waits
+ * (the device's other blocking streams). */
+enum lb_sync_scope { LB_SYNC_SELF, LB_SYNC_DEVICE, LB_SYNC_PEERS };
 
 #define LB_MAX_DEVICES 1024
 

@@ -320,27 +320,7 @@ static lb_task *wait_task_new(struct CUstream_st *target, uint64_t seq) {
  * Returns the number of snapshots in *out (malloc'd), or -1 on allocation failure. */
 static long implicit_waits(struct CUstream_st *s, lb_snap **out) {
     *out = NULL;
-    if (s->kind == LB_STREAM_LEGACY) {
-        pthread_rwlock_rdlock(&g_streams_lock);
-        lb_snap *snaps = malloc((g_streams.n + 1) * sizeof *snaps);
-        long n = 0;
-        for (size_t i = 0; snaps != NULL && i < g_streams.n; i++) {
-            struct CUstream_st *t = g_streams.items[i];
-            if (t == s || t->device != s->device || !is_blocking(t)) continue;
-            pthread_mutex_lock(&t->mu);
-            if (t->done_seq < t->enq_seq) {
-                snaps[n].stream = t;
-                snaps[n].seq = t->enq_seq;
-                lb_stream_ref(t);
-                n++;
-            }
-            pthread_mutex_unlock(&t->mu);
-        }
-        pthread_rwlock_unlock(&g_streams_lock);
-        if (snaps == NULL) return -1;
-        *out = snaps;
-        return n;
-    }
+    if (s->kind == LB_STREAM_LEGACY) return lb_sync_targets(s, s->device, LB_SYNC_PEERS, out);
     if (!is_blocking(s)) return 0;
     struct CUstream_st *legacy = atomic_load(&g_legacy[s->device]);
     if (legacy == NULL) return 0;
@@ -428,9 +408,10 @@ LB_HIDDEN cudaError_t lb_stream_enqueue(struct CUstream_st *s, lb_task_fn run,
 
 /* ---- synchronization targets --------------------------------------------- */
 
-/* Snapshot (stream, enq_seq) of every stream whose current work a synchronize of s
- * must cover: s itself, plus (legacy stream) the device's blocking streams, or
- * (device scope) every stream of s's device. */
+/* Snapshot (stream, enq_seq) of every stream with pending work in scope: for a
+ * synchronize of s, s itself plus (legacy stream) the device's blocking streams; every
+ * stream of `device`; or what the legacy stream s waits for before its next task, the
+ * device's other blocking streams. */
 LB_HIDDEN long lb_sync_targets(struct CUstream_st *s, int device, enum lb_sync_scope scope,
                                lb_snap **out) {
     pthread_rwlock_rdlock(&g_streams_lock);
@@ -441,6 +422,8 @@ LB_HIDDEN long lb_sync_targets(struct CUstream_st *s, int device, enum lb_sync_s
         bool take;
         if (scope == LB_SYNC_DEVICE)
             take = t->device == device;
+        else if (scope == LB_SYNC_PEERS)
+            take = t != s && t->device == s->device && is_blocking(t);
         else
             take = t == s || (s->kind == LB_STREAM_LEGACY && t->device == s->device &&
                               is_blocking(t));
