@@ -451,26 +451,42 @@ ncclResult_t lbw_wait_until(struct lb_comm *c, int (*ready)(struct lb_comm *, vo
 
 /* ---- split control ------------------------------------------------------------------ */
 
-ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key) {
-    /* Everyone must have read split seq-1 before this rank overwrites its post. */
+/* Wait until every rank has posted split seq (`posts`), or has read everyone's post of
+ * split seq-1 (!`posts`). Without `blocking`: one look. *ready says whether it holds. */
+static ncclResult_t split_wait(struct lb_comm *c, uint64_t seq, int posts, int blocking,
+                               int *ready) {
     int spins = 0;
+    *ready = 0;
     for (;;) {
         uint32_t e = __atomic_load_n(&c->w->epoch, __ATOMIC_SEQ_CST);
         int blocker = -1;
         for (int s = 0; s < c->nranks; s++) {
-            if (__atomic_load_n(&c->ranks[s].split_read, __ATOMIC_ACQUIRE) + 1 < seq) {
+            const uint64_t *at = posts ? &c->ranks[s].split_post : &c->ranks[s].split_read;
+            uint64_t have = __atomic_load_n(at, __ATOMIC_ACQUIRE);
+            if (posts ? have < seq : have + 1 < seq) {
                 blocker = s;
                 break;
             }
         }
-        if (blocker < 0) break;
+        if (blocker < 0) {
+            *ready = 1;
+            return ncclSuccess;
+        }
         int recheck;
         ncclResult_t r = lbw_trouble(c, blocker, &recheck);
         if (recheck) return lbw_gone(c, blocker, "ncclCommSplit");
         if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "ncclCommSplit : comm aborted");
         if (r != ncclSuccess) return r;
+        if (!blocking) return ncclSuccess;
         lbw_backoff(c, e, &spins);
     }
+}
+
+ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key) {
+    /* Everyone must have read split seq-1 before this rank overwrites its post. */
+    int ready;
+    ncclResult_t r = split_wait(c, seq, 0, 1, &ready);
+    if (r != ncclSuccess) return r;
     struct lbw_rank *me = &c->ranks[c->rank];
     me->split_color = color;
     me->split_key = key;
@@ -481,26 +497,10 @@ ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key)
 
 ncclResult_t lbw_split_gather(struct lb_comm *c, uint64_t seq, int *colors, int *keys,
                               int blocking, int *done) {
-    int spins = 0;
     *done = 0;
-    for (;;) {
-        uint32_t e = __atomic_load_n(&c->w->epoch, __ATOMIC_SEQ_CST);
-        int blocker = -1;
-        for (int s = 0; s < c->nranks; s++) {
-            if (__atomic_load_n(&c->ranks[s].split_post, __ATOMIC_ACQUIRE) < seq) {
-                blocker = s;
-                break;
-            }
-        }
-        if (blocker < 0) break;
-        int recheck;
-        ncclResult_t r = lbw_trouble(c, blocker, &recheck);
-        if (recheck) return lbw_gone(c, blocker, "ncclCommSplit");
-        if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "ncclCommSplit : comm aborted");
-        if (r != ncclSuccess) return r;
-        if (!blocking) return ncclSuccess;
-        lbw_backoff(c, e, &spins);
-    }
+    int ready;
+    ncclResult_t r = split_wait(c, seq, 1, blocking, &ready);
+    if (r != ncclSuccess || !ready) return r;
     for (int s = 0; s < c->nranks; s++) {
         colors[s] = c->ranks[s].split_color;
         keys[s] = c->ranks[s].split_key;
