@@ -31,6 +31,15 @@ static cudaError_t event_get(cudaEvent_t h, const char *fn, struct CUevent_st **
     return cudaSuccess;
 }
 
+/* event_get for a host-side wait or query: refused (and released) while a capture
+ * forbids that (lb_capture_event_check). */
+static cudaError_t event_get_host(cudaEvent_t h, const char *fn, struct CUevent_st **out) {
+    cudaError_t err = event_get(h, fn, out);
+    if (err) return err;
+    if ((err = lb_capture_event_check(*out, fn))) event_put(*out);
+    return err;
+}
+
 typedef struct {
     struct CUevent_st *event;
     uint64_t gen;
@@ -219,11 +228,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
     cudaError_t err = lb_check_usable(__func__);
     if (err) return err;
     struct CUevent_st *e;
-    if ((err = event_get(event, __func__, &e))) return err;
-    if ((err = lb_capture_event_check(e, __func__))) {
-        event_put(e);
-        return err;
-    }
+    if ((err = event_get_host(event, __func__, &e))) return err;
     pthread_mutex_lock(&e->mu);
     bool done = e->done_gen >= e->gen;
     pthread_mutex_unlock(&e->mu);
@@ -235,11 +240,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
     cudaError_t err = lb_check_usable(__func__);
     if (err) return err;
     struct CUevent_st *e;
-    if ((err = event_get(event, __func__, &e))) return err;
-    if ((err = lb_capture_event_check(e, __func__))) {
-        event_put(e);
-        return err;
-    }
+    if ((err = event_get_host(event, __func__, &e))) return err;
     pthread_mutex_lock(&e->mu);
     uint64_t gen = e->gen;
     while (e->done_gen < gen) pthread_cond_wait(&e->cv, &e->mu);
