@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _producers import cai_dict
 
 from pynccl import DataType
 from pynccl._capi import _binding
@@ -29,13 +30,8 @@ F32 = DataType.FLOAT32
 
 
 def _cai(buf: DeviceBuffer, **change: Any) -> dict[str, Any]:
-    cai: dict[str, Any] = {
-        "shape": (N,),
-        "typestr": "<f4",
-        "data": (buf.ptr, False),
-        "strides": None,
-        "version": 3,
-    }
+    """A float32 interface of ``buf``'s N elements, with ``change`` applied (_DROP: delete)."""
+    cai = cai_dict(np.empty(N, np.float32), data=(buf.ptr, False))
     for key, value in change.items():
         if value is _DROP:
             del cai[key]
