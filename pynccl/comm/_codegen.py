@@ -193,15 +193,23 @@ def _buffer_count(spec: CollSpec) -> int:
     return (spec.send != "-") + (spec.recv != "-")
 
 
+_EMPTY: list[tuple[tuple[object, ...], ...]] = []
+
+
 def empty_memos() -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
-    """Each row's raw-pointer and DeviceBuffer memos with nothing remembered: as many
-    items as the generated code unpacks, each an object no argument can be."""
-    nothing = object()
-    raw = [(nothing,) * (len(_memo_key(spec)) + 2) for spec in COLLECTIVES]
-    arrays = [
-        (nothing,) * (_buffer_count(spec) + len(_array_key(spec)) + 2) for spec in COLLECTIVES
-    ]
-    return raw, arrays
+    """Fresh lists of each row's raw-pointer and DeviceBuffer memos with nothing
+    remembered: as many items as the generated code unpacks, each an object no argument
+    can be (the tuples, made once, are shared)."""
+    if not _EMPTY:
+        nothing = object()
+        _EMPTY.append(tuple((nothing,) * (len(_memo_key(spec)) + 2) for spec in COLLECTIVES))
+        _EMPTY.append(
+            tuple(
+                (nothing,) * (_buffer_count(spec) + len(_array_key(spec)) + 2)
+                for spec in COLLECTIVES
+            )
+        )
+    return list(_EMPTY[0]), list(_EMPTY[1])
 
 
 def _method_source(spec: CollSpec) -> str:
