@@ -10,74 +10,17 @@ against numpy) or the same exception and message. Also the shared pointer argume
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
-from _producers import cai_dict
+from _cai_cases import CASES, F32, N, changed, interface, outcome, reduce, resolve
 
-from pynccl import DataType
 from pynccl._capi import _binding
 from pynccl.comm import Communicator, UniqueId
 from pynccl.cuda import DeviceBuffer
 
 pytestmark = pytest.mark.usefixtures("lb")
-
-N = 8
-F32 = DataType.FLOAT32
-
-
-def _cai(buf: DeviceBuffer, **change: Any) -> dict[str, Any]:
-    """A float32 interface of ``buf``'s N elements, with ``change`` applied (_DROP: delete)."""
-    cai = cai_dict(np.empty(N, np.float32), data=(buf.ptr, False))
-    for key, value in change.items():
-        if value is _DROP:
-            del cai[key]
-        else:
-            cai[key] = value
-    return cai
-
-
-_DROP = object()
-
-# (name, change to sendbuf's interface, change to recvbuf's); sendbuf holds 1..N
-CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
-    ("plain", {}, {}),
-    ("read-only recvbuf", {}, {"data": "readonly"}),
-    ("read-only sendbuf (not written)", {"data": "readonly"}, {}),
-    ("mask", {"mask": object()}, {}),
-    ("mask None", {"mask": None}, {}),
-    ("strided", {"strides": (8,), "shape": (N // 2,)}, {}),
-    ("contiguous strides", {"strides": (4,)}, {}),
-    ("2-D", {"shape": (2, N // 2)}, {}),
-    ("shape as a list", {"shape": [N]}, {}),
-    ("unknown typestr", {"typestr": "<f3"}, {}),
-    ("other dtype", {"typestr": "<i4"}, {}),
-    ("complex", {"typestr": "<c8", "shape": (N // 2,)}, {"typestr": "<c8", "shape": (N // 2,)}),
-    ("float pointer", {"data": "float"}, {}),
-    ("pointer past 2**64", {"data": (1 << 64, False)}, {}),
-    ("no data", {"data": _DROP}, {}),
-    ("negative shape", {"shape": (-1,)}, {}),
-    ("bool shape", {"shape": (True,)}, {}),
-    ("recvbuf too small", {}, {"shape": (N // 2,)}),
-    ("not a dict", {"as": types.MappingProxyType}, {}),
-    ("no strides key", {"strides": _DROP}, {}),
-]
-
-
-def _reduce(comm: Communicator, x: object, y: object) -> None:
-    comm.all_reduce(x, y)  # type: ignore[arg-type]
-    comm.synchronize()
-
-
-def _outcome(call: Callable[[], None], recv: DeviceBuffer) -> tuple[str, str]:
-    try:
-        call()
-    except Exception as exc:
-        return type(exc).__name__, str(exc)
-    return "ok", repr(recv.to_numpy().tolist())
 
 
 @pytest.mark.parametrize("name, send_change, recv_change", CASES, ids=[c[0] for c in CASES])
@@ -88,16 +31,8 @@ def test_the_inline_cai_path_matches_the_slow_path(
     src = DeviceBuffer.from_numpy(np.arange(1, N + 1, dtype=np.float32))
     dst = DeviceBuffer(N, F32)
 
-    def make(buf: DeviceBuffer, change: dict[str, Any]) -> dict[str, Any]:
-        change = dict(change)
-        wrap = change.pop("as", None)
-        data = change.get("data")
-        if data == "readonly":
-            change["data"] = (buf.ptr, True)
-        elif data == "float":
-            change["data"] = (float(buf.ptr), False)
-        cai = _cai(buf, **change)
-        return wrap(cai) if wrap is not None else cai
+    def make(buf: DeviceBuffer, change: dict[str, Any]) -> Any:
+        return changed(interface(buf), *resolve(buf, change))
 
     cls = type("Fresh", (), {})  # a new type: its handler is not cached yet
     outcomes = []
@@ -107,7 +42,7 @@ def test_the_inline_cai_path_matches_the_slow_path(
             x, y = cls(), cls()
             x.__cuda_array_interface__ = make(src, send_change)
             y.__cuda_array_interface__ = make(dst, recv_change)
-            outcomes.append(_outcome(lambda x=x, y=y: _reduce(comm, x, y), dst))
+            outcomes.append(outcome(lambda x=x, y=y: reduce(comm, x, y), dst))
         assert outcomes[0] == outcomes[1] == outcomes[2]
         kind, text = outcomes[0]
         if name in ("plain", "read-only sendbuf (not written)", "mask None", "contiguous strides",
@@ -129,7 +64,7 @@ def test_inline_cai_path_reads_the_device_the_array_reports() -> None:
     class OnDevice:
         def __init__(self, device: int) -> None:
             self.device = device
-            self.__cuda_array_interface__ = _cai(buf)
+            self.__cuda_array_interface__ = interface(buf)
 
     try:
         for _ in range(3):
