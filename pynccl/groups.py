@@ -106,12 +106,14 @@ def group_depth() -> int:
     return _local.s.depth
 
 
-def keep_alive(objs: object) -> None:
+def keep_alive(objs: object) -> int:
     """Keep ``objs`` referenced until the calling thread's outermost group has ended
-    (called for operations queued inside a group; nothing happens outside one)."""
+    (called for operations queued inside a group; nothing happens outside one). Returns
+    that group's number (0: none), which the flight recorder stores with the operation."""
     st = _local.s
     if st.depth > 0:
         st.keep.append(objs)
+    return st.gid
 
 
 def in_progress_later(comm: GroupMember) -> None:

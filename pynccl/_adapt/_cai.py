@@ -172,6 +172,7 @@ def common_case(
     out: tuple[str, str, str],
     ok: list[str],
     ptr_checked: bool = True,
+    parts: tuple[str, str, str] = ("shape", "data", "typestr"),
 ) -> list[str]:
     """Source lines reading ``obj``'s ``__cuda_array_interface__`` in its common case — a
     dict describing a 1-D, C-contiguous, unmasked array of fewer than 2**30 elements of a
@@ -182,15 +183,19 @@ def common_case(
     other case ``cai`` is None and nothing else is bound (the full reading,
     :func:`_from_cai` through the type's handler, says what is wrong).
 
+    The dict's own ``shape``, ``data`` and ``typestr`` objects are bound to the names
+    ``parts``: the result depends on nothing else of the dict (see :func:`same_case`).
+
     The one definition of the common case: the handlers run it (:func:`_make_cai_handler`)
     and the Communicator's generated methods inline it, in the namespace of
     :func:`common_case_globals`.
     """
     ptr, n, dt = out
+    shape, data, typestr = parts
     # Items are at most 8 bytes (complex typestrs take the full reading): with fewer than
     # 2**30 of them, [ptr, ptr + n items) ends below 2**64. The bound is a one-digit int,
     # which the interpreter compares with a specialised instruction.
-    conds = ["type(cai) is dict", "type(shape) is tuple", f"type({n}) is int",
+    conds = ["type(cai) is dict", f"type({shape}) is tuple", f"type({n}) is int",
              f"0 <= {n} < _CAI_N", f"type({ptr}) is int"]  # fmt: skip
     if ptr_checked:
         conds.append(f"0 < {ptr} < _CAI_P63")
@@ -202,9 +207,9 @@ def common_case(
     return [
         "try:  # a missing key or an odd value: the full reading",
         f"    cai = {obj}.__cuda_array_interface__",
-        f"    ({n},) = shape = cai['shape']",
-        f"    {ptr}, readonly = cai['data']",
-        f"    {dt} = _CAI_TYPESTRS[cai['typestr']]",
+        f"    ({n},) = {shape} = cai['shape']",
+        f"    {ptr}, readonly = {data} = cai['data']",
+        f"    {dt} = _CAI_TYPESTRS[{typestr} := cai['typestr']]",
         "except Exception:",
         "    cai = None",
         "if " + " and ".join(conds) + ":",
@@ -214,15 +219,49 @@ def common_case(
     ]
 
 
+def same_case(cai: str, parts: tuple[str, str, str]) -> str:
+    """A source condition: the dict ``cai`` is in the common case whose ``shape``,
+    ``data`` and ``typestr`` objects were ``parts`` (names bound by :func:`common_case`,
+    remembered since). Those objects being the very same ones (tuples of ints and a str:
+    immutable), and strides and mask still absent, :func:`common_case` would read the same
+    result again, for any object of the same array type."""
+    shape, data, typestr = parts
+    return (
+        f"type({cai}) is dict and {cai}['data'] is {data} and {cai}['shape'] is {shape} and "
+        f"{cai}['typestr'] is {typestr} and {cai}.get('strides') is None and "
+        f"'mask' not in {cai}"
+    )
+
+
 def common_case_globals() -> dict[str, object]:
     """The names :func:`common_case`'s lines use."""
     return {"_CAI_TYPESTRS": _TYPESTR_CACHE, "_CAI_N": 1 << 30, "_CAI_P63": 1 << 63}
 
 
 #: The types read through a ``__cuda_array_interface__`` handler: each one's device
-#: getter (None: the array says nothing). Generated code inlines :func:`common_case`
-#: for these.
+#: getter; None when its arrays tell no device and keep their interface (the same dict at
+#: every read), NO_DEVICE when they tell none but build it afresh (see
+#: :func:`inline_device_getter`). Generated code inlines :func:`common_case` for these.
 CAI_TYPES: dict[type, DeviceGetter | None] = {}
+
+#: :data:`CAI_TYPES`' getter of arrays that tell no device and build their interface
+#: afresh at every read.
+NO_DEVICE: DeviceGetter = _no_device
+
+
+def inline_device_getter(getter: DeviceGetter | None, obj: Any) -> DeviceGetter | None:
+    """What :data:`CAI_TYPES` holds for the type of ``obj`` whose handler's device getter
+    is ``getter`` (None: its arrays tell no device). The generated methods' interface memo
+    remembers only arrays whose type maps to None: those that tell no device and keep
+    their interface, as ``obj`` does (an attribute, or a property that caches it); arrays
+    that build theirs afresh (CuPy, Numba, PyTorch) could never match a remembered one."""
+    if getter is not None:
+        return getter
+    try:
+        kept = obj.__cuda_array_interface__ is obj.__cuda_array_interface__
+    except Exception:  # this instance cannot say (a torch CPU tensor): the next may
+        kept = False
+    return None if kept else NO_DEVICE
 
 
 def _handler_code() -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..enums import DataType
-from ._cai import CAI_TYPES, _make_cai_handler
+from ._cai import CAI_TYPES, _make_cai_handler, inline_device_getter
 from ._common import _CACHE_LIMIT, _instance_has, _not_a_buffer
 from ._devbuf import _device_buffer_handler
 from ._dlpack import _make_dlpack_handler
@@ -40,7 +40,7 @@ def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
     if len(_BUFFER_HANDLERS) < _CACHE_LIMIT:
         _BUFFER_HANDLERS[cls] = handler
         if cai:  # inlined by the generated methods, which fall back on the cached handler
-            CAI_TYPES[cls] = device_of
+            CAI_TYPES[cls] = inline_device_getter(device_of, obj)
     return handler
 
 

@@ -17,7 +17,7 @@ globals, so tracebacks show real lines (see :func:`source`).
 
 from __future__ import annotations
 
-from .._adapt._cai import CAI_TYPES, common_case, common_case_globals
+from .._adapt._cai import CAI_TYPES, NO_DEVICE, common_case, common_case_globals, same_case
 from .._capi._binding import PTR_ARGS, ptr_arg
 from .._capi._enumargs import C_REDOP
 from ..enums import DataType, RedOp
@@ -102,24 +102,30 @@ def _issue(
     i: int,
     pad: str,
     slow: str,
-    memo: tuple[str, str, str] = ("", "", ""),
+    memos: tuple[tuple[str, str, str], ...] = (),
     ptrs: tuple[str, ...] = (),
+    kept: bool = False,
 ) -> list[str]:
     """The shared count argument and the shared pointer arguments of ``ptrs`` (ints, as
     ``c_<name>``), then the gated call (:func:`_gated`) at indent ``pad``: every argument a
     ctypes object, passed to the row's function without argtypes (``self._bfn``: ctypes
     converts nothing). ``slow`` is the slow-path call taken when the handle is gone once
-    the gate is held. With ``memo`` — ``(memo list, condition or "", its items before the
-    C arguments)`` — the C arguments are remembered for the next identical call (see
-    :func:`_memo_hit`), when the condition holds."""
+    the gate is held. With ``memos`` — each ``(memo list, condition or "", its items
+    before the C arguments)`` — the C arguments are remembered for the next identical call
+    (see :func:`_memo_hit`) in the first memo whose condition holds. ``kept``: the buffers
+    were kept alive (:data:`_KEEP`), which bound ``gid``, the group number to record."""
     prepare = [f"args = ({', '.join(cargs)})"]
-    record = f"({i}, args, _GROUPS.s.gid) if _OPEN else ({i}, args)"
-    table, condition, items = memo
-    if table:
-        store = f"{table}[{i}] = ({items}, args, entry)"
+    group = "gid) if gid" if kept else "_GROUPS.s.gid) if _OPEN"
+    record = f"({i}, args, {group} else ({i}, args)"
+    if memos:
         prepare += [f"entry = ({i}, args)"]
-        prepare += [f"if {condition}:", "    " + store] if condition else [store]
-        record = f"({i}, args, _GROUPS.s.gid) if _OPEN else entry"
+        record = f"({i}, args, {group} else entry"
+    for j, (table, condition, items) in enumerate(memos):
+        store = f"{table}[{i}] = ({items}, args, entry)"
+        if not condition:
+            prepare.append(store)
+        else:
+            prepare += [f"{'elif' if j else 'if'} {condition}:", "    " + store]
     body = _shared_arg("cn", "n", "_SIZE_ARGS", "_size_arg")
     for name in ptrs:
         # A cached address passed the range check before (PTR_ARGS keeps only those).
@@ -158,7 +164,12 @@ def slow_call(spec: CollSpec) -> str:
 
 
 def _memo_hit(
-    memo: str, conds: list[str], n: int, i: int, slow: str, pre: tuple[str, ...] = ()
+    memo: str,
+    conds: list[str],
+    n: int,
+    i: int,
+    slow: str,
+    pre: tuple[str, ...] = (),
 ) -> list[str]:
     """A memo (``self._memo`` or ``self._amemo``): a call whose arguments are those its row's
     last checked call of that kind was made from (``conds``, identity tests against the
@@ -170,9 +181,12 @@ def _memo_hit(
     and nothing large is kept alive; a PreMulSum op, an int, takes the slow path and is
     never remembered). ``self._amemo`` (DeviceBuffers) remembers each buffer's ``_arg``
     tuple, not the buffer: a closed buffer's is None, a new buffer's a new tuple, and
-    the buffer itself is not kept alive. ``comm.stream = ...`` forgets both. Anything
-    else falls through to the checks."""
-    record = f"({i}, margs, _GROUPS.s.gid) if _OPEN else mentry"
+    the buffer itself is not kept alive (``self._cmemo``, for ``__cuda_array_interface__``
+    arrays: :func:`_cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
+    falls through to the checks. The lines ``pre`` (:data:`_KEEP`) bind ``gid``, the
+    group number to record."""
+    group = "gid) if gid" if pre else "_GROUPS.s.gid) if _OPEN"
+    record = f"({i}, margs, {group} else mentry"
     names = ", ".join(f"m{j}" for j in range(n))
     body = [
         f"{names}, margs, mentry = {memo}[{i}]",
@@ -182,6 +196,52 @@ def _memo_hit(
         *["    " + line for line in _gated(i, [], record, "fn(*margs)", "return " + slow)],
     ]
     return body
+
+
+#: Keeping a call's buffers alive until the group it is queued in ends (``{bufs}``: they,
+#: as a tuple's items), and the group's number (0: none) for the flight record, in one
+#: look at the thread's group state.
+_KEEP = "gid = _keep_alive(({bufs})) if _OPEN else 0"
+
+
+def _cai_memo_hit(
+    names: list[str], extra: list[str], i: int, slow: str, keep: str
+) -> list[str]:
+    """The interface memo, ``cm = self._cmemo[i]``: a call of ``__cuda_array_interface__``
+    arrays (parameters ``names``) of the types the row's last such call had, whose
+    interfaces hold that call's very shape, data and typestr objects (tuples of ints and
+    a str: immutable) with no strides or mask (:func:`~pynccl._adapt._cai.same_case`) —
+    ``cm`` holds, per buffer, its type and those three, then ``extra``'s objects, the C
+    arguments and the record entry — reuses the C arguments. The common case would read
+    the same again, for any array of those types; the array itself is not kept alive.
+
+    Only types whose arrays tell no device and keep their interface (the same dict at
+    every read: ``CAI_TYPES`` holds None for them) are remembered; most producers (CuPy,
+    Numba, PyTorch) build theirs afresh, and their calls pay no memo store. A call that
+    misses reads a kept interface again in the checks (the same dict)."""
+    key = [f"type({b}) is cm[{4 * j}]" for j, b in enumerate(names)]
+    key += [f"{k} is cm[{4 * len(names) + j}]" for j, k in enumerate(extra)]
+    body: list[str] = []
+    for j, b in enumerate(names):
+        found = same_case("cai", (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]"))
+        pad = "    " * j
+        body += [f"{pad}cai = {b}.__cuda_array_interface__"]
+        body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]
+    record = f"({i}, margs, gid) if gid else mentry"
+    return [
+        f"cm = self._cmemo[{i}]",
+        "if " + " and ".join(key) + ":",
+        "    hit = False",
+        "    try:",
+        *["        " + line for line in body],
+        "    except Exception:  # the checks read the interface again and say why",
+        "        pass",
+        "    if hit:",
+        f"        {keep}",
+        "        margs, mentry = cm[-2], cm[-1]",
+        f"        fn = self._bfn[{i}]",
+        *["        " + line for line in _gated(i, [], record, "fn(*margs)", "return " + slow)],
+    ]
 
 
 def _array_key(spec: CollSpec) -> list[str]:
@@ -196,20 +256,23 @@ def _buffer_count(spec: CollSpec) -> int:
 _EMPTY: list[tuple[tuple[object, ...], ...]] = []
 
 
-def empty_memos() -> tuple[list[tuple[object, ...]], list[tuple[object, ...]]]:
-    """Fresh lists of each row's raw-pointer and DeviceBuffer memos with nothing
-    remembered: as many items as the generated code unpacks, each an object no argument
-    can be (the tuples, made once, are shared)."""
+def empty_memos() -> list[list[tuple[object, ...]]]:
+    """Fresh lists of each row's raw-pointer, DeviceBuffer and interface memos with
+    nothing remembered: as many items as the generated code unpacks, each an object no
+    argument (nor its type) can be (the tuples, made once, are shared)."""
     if not _EMPTY:
         nothing = object()
-        _EMPTY.append(tuple((nothing,) * (len(_memo_key(spec)) + 2) for spec in COLLECTIVES))
-        _EMPTY.append(
-            tuple(
-                (nothing,) * (_buffer_count(spec) + len(_array_key(spec)) + 2)
-                for spec in COLLECTIVES
-            )
-        )
-    return list(_EMPTY[0]), list(_EMPTY[1])
+        for per_buffer in (0, 1, 4):
+            _EMPTY.append(
+                tuple(
+                    (nothing,)
+                    * (len(_memo_key(spec)) if per_buffer == 0 else
+                       per_buffer * _buffer_count(spec) + len(_array_key(spec)))
+                    + (nothing, nothing)
+                    for spec in COLLECTIVES
+                )
+            )  # fmt: skip
+    return [list(memos) for memos in _EMPTY]
 
 
 def _method_source(spec: CollSpec) -> str:
@@ -268,7 +331,7 @@ def _method_source(spec: CollSpec) -> str:
     slow = "return " + slow_call(spec)
     bufs_raw = tuple(b for b, _, _, _ in names)
     memo = ("self._memo", "", ", ".join(key))
-    lines += _issue([f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, memo, bufs_raw)
+    lines += _issue([f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, (memo,), bufs_raw)
     # -- arrays with a cached handler ------------------------------------------------------
     lines.append("        elif count is None and dtype is None:")
     # DeviceBuffers again: the array memo (each buffer's _arg tuple, the op, the root/peer).
@@ -278,9 +341,12 @@ def _method_source(spec: CollSpec) -> str:
     ]
     extra = _array_key(spec)
     akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
-    keep = ("if _OPEN:", f"    _keep_alive(({bufs}))")
+    keep = (_KEEP.format(bufs=bufs),)
     hit = _memo_hit("self._amemo", akey, len(akey), i, slow_call(spec), keep)
     assert len(names) == _buffer_count(spec)
+    lines += ["            " + line for line in hit]
+    # __cuda_array_interface__ arrays again: the interface memo.
+    hit = _cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), keep[0])
     lines += ["            " + line for line in hit]
     lines += [
         "            s = self._stream",
@@ -299,18 +365,27 @@ def _method_source(spec: CollSpec) -> str:
         # An array type read through __cuda_array_interface__: its common case inline
         # (the handlers' own definition, _adapt._cai.common_case), else its handler. A
         # cached pointer argument is a range check passed (PTR_ARGS keeps only those).
+        # k_<p>: what a memo would key this buffer on — its _arg tuple (a DeviceBuffer),
+        # False (an interface the interface memo may remember: CAI_TYPES holds None), None.
         ok = [
             *_shared_arg(p, p, "_PTRS", "_ptr_arg", f"0 < {p} < _P63", "cai = None"),
             "if cai is not None:",
-            f"    dev_{p} = None if dg is None else dg({b}, {label})",
+            "    if dg is None:",
+            f"        dev_{p} = None",
+            f"        k_{p} = False",
+            "    elif dg is _NO_DEVICE:",
+            f"        dev_{p} = None",
+            "    else:",
+            f"        dev_{p} = dg({b}, {label})",
         ]
-        cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, ptr_checked=False)
+        parts = (f"sh_{p}", f"d_{p}", f"ts_{p}")
+        cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, False, parts)
         lines += [
             f"            if type({b}) is _DeviceBuffer and (t := {b}._arg) is not None:",
             f"                {p}, {nvar}, dt_{p}, dev_{p} = t",
             f"                k_{p} = t",
             f"            elif (dg := _CAI_TYPES.get(type({b}), _NO)) is not _NO:",
-            f"                k_{p} = _NO",
+            f"                k_{p} = None",
             *["                " + line for line in cai],
             "                if cai is None:",
             f"                    hd = _HANDLERS[type({b})]",
@@ -318,7 +393,7 @@ def _method_source(spec: CollSpec) -> str:
             f"            elif type({b}) is int or (hd := _HANDLERS.get(type({b}))) is None:",
             f"                {slow}",
             "            else:",
-            f"                k_{p} = _NO",
+            f"                k_{p} = None",
             *["                " + line for line in handler],
         ]
         conds.append(f"(dev_{p} is None or dev_{p} == dev)")
@@ -350,14 +425,17 @@ def _method_source(spec: CollSpec) -> str:
     lines += [
         f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
-        "                    if _OPEN:",
-        f"                        _keep_alive(({bufs}))",
+        "                    " + _KEEP.format(bufs=bufs),
     ]
     tokens = [f"k_{p}" for _, p, _, _ in names]
-    # Remembered when every buffer was a DeviceBuffer.
-    every = " and ".join(f"{k} is not _NO" for k in tokens)
-    memo = ("self._amemo", every, ", ".join(tokens + extra))
-    lines += _issue([p for _, p, _, _ in names] + tail, i, " " * 20, slow, memo)
+    # Remembered when every buffer was an interface the interface memo may remember, or
+    # when every buffer was a DeviceBuffer.
+    interfaces = " and ".join(f"{k} is False" for k in tokens)
+    remembered = [f"type({b}), sh_{p}, d_{p}, ts_{p}" for b, p, _, _ in names]
+    cmemo = ("self._cmemo", interfaces, ", ".join(remembered + extra))
+    amemo = ("self._amemo", " and ".join(tokens), ", ".join(tokens + extra))
+    cargs = [p for _, p, _, _ in names] + tail
+    lines += _issue(cargs, i, " " * 20, slow, (cmemo, amemo), kept=True)
     lines.append("    " + slow)
     return "\n".join(lines) + "\n"
 
@@ -415,6 +493,7 @@ def _env() -> dict[str, object]:
             _HANDLERS=_BUFFER_HANDLERS,
             _CAI_TYPES=CAI_TYPES,
             _NO=object(),
+            _NO_DEVICE=NO_DEVICE,
             **common_case_globals(),
             _DeviceBuffer=DeviceBuffer,
             _GROUPS=groups._local,

@@ -33,6 +33,7 @@ class Observed(CommHandle):
     __slots__ = (
         "_amemo",
         "_bfn",
+        "_cmemo",
         "_cstream",
         "_device",
         "_fn",
@@ -51,6 +52,7 @@ class Observed(CommHandle):
     _raw_bfn: list[Any]
     _memo: list[tuple[object, ...]]
     _amemo: list[tuple[object, ...]]
+    _cmemo: list[tuple[object, ...]]
     _ring: list[object]
     _seq: int
     _stream: int
@@ -242,10 +244,10 @@ class Observed(CommHandle):
         self._forget_memos()
 
     def _forget_memos(self) -> None:
-        """Forget each row's memos of its last raw-pointer and DeviceBuffer calls
-        (``_codegen._memo_hit``): what their C arguments were built from (the size, the
-        stream) changed."""
-        self._memo, self._amemo = _empty_memos()
+        """Forget each row's memos of its last raw-pointer, DeviceBuffer and interface
+        calls (``_codegen._memo_hit``): what their C arguments were built from (the size,
+        the stream) changed."""
+        self._memo, self._amemo, self._cmemo = _empty_memos()
 
     def watch_status(self) -> tuple[bool, bool, BaseException | None]:
         """For the watchdog: ``(alive, ready, asynchronous error or None)``."""

@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from ..typing import StreamLike
     from ._communicator import Communicator
 
-_local = _groups._local
 _OPEN = _groups.OPEN
 _keep_alive = _groups.keep_alive
 
@@ -163,10 +162,9 @@ class PersistentOp(Closable):
             if comm._h is self._h:
                 seq = comm._seq + 1
                 comm._seq = seq
-                if _OPEN:
-                    _keep_alive(self)
+                if _OPEN and (gid := _keep_alive(self)):
                     slot = self._slot
-                    comm._ring[seq & _MASK] = (slot[0], slot[1], _local.s.gid, *slot[3:])
+                    comm._ring[seq & _MASK] = (slot[0], slot[1], gid, *slot[3:])
                 else:
                     comm._ring[seq & _MASK] = self._slot
                 rc = self._fn(*self._args)
