@@ -9,6 +9,9 @@ collective, plus send and recv) it times:
 * floor     the bare ctypes function with argtypes/restype set, no checks
 * raw       ``comm.<method>(ptr, ptr, count=, dtype=)``
 * CAI       ``comm.<method>(a, b)``, objects exposing only ``__cuda_array_interface__``
+            (the same dict every time: calls take the interface memo, which reuses the
+            previous call's reading while the interface holds the same shape, data and
+            typestr objects)
 * DevBuf    the same with :class:`pynccl.cuda.DeviceBuffer`
 * persistent  ``op()`` of ``op = comm.<method>_init(ptr, ptr, count=, dtype=)``: checked
             once, issued with prebuilt ctypes arguments through a function without argtypes
@@ -17,7 +20,9 @@ The raw rows repeat one call with the same objects, so they take the generated m
 memo (the previous call's checked C arguments reused), and the DevBuf rows their
 DeviceBuffer memo (keyed on each buffer's ``_arg`` tuple); ``all_reduce(memo miss)`` and
 ``all_reduce(DevBuf miss)`` alternate two calls that swap the buffers, so every call is
-checked in full. Then all_reduce's
+checked in full; ``all_reduce(new dicts)`` reads interfaces that are new dicts of new
+tuples at every read (as CuPy, Numba and PyTorch make them), against a floor that reads
+them too. Then all_reduce's
 generated code compiled without the gate (what serializing teardown against calls in
 flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
 ``ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd``, the low-level layer
@@ -69,6 +74,19 @@ class CaiArray:
             "strides": None,
             "version": 3,
         }
+
+
+class FreshCaiArray:
+    """An array whose interface is a new dict of new tuples at every read, as CuPy, Numba
+    and PyTorch build theirs: no call of it can reuse an earlier call's reading."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.ptr, self.n = ptr, n
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.n,), "typestr": "<f4", "data": (self.ptr, False),
+                "strides": None, "version": 3}  # fmt: skip
 
 
 def import_time_ms(statement: str, repeat: int = 7) -> float:
@@ -185,6 +203,15 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
         ar(send, recv, count=n, dtype=f32),
         ar(recv, send, count=n, dtype=f32),
     )
+    # Interfaces built afresh at every read: the floor reads them too (what any consumer
+    # pays the producer), so the ratio is pynccl's reading of them.
+    fa, fb = FreshCaiArray(send, n), FreshCaiArray(recv, n)
+    v["all_reduce(new dicts) floor"] = lambda: (
+        fa.__cuda_array_interface__,
+        fb.__cuda_array_interface__,
+        floor_ar(send, recv, n, 7, 0, h, 0),
+    )
+    v["all_reduce(new dicts) CAI"] = lambda: ar(fa, fb)
     v["all_reduce(DevBuf miss) floor"] = v["all_reduce(memo miss) floor"]
     v["all_reduce(DevBuf miss) DevBuf"] = lambda: (ar(a, b), ar(b, a))
     low = pynccl.lib().ncclAllReduce
