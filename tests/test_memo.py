@@ -1,4 +1,6 @@
-"""The generated methods' memo of their last raw-pointer call (``_codegen._memo_hit``).
+"""The generated methods' memo of their last raw-pointer call (``_codegen._memo_hit``),
+and of their last array calls (what the DeviceBuffer and interface memos keep alive; the
+interface memo's own tests are in ``test_memo_cai.py``).
 
 A raw-pointer call made with the very objects of the row's previous one reuses that call's
 checked C arguments. These tests pin what must not change because of it: results (against
@@ -12,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _cai_cases import interface
 from _worlds import ThreadWorld
 
 from pynccl import DataType, NcclInvalidUsage
@@ -188,21 +191,46 @@ def test_devicebuffer_calls_hit_the_array_memo_and_compute_each_time() -> None:
             np.testing.assert_array_equal(results[r][2 * step + 1], np.full(N, 10 * step + 1))
 
 
-def test_the_array_memo_keeps_no_buffer_alive() -> None:
+def _pair(kind: str, keep: list[Any]) -> tuple[Any, Any]:
+    """Two arrays of ``kind`` for the array memos: DeviceBuffers (the DeviceBuffer memo;
+    freed when collected), or objects keeping an interface of one DeviceBuffer, which is
+    added to ``keep`` (the interface memo)."""
+    if kind == "DeviceBuffer":
+        return DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+    keep.append(DeviceBuffer(N, F32))
+    cls = type("Kept", (), {})
+    pair = cls(), cls()
+    for x in pair:
+        x.__cuda_array_interface__ = interface(keep[0])
+    return pair
+
+
+def _remembered(comm: Communicator, kind: str, x: Any, row: int = 0) -> bool:
+    """Whether ``row``'s memo of ``kind`` holds ``x`` (its first buffer)."""
+    if kind == "DeviceBuffer":
+        return comm._amemo[row][0] is x._arg
+    return comm._cmemo[row][0] is type(x)
+
+
+@pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
+def test_the_array_memos_keep_no_array_alive(kind: str) -> None:
     import gc
     import weakref
 
     comm = Communicator(1, UniqueId(), 0, device=0)
+    keep: list[Any] = []
     try:
-        a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+        a, b = _pair(kind, keep)
         for _ in range(3):
             comm.all_reduce(a, b)
-        assert comm._amemo[0][0] is a._arg  # remembered
+        assert _remembered(comm, kind, a)
         refs = weakref.ref(a), weakref.ref(b)
         del a, b
         gc.collect()
         assert refs[0]() is None and refs[1]() is None
     finally:
+        for buf in keep:
+            buf.close()
         comm.destroy()
 
 
@@ -230,42 +258,52 @@ def test_a_closed_or_replaced_buffer_is_checked_again() -> None:
         fresh.destroy()
 
 
-def test_the_array_memo_is_recorded_and_follows_the_stream() -> None:
+@pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
+def test_the_array_memos_are_recorded_and_follow_the_stream(kind: str) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
-    a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+    keep: list[Any] = []
     s = Stream()
     try:
+        a, b = _pair(kind, keep)
         for _ in range(3):
-            comm.reduce(a, b, "min", root=0)
+            comm.reduce(a, b, root=0)
+        assert _remembered(comm, kind, a, row=2)
         records = comm.flight_record()[-3:]
         assert [r[0] for r in records] == [comm._seq - 2, comm._seq - 1, comm._seq]
         # (seq, function, root, (send, recv, count, dtype, op, root, comm, stream))
+        if kind == "DeviceBuffer":
+            ptrs, n = (a.ptr, b.ptr), N
+        else:
+            ptrs, n = (keep[0].ptr, keep[0].ptr), a.__cuda_array_interface__["shape"][0]
         assert {(r[1], r[2], r[3]) for r in records} == {
-            ("ncclReduce", 0, (a.ptr, b.ptr, N, int(F32), 3, 0, comm.handle, 0))
+            ("ncclReduce", 0, (*ptrs, n, int(F32), 0, 0, comm.handle, 0))
         }
         comm.stream = s
-        comm.reduce(a, b, "min", root=0)
-        comm.reduce(a, b, "min", root=0)
+        comm.reduce(a, b, root=0)
+        comm.reduce(a, b, root=0)
         assert [r[3][-1] for r in comm.flight_record()[-2:]] == [s.handle, s.handle]
     finally:
         comm.stream = None
-        a.close()
-        b.close()
+        for buf in keep:
+            buf.close()
         s.close()
         comm.destroy()
 
 
-def test_an_array_memo_hit_inside_a_group_keeps_the_buffers_until_it_ends() -> None:
+@pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
+def test_an_array_memo_hit_inside_a_group_keeps_the_arrays_until_it_ends(kind: str) -> None:
     import gc
     import weakref
 
     from pynccl import group
 
     comm = Communicator(1, UniqueId(), 0, device=0)
+    keep: list[Any] = []
     try:
-        a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+        a, b = _pair(kind, keep)
         comm.all_reduce(a, b)
         comm.all_reduce(a, b)
+        assert _remembered(comm, kind, a)
         refs = weakref.ref(a), weakref.ref(b)
         with group():
             comm.all_reduce(a, b)  # a hit
@@ -275,4 +313,6 @@ def test_an_array_memo_hit_inside_a_group_keeps_the_buffers_until_it_ends() -> N
         gc.collect()
         assert refs[0]() is None and refs[1]() is None
     finally:
+        for buf in keep:
+            buf.close()
         comm.destroy()

@@ -3,28 +3,50 @@
 objects of the row's last such call, on arrays of the same types, reuses its C arguments.
 
 What must not change because of it: every change to an interface is seen (each case of
-``test_inline_paths.CASES``, made in place on the remembered dict or as a new dict, gives
+``_cai_cases.CASES``, made in place on the remembered dict or as a new dict, gives
 what the slow path gives on a type never seen), results (against numpy), how often an
-interface is read (once a call), what stays alive, the device an array reports, the
-flight record and the stream.
+interface is read (once a call), the device an array reports, the flight record and the
+stream (what stays alive: ``test_memo.py``, with the DeviceBuffer memo's).
 """
 
 from __future__ import annotations
 
-import gc
 import types
-import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from _cai_cases import CASES, N, changed, interface, outcome, reduce, resolve
 
-from pynccl import DataType, group
+from pynccl import DataType
 from pynccl.comm import Communicator, UniqueId
-from pynccl.cuda import DeviceBuffer, Stream
+from pynccl.cuda import DeviceBuffer
 
 pytestmark = pytest.mark.usefixtures("lb")
+
+
+@pytest.fixture
+def comm() -> Iterator[Communicator]:
+    made = Communicator(1, UniqueId(), 0, device=0)
+    yield made
+    made.destroy()
+
+
+@pytest.fixture
+def bufs() -> Iterator[Callable[..., DeviceBuffer]]:
+    """``bufs()``: a new DeviceBuffer of N float32 (``bufs(array)``: holding ``array``),
+    closed after the test (before its communicator is destroyed)."""
+    made: list[DeviceBuffer] = []
+
+    def make(array: np.ndarray | None = None) -> DeviceBuffer:
+        made.append(DeviceBuffer(N, F32) if array is None else DeviceBuffer.from_numpy(array))
+        return made[-1]
+
+    yield make
+    for buf in made:
+        buf.close()
+
 
 F32 = DataType.FLOAT32
 
@@ -32,42 +54,40 @@ F32 = DataType.FLOAT32
 @pytest.mark.parametrize("how", ["in place", "new dict"])
 @pytest.mark.parametrize("name, send_change, recv_change", CASES, ids=[c[0] for c in CASES])
 def test_the_interface_memo_sees_every_change(
-    name: str, send_change: dict[str, Any], recv_change: dict[str, Any], how: str
+    name: str,
+    send_change: dict[str, Any],
+    recv_change: dict[str, Any],
+    how: str,
+    comm: Communicator,
+    bufs: Callable[..., DeviceBuffer],
 ) -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    src = DeviceBuffer.from_numpy(np.arange(1, N + 1, dtype=np.float32))
-    dst = DeviceBuffer(N, F32)
-    try:
-        cls = type("Remembered", (), {})
-        x, y = cls(), cls()
-        x.__cuda_array_interface__ = interface(src)
-        y.__cuda_array_interface__ = interface(dst)
-        reduce(comm, x, y)
-        reduce(comm, x, y)  # a hit
-        assert comm._cmemo[0][0] is cls and comm._cmemo[0][4] is cls
-        (sc, sw), (rc, rw) = resolve(src, send_change), resolve(dst, recv_change)
-        if how == "in place":  # only the changed keys: the others keep their objects
-            x.__cuda_array_interface__ = changed(x.__cuda_array_interface__, sc, sw)
-            y.__cuda_array_interface__ = changed(y.__cuda_array_interface__, rc, rw)
-        else:
-            x.__cuda_array_interface__ = changed(interface(src), sc, sw)
-            y.__cuda_array_interface__ = changed(interface(dst), rc, rw)
-        dst.copy_from(np.zeros(N, np.float32))
-        got = outcome(lambda: reduce(comm, x, y), dst)
-        # What the slow path says on a type it has never seen, for the same interfaces.
-        cold = type("Cold", (), {})
-        x2, y2 = cold(), cold()
-        x2.__cuda_array_interface__ = x.__cuda_array_interface__
-        y2.__cuda_array_interface__ = y.__cuda_array_interface__
-        dst.copy_from(np.zeros(N, np.float32))
-        want = outcome(lambda: reduce(comm, x2, y2), dst)
-        assert got == want
-        if name == "plain" or name == "no strides key":
-            assert got == ("ok", repr(np.arange(1, N + 1, dtype=np.float32).tolist()))
-    finally:
-        src.close()
-        dst.close()
-        comm.destroy()
+    src, dst = bufs(np.arange(1, N + 1, dtype=np.float32)), bufs()
+    cls = type("Remembered", (), {})
+    x, y = cls(), cls()
+    x.__cuda_array_interface__ = interface(src)
+    y.__cuda_array_interface__ = interface(dst)
+    reduce(comm, x, y)
+    reduce(comm, x, y)  # a hit
+    assert comm._cmemo[0][0] is cls and comm._cmemo[0][4] is cls
+    (sc, sw), (rc, rw) = resolve(src, send_change), resolve(dst, recv_change)
+    if how == "in place":  # only the changed keys: the others keep their objects
+        x.__cuda_array_interface__ = changed(x.__cuda_array_interface__, sc, sw)
+        y.__cuda_array_interface__ = changed(y.__cuda_array_interface__, rc, rw)
+    else:
+        x.__cuda_array_interface__ = changed(interface(src), sc, sw)
+        y.__cuda_array_interface__ = changed(interface(dst), rc, rw)
+    dst.copy_from(np.zeros(N, np.float32))
+    got = outcome(lambda: reduce(comm, x, y), dst)
+    # What the slow path says on a type it has never seen, for the same interfaces.
+    cold = type("Cold", (), {})
+    x2, y2 = cold(), cold()
+    x2.__cuda_array_interface__ = x.__cuda_array_interface__
+    y2.__cuda_array_interface__ = y.__cuda_array_interface__
+    dst.copy_from(np.zeros(N, np.float32))
+    want = outcome(lambda: reduce(comm, x2, y2), dst)
+    assert got == want
+    if name == "plain" or name == "no strides key":
+        assert got == ("ok", repr(np.arange(1, N + 1, dtype=np.float32).tolist()))
 
 
 class _Counted:
@@ -90,42 +110,36 @@ class _Counted:
 
 @pytest.mark.parametrize("kept", [True, False], ids=["kept", "built afresh"])
 def test_interfaces_are_read_once_a_call_but_for_misses_and_the_results_are_right(
-    kept: bool,
+    kept: bool, comm: Communicator, bufs: Callable[..., DeviceBuffer]
 ) -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    bufs = [DeviceBuffer(N, F32) for _ in range(3)]
+    made = [bufs() for _ in range(3)]
     cls: Any = type("Counted", (_Counted,), {"reads": 0})
-    try:
-        a, b, c = (cls(buf, kept) for buf in bufs)
-        rng = np.random.default_rng(7)
-        reads = []
-        for step in range(8):
-            # The same pair, then (step 4) another recv, then the pair again.
-            send, recv, out = (a, c, bufs[2]) if step == 4 else (a, b, bufs[1])
-            want = rng.standard_normal(N).astype(np.float32)
-            bufs[0].copy_from(want)
-            before = cls.reads
-            comm.all_reduce(send, recv)
-            comm.synchronize()
-            reads.append(cls.reads - before)
-            np.testing.assert_array_equal(out.to_numpy(), want)
-            assert (comm._cmemo[0][0] is cls) == (kept and step > 0)
-        # The first call reads sendbuf's interface twice more: is it kept? Built afresh,
-        # interfaces are never remembered, and read once a call. Kept, a call that misses
-        # the memo (steps 4 and 5) reads again what it read for it.
-        assert reads == ([4, 2, 2, 2, 4, 4, 2, 2] if kept else [4] + [2] * 7)
+    a, b, c = (cls(buf, kept) for buf in made)
+    rng = np.random.default_rng(7)
+    reads = []
+    for step in range(8):
+        # The same pair, then (step 4) another recv, then the pair again.
+        send, recv, out = (a, c, made[2]) if step == 4 else (a, b, made[1])
+        want = rng.standard_normal(N).astype(np.float32)
+        made[0].copy_from(want)
         before = cls.reads
-        comm.broadcast(a, root=0)  # in place: one object read as both buffers
-        assert cls.reads - before == 2
-    finally:
-        for buf in bufs:
-            buf.close()
-        comm.destroy()
+        comm.all_reduce(send, recv)
+        comm.synchronize()
+        reads.append(cls.reads - before)
+        np.testing.assert_array_equal(out.to_numpy(), want)
+        assert (comm._cmemo[0][0] is cls) == (kept and step > 0)
+    # The first call reads sendbuf's interface twice more: is it kept? Built afresh,
+    # interfaces are never remembered, and read once a call. Kept, a call that misses
+    # the memo (steps 4 and 5) reads again what it read for it.
+    assert reads == ([4, 2, 2, 2, 4, 4, 2, 2] if kept else [4] + [2] * 7)
+    before = cls.reads
+    comm.broadcast(a, root=0)  # in place: one object read as both buffers
+    assert cls.reads - before == 2
 
 
-def test_an_interface_that_raises_after_a_hit_raises_as_it_would_cold() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    buf = DeviceBuffer(N, F32)
+def test_an_interface_that_raises_after_a_hit_raises_as_it_would_cold(
+    comm: Communicator, bufs: Callable[..., DeviceBuffer]
+) -> None:
 
     class Flaky:
         broken = False
@@ -136,88 +150,45 @@ def test_an_interface_that_raises_after_a_hit_raises_as_it_would_cold() -> None:
                 raise RuntimeError("the array was released")
             return cai
 
-    cai = interface(buf)
-    try:
-        x = Flaky()
+    cai = interface(bufs())
+    x = Flaky()
+    comm.all_reduce(x)
+    comm.all_reduce(x)
+    x.broken = True
+    with pytest.raises(RuntimeError, match="released"):
         comm.all_reduce(x)
-        comm.all_reduce(x)
-        x.broken = True
-        with pytest.raises(RuntimeError, match="released"):
-            comm.all_reduce(x)
-        x.broken = False
-        comm.all_reduce(x)
-    finally:
-        buf.close()
-        comm.destroy()
+    x.broken = False
+    comm.all_reduce(x)
 
 
-def test_the_interface_memo_keeps_no_array_alive_but_a_group_does() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    buf = DeviceBuffer(N, F32)
-    cls = type("Plain", (), {})
-    try:
-        x, y = cls(), cls()
-        x.__cuda_array_interface__ = interface(buf)
-        y.__cuda_array_interface__ = interface(buf)
-        comm.all_reduce(x, y)
-        comm.all_reduce(x, y)
-        assert comm._cmemo[0][0] is cls
-        refs = weakref.ref(x), weakref.ref(y)
-        with group():
-            comm.all_reduce(x, y)  # a hit
-            del x, y
-            gc.collect()
-            assert refs[0]() is not None and refs[1]() is not None
-        gc.collect()
-        assert refs[0]() is None and refs[1]() is None
-    finally:
-        buf.close()
-        comm.destroy()
-
-
-def test_arrays_that_report_a_device_are_checked_every_call() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    buf = DeviceBuffer(N, F32)
-    cai = interface(buf)
+def test_arrays_that_report_a_device_are_checked_every_call(
+    comm: Communicator, bufs: Callable[..., DeviceBuffer]
+) -> None:
+    cai = interface(bufs())
 
     class OnDevice:
         def __init__(self) -> None:
             self.device = 0
             self.__cuda_array_interface__ = cai
 
-    try:
-        x = OnDevice()
+    x = OnDevice()
+    comm.all_reduce(x)
+    comm.all_reduce(x)
+    assert comm._cmemo[0][0] is not OnDevice  # never remembered
+    x.device = 3
+    with pytest.raises(ValueError, match="device 3"):
         comm.all_reduce(x)
-        comm.all_reduce(x)
-        assert comm._cmemo[0][0] is not OnDevice  # never remembered
-        x.device = 3
-        with pytest.raises(ValueError, match="device 3"):
-            comm.all_reduce(x)
-    finally:
-        buf.close()
-        comm.destroy()
 
 
-def test_the_interface_memo_is_shared_by_arrays_with_one_interface_and_follows_the_stream() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    buf = DeviceBuffer(N, F32)
-    s = Stream()
-    cai = interface(buf)
-    try:
-        views = [types.SimpleNamespace(__cuda_array_interface__=cai) for _ in range(3)]
-        for v in views:
-            comm.reduce(v, v, "min", root=0)
-        records = comm.flight_record()[-3:]
-        assert [r[0] for r in records] == [comm._seq - 2, comm._seq - 1, comm._seq]
-        assert {(r[1], r[2], r[3]) for r in records} == {
-            ("ncclReduce", 0, (buf.ptr, buf.ptr, N, int(F32), 3, 0, comm.handle, 0))
-        }
-        comm.stream = s
-        comm.reduce(views[0], views[0], "min", root=0)
-        comm.reduce(views[1], views[1], "min", root=0)
-        assert [r[3][-1] for r in comm.flight_record()[-2:]] == [s.handle, s.handle]
-    finally:
-        comm.stream = None
-        buf.close()
-        s.close()
-        comm.destroy()
+def test_arrays_sharing_one_interface_share_its_memo(
+    comm: Communicator, bufs: Callable[..., DeviceBuffer]
+) -> None:
+    cai = interface(bufs())
+    views = [types.SimpleNamespace(__cuda_array_interface__=cai) for _ in range(3)]
+    comm.reduce(views[0], views[0], root=0)  # the type's first call: the slow path
+    comm.reduce(views[0], views[0], root=0)
+    remembered = comm._cmemo[2]
+    assert remembered[0] is types.SimpleNamespace
+    for v in views[1:]:
+        comm.reduce(v, views[0], root=0)
+        assert comm._cmemo[2] is remembered  # a hit (a miss would remember anew)
