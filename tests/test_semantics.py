@@ -183,6 +183,70 @@ def test_complex_arrays_sum_and_refuse_max(thread_worlds: Any) -> None:
         assert "complex" in text and "max" in text
 
 
+class _OnDevice(MinimalCAI):
+    """An interface that also tells its device (.device), like CuPy's and PyTorch's."""
+
+    def __init__(self, ptr: int, n: int, device: int) -> None:
+        super().__init__(ptr, n, DataType.FLOAT32, "<f4")
+        self.device = device
+
+
+@pytest.mark.parametrize("kind", ["DeviceBuffer", "interface", "interface with device"])
+def test_prod_max_min_of_real_arrays_are_issued_inline_and_complex_ones_refused(
+    thread_worlds: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    from pynccl.comm._collectives import Collectives
+
+    slow_calls: list[tuple[Any, bool]] = []  # (op, whether sendbuf is complex)
+    real_slow = Collectives._slow
+
+    def counted(self: Any, row: Any, sendbuf: Any, *args: Any) -> Any:
+        slow_calls.append((args[1], _adapt.is_complex(sendbuf)))
+        return real_slow(self, row, sendbuf, *args)
+
+    monkeypatch.setattr(Collectives, "_slow", counted)
+    world = thread_worlds(2)
+    ops = {"prod": np.multiply, "max": np.maximum, "min": np.minimum}
+    data = {r: (np.arange(N, dtype=np.float32) - 2) * (r + 1) for r in range(2)}
+    complex_data = (np.arange(N) + 1j).astype(np.complex64)
+
+    def call(r: int, comm: Communicator) -> tuple[dict[str, np.ndarray], list[str]]:
+        src = DeviceBuffer.from_numpy(data[r], device=r)
+        dst = DeviceBuffer(N, DataType.FLOAT32, device=r)
+        cplx = DeviceBuffer.from_numpy(complex_data, device=r)
+        wrap: Callable[[DeviceBuffer], Any] = {
+            "DeviceBuffer": lambda buf: buf,
+            "interface": lambda buf: MinimalCAI(buf.ptr, N, DataType.FLOAT32, "<f4"),
+            "interface with device": lambda buf: _OnDevice(buf.ptr, N, r),
+        }[kind]
+        x, y = wrap(src), wrap(dst)
+        comm.all_reduce(x, y)  # a type's first call takes the slow path (its handler)
+        comm.synchronize(timeout=60)
+        got, refused = {}, []
+        for name in ops:
+            for _ in range(2):  # checked in full, then (a memo hit) again
+                comm.all_reduce(x, y, name)
+                comm.synchronize(timeout=60)
+                got[name] = dst.to_numpy().copy()
+        c = cplx if kind == "DeviceBuffer" else MinimalCAI(cplx.ptr, N, DataType.FLOAT32, "<c8")
+        for name in ops:
+            for _ in range(2):
+                with pytest.raises(TypeError) as info:
+                    comm.all_reduce(c, op=name)
+                refused.append(str(info.value))
+        for buf in (src, dst, cplx):
+            buf.close()
+        return got, refused
+
+    results = world.run(call)
+    for got, refused in results.values():
+        for name, ufunc in ops.items():
+            np.testing.assert_array_equal(got[name], ufunc(data[0], data[1]))
+        assert len(set(refused)) == 3 and all("complex" in text for text in refused)
+    # Of prod/max/min, the slow path saw the complex arrays only (3 ops, twice, 2 ranks).
+    assert sorted(c for op, c in slow_calls if op in ops) == [True] * 12
+
+
 # --- messages: a short record in the text, the whole record as an attribute ---------------------
 
 

@@ -366,7 +366,9 @@ def _method_source(spec: CollSpec) -> str:
         # (the handlers' own definition, _adapt._cai.common_case), else its handler. A
         # cached pointer argument is a range check passed (PTR_ARGS keeps only those).
         # k_<p>: what a memo would key this buffer on — its _arg tuple (a DeviceBuffer),
-        # False (an interface the interface memo may remember: CAI_TYPES holds None), None.
+        # False (an interface the interface memo may remember: CAI_TYPES holds None); 0
+        # for another interface read inline (never complex: complex typestrs take the
+        # handler); None when read by its handler (complex arrays come as float pairs).
         ok = [
             *_shared_arg(p, p, "_PTRS", "_ptr_arg", f"0 < {p} < _P63", "cai = None"),
             "if cai is not None:",
@@ -375,8 +377,10 @@ def _method_source(spec: CollSpec) -> str:
             f"        k_{p} = False",
             "    elif dg is _NO_DEVICE:",
             f"        dev_{p} = None",
+            f"        k_{p} = 0",
             "    else:",
             f"        dev_{p} = dg({b}, {label})",
+            f"        k_{p} = 0",
         ]
         parts = (f"sh_{p}", f"d_{p}", f"ts_{p}")
         cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, False, parts)
@@ -418,10 +422,17 @@ def _method_source(spec: CollSpec) -> str:
         "                code = self._codes[dt]",
     ]
     if spec.has_op:
-        lines.append(
+        # prod/max/min are undefined for complex arrays: only buffers known to be real take
+        # them here (a complex DeviceBuffer, or a handler's float pairs, the slow path).
+        real = [f"k_{p} is not None" for _, p, _, _ in names]
+        real += [f"(type({b}) is not _DeviceBuffer or not {b}.is_complex)" for b, _, _, _ in names]
+        lines += [
             "                cop = _C_SUM if op is _SUM else self._array_ops.get(op) "
-            "if type(op) is _RedOp or type(op) is str else None"
-        )
+            "if type(op) is _RedOp or type(op) is str else None",
+            "                if cop is None and (type(op) is _RedOp or type(op) is str) and "
+            + " and ".join(real) + ":",
+            "                    cop = self._ops.get(op)",
+        ]
     lines += [
         f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
