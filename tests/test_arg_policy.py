@@ -102,6 +102,17 @@ MISTAKES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "raw pointer, no dtype": ({"dtype": None}, TypeError, "dtype= must be given"),
     "raw pointer, no count": ({"count": None}, TypeError, "count= must be given"),
     "bad stream": ({"stream": "s"}, TypeError, "stream"),
+    "float stream": ({"stream": 1.5}, TypeError, "stream must be None, an int"),
+    "bool stream": ({"stream": True}, TypeError, "got builtins.bool True"),
+    "negative stream": ({"stream": -1}, ValueError, "stream handle -1 is out of range"),
+    "stream of 2**64": ({"stream": 1 << 64}, ValueError, "stream handle 18446744073709551616"),
+    # The stream is checked before everything but config, whichever path the call takes.
+    "bad stream and count": ({"stream": -1, "count": 1.5}, ValueError, "stream handle -1"),
+    "bad stream and rank": (
+        {"stream": -1, "root": 1 << 32, "peer": 1 << 32},
+        ValueError,
+        "stream handle -1",
+    ),
 }
 
 

@@ -220,7 +220,7 @@ def _cai_memo_hit(
     Numba, PyTorch) build theirs afresh, and their calls pay no memo store. A call that
     misses reads a kept interface again in the checks (the same dict)."""
     key = [f"type({b}) is cm[{4 * j}]" for j, b in enumerate(names)]
-    key += [f"{k} is cm[{4 * len(names) + j}]" for j, k in enumerate(extra)]
+    key += [f"{k} is cm[{4 * len(names) + j}]" for j, k in enumerate(extra)] + ["stream is None"]
     body: list[str] = []
     for j, b in enumerate(names):
         found = same_case("cai", (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]"))
@@ -295,14 +295,27 @@ def _method_source(spec: CollSpec) -> str:
     names = ([("sendbuf", "sp", "sn", spec.send)] if has_send else []) + (
         [(recv, "rp", "rn", spec.recv)] if has_recv else []
     )
-    first = ["stream is None and config is None"]
+    first = ["config is None"]
     if spec.where:
         first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._fast_w")
     # A root/peer goes as its shared c_int (faster for ctypes than an int).
     tail = ["cn", "code"] + (["cop"] if spec.has_op else [])
     tail += [f"self._wargs[{spec.where}]"] if spec.where else []
-    tail += ["h", "self._cstream"]
+    tail += ["h", "cs"]
     lines.append("    if " + " and ".join(first) + ":")
+    # The stream argument: the default one's shared c_void_p, a handle's (a cached one
+    # is a range check passed), or any stream-like's, as the slow path reads it (its
+    # first check after config: the same mistake meets the same error). Calls given a
+    # stream are never remembered (a stream object's handle may go with it).
+    lines += [
+        "        if stream is None:",
+        "            cs = self._cstream",
+        "        elif type(stream) is int and (cs := _PTRS.get(stream)) is not None:",
+        "            s = stream",
+        "        else:",
+        "            s = _as_stream(stream)",
+        "            cs = _ptr_arg(s)",
+    ]
     # -- raw pointers ------------------------------------------------------------------
     raw = [f"type({b}) is int" for b, _, _, _ in names[1:]] + [
         "type(count) is int",
@@ -330,7 +343,7 @@ def _method_source(spec: CollSpec) -> str:
     ]
     slow = "return " + slow_call(spec)
     bufs_raw = tuple(b for b, _, _, _ in names)
-    memo = ("self._memo", "", ", ".join(key))
+    memo = ("self._memo", "stream is None", ", ".join(key))
     lines += _issue([f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, (memo,), bufs_raw)
     # -- arrays with a cached handler ------------------------------------------------------
     lines.append("        elif count is None and dtype is None:")
@@ -342,14 +355,15 @@ def _method_source(spec: CollSpec) -> str:
     extra = _array_key(spec)
     akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
     keep = (_KEEP.format(bufs=bufs),)
-    hit = _memo_hit("self._amemo", akey, len(akey), i, slow_call(spec), keep)
+    hit = _memo_hit("self._amemo", [*akey, "stream is None"], len(akey), i, slow_call(spec), keep)
     assert len(names) == _buffer_count(spec)
     lines += ["            " + line for line in hit]
     # __cuda_array_interface__ arrays again: the interface memo.
     hit = _cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), keep[0])
     lines += ["            " + line for line in hit]
     lines += [
-        "            s = self._stream",
+        "            if stream is None:",
+        "                s = self._stream",
         "            dev = self._device",
     ]
     conds = []
@@ -441,10 +455,10 @@ def _method_source(spec: CollSpec) -> str:
     tokens = [f"k_{p}" for _, p, _, _ in names]
     # Remembered when every buffer was an interface the interface memo may remember, or
     # when every buffer was a DeviceBuffer.
-    interfaces = " and ".join(f"{k} is False" for k in tokens)
+    interfaces = " and ".join([f"{k} is False" for k in tokens] + ["stream is None"])
     remembered = [f"type({b}), sh_{p}, d_{p}, ts_{p}" for b, p, _, _ in names]
     cmemo = ("self._cmemo", interfaces, ", ".join(remembered + extra))
-    amemo = ("self._amemo", " and ".join(tokens), ", ".join(tokens + extra))
+    amemo = ("self._amemo", " and ".join([*tokens, "stream is None"]), ", ".join(tokens + extra))
     cargs = [p for _, p, _, _ in names] + tail
     lines += _issue(cargs, i, " " * 20, slow, (cmemo, amemo), kept=True)
     lines.append("    " + slow)
@@ -482,7 +496,7 @@ def _env() -> dict[str, object]:
     """The generated code's globals (built on first use: the groups/adapt imports)."""
     if not _ENV:
         from .. import groups
-        from .._adapt import _BUFFER_HANDLERS
+        from .._adapt import _BUFFER_HANDLERS, as_stream
         from ..cuda import DeviceBuffer
         from ._persistent import persistent
 
@@ -498,6 +512,7 @@ def _env() -> dict[str, object]:
             _SIZE_ARGS=SIZE_ARGS,
             _size_arg=size_arg,
             _PTRS=PTR_ARGS,
+            _as_stream=as_stream,
             _ptr_arg=ptr_arg,
             _persist=persistent,
             _ROWS=COLLECTIVES,
