@@ -22,7 +22,8 @@ DeviceBuffer memo (keyed on each buffer's ``_arg`` tuple); ``all_reduce(memo mis
 ``all_reduce(DevBuf miss)`` alternate two calls that swap the buffers, so every call is
 checked in full; ``all_reduce(new dicts)`` reads interfaces that are new dicts of new
 tuples at every read (as CuPy, Numba and PyTorch make them), against a floor that reads
-them too. Then all_reduce's
+them too; ``all_reduce(stream=)`` passes a stream (a handle to the raw call, a
+:class:`pynccl.cuda.Stream` with DeviceBuffers), which no memo takes. Then all_reduce's
 generated code compiled without the gate (what serializing teardown against calls in
 flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
 ``ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd``, the low-level layer
@@ -212,13 +213,22 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
         floor_ar(send, recv, n, 7, 0, h, 0),
     )
     v["all_reduce(new dicts) CAI"] = lambda: ar(fa, fb)
+    # Given a stream (a pynccl Stream object; its handle for the raw row): never
+    # remembered, so every call is checked in full, the stream read too.
+    from pynccl.cuda import Stream
+
+    st = Stream()
+    sh = st.handle
+    v["all_reduce(stream=) floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, sh)
+    v["all_reduce(stream=) raw"] = lambda: ar(send, recv, count=n, dtype=f32, stream=sh)
+    v["all_reduce(stream=) DevBuf"] = lambda: ar(a, b, stream=st)
     v["all_reduce(DevBuf miss) floor"] = v["all_reduce(memo miss) floor"]
     v["all_reduce(DevBuf miss) DevBuf"] = lambda: (ar(a, b), ar(b, a))
     low = pynccl.lib().ncclAllReduce
     v["low-level floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, 0)
     op_sum = RedOp.SUM  # hoisted like f32: an enum member lookup costs ~100 ns here
     v["low-level low-level"] = lambda: low(send, recv, n, f32, op_sum, h, 0)
-    return v, [comm, a, b]
+    return v, [comm, a, b, st]
 
 
 def main() -> int:
@@ -277,10 +287,11 @@ def main() -> int:
     first_use = import_time_ms("from pynccl import Communicator")
     print(f"from pynccl import Communicator: {first_use:.1f} ms ({where}; target <= 25)")
     print(f"{missed} ratio target(s) missed")
-    comm, a, b = keep
+    comm, a, b, st = keep
     a.close()
     b.close()
     comm.destroy()
+    st.close()
     return 0
 
 
