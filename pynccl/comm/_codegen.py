@@ -17,11 +17,12 @@ globals, so tracebacks show real lines (see :func:`source`).
 
 from __future__ import annotations
 
-from .._adapt._cai import CAI_TYPES, NO_DEVICE, common_case, common_case_globals, same_case
+from .._adapt._cai import CAI_TYPES, NO_DEVICE, common_case, common_case_globals
 from .._capi._binding import PTR_ARGS, ptr_arg
 from .._capi._enumargs import C_REDOP
 from ..enums import DataType, RedOp
 from ._args import SIZE_ARGS, size_arg
+from ._memos import KEEP, array_key, buffer_count, cai_memo_hit, gated, memo_hit, memo_key
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -69,34 +70,6 @@ def _params(spec: CollSpec) -> tuple[str, str, str]:
     return ", ".join(sig), f"{send}, {recv}", spec.where or "None"
 
 
-def _gated(i: int, prepare: list[str], record: str, call: str, slow: str) -> list[str]:
-    """Every generated C call's frame: take the gate, test the handle, run ``prepare``,
-    store ``record`` in the flight recorder, make the C call ``call``, give the gate back;
-    then ``slow`` (a statement) if the handle was gone, and the result check."""
-    return [
-        "gate = self._gate",
-        "try:",
-        "    gate.pop()",
-        "except IndexError:",
-        "    self._wait_gate()",
-        "try:",
-        "    h = self._h",
-        "    if h is not None:",
-        *["        " + line for line in prepare],
-        "        seq = self._seq + 1",
-        "        self._seq = seq",
-        f"        self._ring[seq & _MASK] = {record}",
-        f"        rc = {call}",
-        "finally:",
-        "    gate.append(True)",
-        "if h is None:",
-        f"    {slow}",
-        "if rc:",
-        f"    self._failed({i}, rc)",
-        "return",
-    ]
-
-
 def _issue(
     cargs: list[str],
     i: int,
@@ -112,8 +85,8 @@ def _issue(
     converts nothing). ``slow`` is the slow-path call taken when the handle is gone once
     the gate is held. With ``memos`` — each ``(memo list, condition or "", its items
     before the C arguments)`` — the C arguments are remembered for the next identical call
-    (see :func:`_memo_hit`) in the first memo whose condition holds. ``kept``: the buffers
-    were kept alive (:data:`_KEEP`), which bound ``gid``, the group number to record."""
+    (see :func:`memo_hit`) in the first memo whose condition holds. ``kept``: the buffers
+    were kept alive (:data:`KEEP`), which bound ``gid``, the group number to record."""
     prepare = [f"args = ({', '.join(cargs)})"]
     group = "gid) if gid" if kept else "_GROUPS.s.gid) if _OPEN"
     record = f"({i}, args, {group} else ({i}, args)"
@@ -130,7 +103,7 @@ def _issue(
     for name in ptrs:
         # A cached address passed the range check before (PTR_ARGS keeps only those).
         body += _shared_arg(f"c_{name}", name, "_PTRS", "_ptr_arg", f"0 < {name} < _P63", slow)
-    body += _gated(i, prepare, record, "fn(*args)", slow)
+    body += gated(i, prepare, record, "fn(*args)", slow)
     return [pad + line for line in body]
 
 
@@ -147,132 +120,11 @@ def _shared_arg(
             f"        {otherwise}"]  # fmt: skip
 
 
-def _memo_key(spec: CollSpec) -> list[str]:
-    """The parameters whose objects identify a call for the memo (``stream`` and
-    ``config`` must be None)."""
-    key = ["sendbuf"] if spec.send != "-" else []
-    key += ["recvbuf"] if spec.recv != "-" else []
-    key += ["count", "dtype"] + (["op"] if spec.has_op else [])
-    return key + ([spec.where] if spec.where else [])
-
-
 def slow_call(spec: CollSpec) -> str:
     """The row's call of the one slow path, with the method's own arguments."""
     _, bufs, where = _params(spec)
     op = "op" if spec.has_op else "None"
     return f"self._slow(_ROWS[{spec.index}], {bufs}, {op}, {where}, count, dtype, stream, config)"
-
-
-def _memo_hit(
-    memo: str,
-    conds: list[str],
-    n: int,
-    i: int,
-    slow: str,
-    pre: tuple[str, ...] = (),
-) -> list[str]:
-    """A memo (``self._memo`` or ``self._amemo``): a call whose arguments are those its row's
-    last checked call of that kind was made from (``conds``, identity tests against the
-    memo's first ``n`` items, unpacked as ``m0``, ``m1``, ...) reuses that call's C
-    arguments (shared ctypes objects) and record entry, after the lines ``pre``.
-
-    ``self._memo`` (raw pointers) remembers the argument objects themselves: only ints,
-    a DataType, an op name/member and None (immutable, so the earlier checks still hold,
-    and nothing large is kept alive; a PreMulSum op, an int, takes the slow path and is
-    never remembered). ``self._amemo`` (DeviceBuffers) remembers each buffer's ``_arg``
-    tuple, not the buffer: a closed buffer's is None, a new buffer's a new tuple, and
-    the buffer itself is not kept alive (``self._cmemo``, for ``__cuda_array_interface__``
-    arrays: :func:`_cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
-    falls through to the checks. The lines ``pre`` (:data:`_KEEP`) bind ``gid``, the
-    group number to record."""
-    group = "gid) if gid" if pre else "_GROUPS.s.gid) if _OPEN"
-    record = f"({i}, margs, {group} else mentry"
-    names = ", ".join(f"m{j}" for j in range(n))
-    body = [
-        f"{names}, margs, mentry = {memo}[{i}]",
-        "if " + " and ".join(conds) + ":",
-        *["    " + line for line in pre],
-        f"    fn = self._bfn[{i}]",
-        *["    " + line for line in _gated(i, [], record, "fn(*margs)", "return " + slow)],
-    ]
-    return body
-
-
-#: Keeping a call's buffers alive until the group it is queued in ends (``{bufs}``: they,
-#: as a tuple's items), and the group's number (0: none) for the flight record, in one
-#: look at the thread's group state.
-_KEEP = "gid = _keep_alive(({bufs})) if _OPEN else 0"
-
-
-def _cai_memo_hit(
-    names: list[str], extra: list[str], i: int, slow: str, keep: str
-) -> list[str]:
-    """The interface memo, ``cm = self._cmemo[i]``: a call of ``__cuda_array_interface__``
-    arrays (parameters ``names``) of the types the row's last such call had, whose
-    interfaces hold that call's very shape, data and typestr objects (tuples of ints and
-    a str: immutable) with no strides or mask (:func:`~pynccl._adapt._cai.same_case`) —
-    ``cm`` holds, per buffer, its type and those three, then ``extra``'s objects, the C
-    arguments and the record entry — reuses the C arguments. The common case would read
-    the same again, for any array of those types; the array itself is not kept alive.
-
-    Only types whose arrays tell no device and keep their interface (the same dict at
-    every read: ``CAI_TYPES`` holds None for them) are remembered; most producers (CuPy,
-    Numba, PyTorch) build theirs afresh, and their calls pay no memo store. A call that
-    misses reads a kept interface again in the checks (the same dict)."""
-    key = [f"type({b}) is cm[{4 * j}]" for j, b in enumerate(names)]
-    key += [f"{k} is cm[{4 * len(names) + j}]" for j, k in enumerate(extra)] + ["stream is None"]
-    body: list[str] = []
-    for j, b in enumerate(names):
-        found = same_case("cai", (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]"))
-        pad = "    " * j
-        body += [f"{pad}cai = {b}.__cuda_array_interface__"]
-        body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]
-    record = f"({i}, margs, gid) if gid else mentry"
-    return [
-        f"cm = self._cmemo[{i}]",
-        "if " + " and ".join(key) + ":",
-        "    hit = False",
-        "    try:",
-        *["        " + line for line in body],
-        "    except Exception:  # the checks read the interface again and say why",
-        "        pass",
-        "    if hit:",
-        f"        {keep}",
-        "        margs, mentry = cm[-2], cm[-1]",
-        f"        fn = self._bfn[{i}]",
-        *["        " + line for line in _gated(i, [], record, "fn(*margs)", "return " + slow)],
-    ]
-
-
-def _array_key(spec: CollSpec) -> list[str]:
-    """What the DeviceBuffer memo tests besides the buffers' ``_arg``: op, root/peer."""
-    return (["op"] if spec.has_op else []) + ([spec.where] if spec.where else [])
-
-
-def _buffer_count(spec: CollSpec) -> int:
-    return (spec.send != "-") + (spec.recv != "-")
-
-
-_EMPTY: list[tuple[tuple[object, ...], ...]] = []
-
-
-def empty_memos() -> list[list[tuple[object, ...]]]:
-    """Fresh lists of each row's raw-pointer, DeviceBuffer and interface memos with
-    nothing remembered: as many items as the generated code unpacks, each an object no
-    argument (nor its type) can be (the tuples, made once, are shared)."""
-    if not _EMPTY:
-        nothing = object()
-        for per_buffer in (0, 1, 4):
-            _EMPTY.append(
-                tuple(
-                    (nothing,)
-                    * (len(_memo_key(spec)) if per_buffer == 0 else
-                       per_buffer * _buffer_count(spec) + len(_array_key(spec)))
-                    + (nothing, nothing)
-                    for spec in COLLECTIVES
-                )
-            )  # fmt: skip
-    return [list(memos) for memos in _EMPTY]
 
 
 def _method_source(spec: CollSpec) -> str:
@@ -283,9 +135,9 @@ def _method_source(spec: CollSpec) -> str:
     sig, bufs, _ = _params(spec)
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
-    key = _memo_key(spec)
+    key = memo_key(spec)
     conds = [f"{k} is m{j}" for j, k in enumerate(key)] + ["stream is None", "config is None"]
-    hit = _memo_hit("self._memo", conds, len(key), i, slow_call(spec))
+    hit = memo_hit("self._memo", conds, len(key), i, slow_call(spec))
     lines += ["    " + line for line in hit]
     has_send, has_recv = spec.send != "-", spec.recv != "-"
     recv = "recvbuf"
@@ -348,19 +200,24 @@ def _method_source(spec: CollSpec) -> str:
     # -- arrays with a cached handler ------------------------------------------------------
     lines.append("        elif count is None and dtype is None:")
     # DeviceBuffers again: the array memo (each buffer's _arg tuple, the op, the root/peer).
-    akey = [
+    # The first buffer's type picks the memo to try: DeviceBuffers again (each buffer's
+    # _arg tuple, the op, the root/peer), or the interface memo (its arrays' types first).
+    first_buf = names[0][0]
+    akey = [f"{first_buf}._arg is m0"] + [
         f"type({b}) is _DeviceBuffer and {b}._arg is m{j}"
         for j, (b, _, _, _) in enumerate(names)
+        if j
     ]
-    extra = _array_key(spec)
+    extra = array_key(spec)
     akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
-    keep = (_KEEP.format(bufs=bufs),)
-    hit = _memo_hit("self._amemo", [*akey, "stream is None"], len(akey), i, slow_call(spec), keep)
-    assert len(names) == _buffer_count(spec)
-    lines += ["            " + line for line in hit]
-    # __cuda_array_interface__ arrays again: the interface memo.
-    hit = _cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), keep[0])
-    lines += ["            " + line for line in hit]
+    keep = (KEEP.format(bufs=bufs),)
+    hit = memo_hit("self._amemo", [*akey, "stream is None"], len(akey), i, slow_call(spec), keep)
+    assert len(names) == buffer_count(spec)
+    lines.append(f"            if type({first_buf}) is _DeviceBuffer:")
+    lines += ["                " + line for line in hit]
+    lines.append("            else:")
+    hit = cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), keep[0])
+    lines += ["                " + line for line in hit]
     lines += [
         "            if stream is None:",
         "                s = self._stream",
@@ -444,13 +301,14 @@ def _method_source(spec: CollSpec) -> str:
             "                cop = _C_SUM if op is _SUM else self._array_ops.get(op) "
             "if type(op) is _RedOp or type(op) is str else None",
             "                if cop is None and (type(op) is _RedOp or type(op) is str) and "
-            + " and ".join(real) + ":",
+            + " and ".join(real)
+            + ":",
             "                    cop = self._ops.get(op)",
         ]
     lines += [
         f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
-        "                    " + _KEEP.format(bufs=bufs),
+        "                    " + KEEP.format(bufs=bufs),
     ]
     tokens = [f"k_{p}" for _, p, _, _ in names]
     # Remembered when every buffer was an interface the interface memo may remember, or

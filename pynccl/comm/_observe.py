@@ -12,8 +12,8 @@ from ..enums import Result
 from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
 from ..library import cudart
 from . import _recorder
-from ._codegen import empty_memos as _empty_memos
 from ._handle import HANDLE, TERMINAL, CommHandle, State
+from ._memos import empty_memos as _empty_memos
 
 __all__ = ["Observed"]
 
@@ -245,7 +245,7 @@ class Observed(CommHandle):
 
     def _forget_memos(self) -> None:
         """Forget each row's memos of its last raw-pointer, DeviceBuffer and interface
-        calls (``_codegen._memo_hit``): what their C arguments were built from (the size,
+        calls (``_memos.memo_hit``): what their C arguments were built from (the size,
         the stream) changed."""
         self._memo, self._amemo, self._cmemo = _empty_memos()
 

@@ -1,0 +1,161 @@
+"""The generated methods' memos: what each row remembers of its last checked call, and the
+source lines that test a call against it (see :func:`memo_hit`); with :func:`gated`, the
+frame of every generated C call, which memo hits share with the checked calls.
+
+:mod:`._codegen` puts these lines into each row's method.
+"""
+
+from __future__ import annotations
+
+from .._adapt._cai import same_case
+from ._spec import COLLECTIVES, CollSpec
+
+__all__ = ["KEEP", "array_key", "buffer_count", "cai_memo_hit", "empty_memos", "gated",
+           "memo_hit", "memo_key"]  # fmt: skip
+
+
+def gated(i: int, prepare: list[str], record: str, call: str, slow: str) -> list[str]:
+    """Every generated C call's frame: take the gate, test the handle, run ``prepare``,
+    store ``record`` in the flight recorder, make the C call ``call``, give the gate back;
+    then ``slow`` (a statement) if the handle was gone, and the result check."""
+    return [
+        "gate = self._gate",
+        "try:",
+        "    gate.pop()",
+        "except IndexError:",
+        "    self._wait_gate()",
+        "try:",
+        "    h = self._h",
+        "    if h is not None:",
+        *["        " + line for line in prepare],
+        "        seq = self._seq + 1",
+        "        self._seq = seq",
+        f"        self._ring[seq & _MASK] = {record}",
+        f"        rc = {call}",
+        "finally:",
+        "    gate.append(True)",
+        "if h is None:",
+        f"    {slow}",
+        "if rc:",
+        f"    self._failed({i}, rc)",
+        "return",
+    ]
+
+
+def memo_key(spec: CollSpec) -> list[str]:
+    """The parameters whose objects identify a call for the memo (``stream`` and
+    ``config`` must be None)."""
+    key = ["sendbuf"] if spec.send != "-" else []
+    key += ["recvbuf"] if spec.recv != "-" else []
+    key += ["count", "dtype"] + (["op"] if spec.has_op else [])
+    return key + ([spec.where] if spec.where else [])
+
+
+def memo_hit(
+    memo: str,
+    conds: list[str],
+    n: int,
+    i: int,
+    slow: str,
+    pre: tuple[str, ...] = (),
+) -> list[str]:
+    """A memo (``self._memo`` or ``self._amemo``): a call whose arguments are those its row's
+    last checked call of that kind was made from (``conds``, identity tests against the
+    memo's first ``n`` items, unpacked as ``m0``, ``m1``, ...) reuses that call's C
+    arguments (shared ctypes objects) and record entry, after the lines ``pre``.
+
+    ``self._memo`` (raw pointers) remembers the argument objects themselves: only ints,
+    a DataType, an op name/member and None (immutable, so the earlier checks still hold,
+    and nothing large is kept alive; a PreMulSum op, an int, takes the slow path and is
+    never remembered). ``self._amemo`` (DeviceBuffers) remembers each buffer's ``_arg``
+    tuple, not the buffer: a closed buffer's is None, a new buffer's a new tuple, and
+    the buffer itself is not kept alive (``self._cmemo``, for ``__cuda_array_interface__``
+    arrays: :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
+    falls through to the checks. The lines ``pre`` (:data:`KEEP`) bind ``gid``, the
+    group number to record."""
+    group = "gid) if gid" if pre else "_GROUPS.s.gid) if _OPEN"
+    record = f"({i}, margs, {group} else mentry"
+    names = ", ".join(f"m{j}" for j in range(n))
+    body = [
+        f"{names}, margs, mentry = {memo}[{i}]",
+        "if " + " and ".join(conds) + ":",
+        *["    " + line for line in pre],
+        f"    fn = self._bfn[{i}]",
+        *["    " + line for line in gated(i, [], record, "fn(*margs)", "return " + slow)],
+    ]
+    return body
+
+
+#: Keeping a call's buffers alive until the group it is queued in ends (``{bufs}``: they,
+#: as a tuple's items), and the group's number (0: none) for the flight record, in one
+#: look at the thread's group state.
+KEEP = "gid = _keep_alive(({bufs})) if _OPEN else 0"
+
+
+def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: str) -> list[str]:
+    """The interface memo, ``cm = self._cmemo[i]``: a call of ``__cuda_array_interface__``
+    arrays (parameters ``names``) of the types the row's last such call had, whose
+    interfaces hold that call's very shape, data and typestr objects (tuples of ints and
+    a str: immutable) with no strides or mask (:func:`~pynccl._adapt._cai.same_case`) —
+    ``cm`` holds, per buffer, its type and those three, then ``extra``'s objects, the C
+    arguments and the record entry — reuses the C arguments. The common case would read
+    the same again, for any array of those types; the array itself is not kept alive.
+
+    Only types whose arrays tell no device and keep their interface (the same dict at
+    every read: ``CAI_TYPES`` holds None for them) are remembered; most producers (CuPy,
+    Numba, PyTorch) build theirs afresh, and their calls pay no memo store. A call that
+    misses reads a kept interface again in the checks (the same dict)."""
+    key = [f"type({b}) is cm[{4 * j}]" for j, b in enumerate(names)]
+    key += [f"{k} is cm[{4 * len(names) + j}]" for j, k in enumerate(extra)] + ["stream is None"]
+    body: list[str] = []
+    for j, b in enumerate(names):
+        found = same_case("cai", (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]"))
+        pad = "    " * j
+        body += [f"{pad}cai = {b}.__cuda_array_interface__"]
+        body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]
+    record = f"({i}, margs, gid) if gid else mentry"
+    return [
+        f"cm = self._cmemo[{i}]",
+        "if " + " and ".join(key) + ":",
+        "    hit = False",
+        "    try:",
+        *["        " + line for line in body],
+        "    except Exception:  # the checks read the interface again and say why",
+        "        pass",
+        "    if hit:",
+        f"        {keep}",
+        "        margs, mentry = cm[-2], cm[-1]",
+        f"        fn = self._bfn[{i}]",
+        *["        " + line for line in gated(i, [], record, "fn(*margs)", "return " + slow)],
+    ]
+
+
+def array_key(spec: CollSpec) -> list[str]:
+    """What the DeviceBuffer memo tests besides the buffers' ``_arg``: op, root/peer."""
+    return (["op"] if spec.has_op else []) + ([spec.where] if spec.where else [])
+
+
+def buffer_count(spec: CollSpec) -> int:
+    return (spec.send != "-") + (spec.recv != "-")
+
+
+_EMPTY: list[tuple[tuple[object, ...], ...]] = []
+
+
+def empty_memos() -> list[list[tuple[object, ...]]]:
+    """Fresh lists of each row's raw-pointer, DeviceBuffer and interface memos with
+    nothing remembered: as many items as the generated code unpacks, each an object no
+    argument (nor its type) can be (the tuples, made once, are shared)."""
+    if not _EMPTY:
+        nothing = object()
+        for per_buffer in (0, 1, 4):
+            _EMPTY.append(
+                tuple(
+                    (nothing,)
+                    * (len(memo_key(spec)) if per_buffer == 0 else
+                       per_buffer * buffer_count(spec) + len(array_key(spec)))
+                    + (nothing, nothing)
+                    for spec in COLLECTIVES
+                )
+            )  # fmt: skip
+    return [list(memos) for memos in _EMPTY]
