@@ -1,4 +1,4 @@
-"""The generated methods' memo of their last raw-pointer call (``_codegen._memo_hit``),
+"""The generated methods' memo of their last raw-pointer call (``_memos.memo_hit``),
 and of their last array calls (what the DeviceBuffer and interface memos keep alive; the
 interface memo's own tests are in ``test_memo_cai.py``).
 
@@ -108,9 +108,10 @@ def test_a_new_default_stream_is_used_by_the_next_identical_call() -> None:
         comm.destroy()
 
 
-def test_the_watchdog_sees_calls_that_hit_the_memo() -> None:
+def test_the_watchdog_sees_calls_that_hit_the_memo_and_calls_given_a_stream() -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
     a = DeviceBuffer(N, F32)
+    s = Stream()
     try:
         ptr = a.ptr
         comm.all_reduce(ptr, count=N, dtype=F32)
@@ -124,13 +125,18 @@ def test_the_watchdog_sees_calls_that_hit_the_memo() -> None:
         comm.all_reduce(ptr, count=N, dtype=F32)
         comm.all_reduce(ptr, count=N, dtype=F32)
         assert calls == [(comm._seq - 1, 0), (comm._seq, 0)]
+        comm.all_reduce(a, stream=s)  # the inline paths given a stream (test_stream_arg.py)
+        comm.all_reduce(ptr, count=N, dtype=F32, stream=s.handle)
+        assert calls[2:] == [(comm._seq - 1, s.handle), (comm._seq, s.handle)]
         comm.stop_watchdog()
         comm.all_reduce(ptr, count=N, dtype=F32)
-        assert len(calls) == 2
+        assert len(calls) == 4
         comm.synchronize(timeout=60)
+        s.synchronize()
     finally:
         comm.stop_watchdog()
         a.close()
+        s.close()
         comm.destroy()
 
 
