@@ -171,23 +171,27 @@ class RankThreads:
     def run(self, fn: Callable[[int], Any], timeout: float = TIMEOUT) -> list[Any]:
         """``fn(r)`` on every rank's thread at once; results in rank order.
 
-        Raises the lowest rank's exception (with a note naming the rank) after
+        Raises the lowest rank's exception (with a note naming the rank, and one for
+        each other rank's exception: a rank that raised before issuing a collective
+        leaves its peers waiting, and their timeout is then the lowest rank's) after
         all ranks finished; ``TimeoutError`` if one is still running after ``timeout``.
         """
         futures = [pool.submit(fn, r) for r, pool in enumerate(self._pools)]
         results: list[Any] = []
-        first: BaseException | None = None
+        raised: list[tuple[int, BaseException]] = []
         for r, fut in enumerate(futures):
             try:
                 results.append(fut.result(timeout=timeout))
             except TimeoutError:
                 raise TimeoutError(f"rank {r} did not finish within {timeout} s") from None
             except BaseException as exc:  # collected: every rank must finish first
-                if first is None:
-                    exc.add_note(f"(raised on rank {r} of {self.size})")
-                    first = exc
+                raised.append((r, exc))
                 results.append(None)
-        if first is not None:
+        if raised:
+            r, first = raised[0]
+            first.add_note(f"(raised on rank {r} of {self.size})")
+            for other, exc in raised[1:]:
+                first.add_note(f"(rank {other} raised {type(exc).__name__}: {exc})")
             raise first
         return results
 

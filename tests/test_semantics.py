@@ -193,7 +193,7 @@ class _OnDevice(MinimalCAI):
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface", "interface with device"])
 def test_prod_max_min_of_real_arrays_are_issued_inline_and_complex_ones_refused(
-    thread_worlds: Any, monkeypatch: pytest.MonkeyPatch, kind: str
+    lb: Any, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     from pynccl.comm._collectives import Collectives
 
@@ -205,7 +205,6 @@ def test_prod_max_min_of_real_arrays_are_issued_inline_and_complex_ones_refused(
         return real_slow(self, row, sendbuf, *args)
 
     monkeypatch.setattr(Collectives, "_slow", counted)
-    world = thread_worlds(2)
     ops = {"prod": np.multiply, "max": np.maximum, "min": np.minimum}
     data = {r: (np.arange(N, dtype=np.float32) - 2) * (r + 1) for r in range(2)}
     complex_data = (np.arange(N) + 1j).astype(np.complex64)
@@ -238,7 +237,8 @@ def test_prod_max_min_of_real_arrays_are_issued_inline_and_complex_ones_refused(
             buf.close()
         return got, refused
 
-    results = world.run(call)
+    with ThreadWorld(2) as world:  # its own communicators: no memo of another test's calls
+        results = world.run(call)
     for got, refused in results.values():
         for name, ufunc in ops.items():
             np.testing.assert_array_equal(got[name], ufunc(data[0], data[1]))
