@@ -22,7 +22,16 @@ from .._capi._binding import PTR_ARGS, ptr_arg
 from .._capi._enumargs import C_REDOP
 from ..enums import DataType, RedOp
 from ._args import SIZE_ARGS, size_arg
-from ._memos import KEEP, array_key, buffer_count, cai_memo_hit, gated, memo_hit, memo_key
+from ._memos import (
+    KEEP,
+    array_key,
+    buffer_count,
+    cai_memo_hit,
+    gated,
+    memo_hit,
+    memo_key,
+    record,
+)
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -80,7 +89,7 @@ def _issue(
     kept: bool = False,
 ) -> list[str]:
     """The shared count argument and the shared pointer arguments of ``ptrs`` (ints, as
-    ``c_<name>``), then the gated call (:func:`_gated`) at indent ``pad``: every argument a
+    ``c_<name>``), then the gated call (:func:`~._memos.gated`) at indent ``pad``: every argument a
     ctypes object, passed to the row's function without argtypes (``self._bfn``: ctypes
     converts nothing). ``slow`` is the slow-path call taken when the handle is gone once
     the gate is held. With ``memos`` — each ``(memo list, condition or "", its items
@@ -88,11 +97,10 @@ def _issue(
     (see :func:`memo_hit`) in the first memo whose condition holds. ``kept``: the buffers
     were kept alive (:data:`KEEP`), which bound ``gid``, the group number to record."""
     prepare = [f"args = ({', '.join(cargs)})"]
-    group = "gid) if gid" if kept else "_GROUPS.s.gid) if _OPEN"
-    record = f"({i}, args, {group} else ({i}, args)"
+    entry = record(i, "args", f"({i}, args)", kept)
     if memos:
         prepare += [f"entry = ({i}, args)"]
-        record = f"({i}, args, {group} else entry"
+        entry = record(i, "args", "entry", kept)
     for j, (table, condition, items) in enumerate(memos):
         store = f"{table}[{i}] = ({items}, args, entry)"
         if not condition:
@@ -103,7 +111,7 @@ def _issue(
     for name in ptrs:
         # A cached address passed the range check before (PTR_ARGS keeps only those).
         body += _shared_arg(f"c_{name}", name, "_PTRS", "_ptr_arg", f"0 < {name} < _P63", slow)
-    body += gated(i, prepare, record, "fn(*args)", slow)
+    body += gated(i, prepare, entry, "fn(*args)", slow)
     return [pad + line for line in body]
 
 

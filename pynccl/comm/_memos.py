@@ -11,7 +11,15 @@ from .._adapt._cai import same_case
 from ._spec import COLLECTIVES, CollSpec
 
 __all__ = ["KEEP", "array_key", "buffer_count", "cai_memo_hit", "empty_memos", "gated",
-           "memo_hit", "memo_key"]  # fmt: skip
+           "memo_hit", "memo_key", "record"]  # fmt: skip
+
+
+def record(i: int, args: str, entry: str, kept: bool) -> str:
+    """The flight-record entry of a call of row ``i`` whose C arguments are ``args``: the
+    prebuilt ``entry`` (``(i, args)``) outside a group, else ``(i, args, group number)`` —
+    ``gid`` where :data:`KEEP` bound it (``kept``), else the thread's."""
+    group = "gid) if gid" if kept else "_GROUPS.s.gid) if _OPEN"
+    return f"({i}, {args}, {group} else {entry}"
 
 
 def gated(i: int, prepare: list[str], record: str, call: str, slow: str) -> list[str]:
@@ -73,15 +81,14 @@ def memo_hit(
     arrays: :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
     falls through to the checks. The lines ``pre`` (:data:`KEEP`) bind ``gid``, the
     group number to record."""
-    group = "gid) if gid" if pre else "_GROUPS.s.gid) if _OPEN"
-    record = f"({i}, margs, {group} else mentry"
+    entry = record(i, "margs", "mentry", bool(pre))
     names = ", ".join(f"m{j}" for j in range(n))
     body = [
         f"{names}, margs, mentry = {memo}[{i}]",
         "if " + " and ".join(conds) + ":",
         *["    " + line for line in pre],
         f"    fn = self._bfn[{i}]",
-        *["    " + line for line in gated(i, [], record, "fn(*margs)", "return " + slow)],
+        *["    " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow)],
     ]
     return body
 
@@ -113,7 +120,7 @@ def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: st
         pad = "    " * j
         body += [f"{pad}cai = {b}.__cuda_array_interface__"]
         body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]
-    record = f"({i}, margs, gid) if gid else mentry"
+    entry = record(i, "margs", "mentry", True)
     return [
         f"cm = self._cmemo[{i}]",
         "if " + " and ".join(key) + ":",
@@ -126,7 +133,7 @@ def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: st
         f"        {keep}",
         "        margs, mentry = cm[-2], cm[-1]",
         f"        fn = self._bfn[{i}]",
-        *["        " + line for line in gated(i, [], record, "fn(*margs)", "return " + slow)],
+        *["        " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow)],
     ]
 
 
