@@ -66,3 +66,33 @@ def thread_worlds(lb: Any) -> Iterator[Callable[[int], Any]]:
     finally:
         for world in worlds.values():
             world.close()
+
+
+@pytest.fixture
+def solo_comm(lb: Any) -> Iterator[Any]:
+    """A new communicator of one rank on device 0 (nothing remembered yet), destroyed
+    after the test (destroying it twice is harmless)."""
+    from pynccl.comm import Communicator, UniqueId
+
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    yield comm
+    comm.destroy()
+
+
+@pytest.fixture
+def new_buffers(lb: Any) -> Iterator[Callable[[Any], Any]]:
+    """``new_buffers(n)``: a new float32 DeviceBuffer of ``n`` elements on device 0
+    (``new_buffers(array)``: holding ``array``); every one closed after the test."""
+    from pynccl.cuda import DeviceBuffer
+
+    made: list[DeviceBuffer] = []
+
+    def make(what: Any) -> DeviceBuffer:
+        made.append(
+            DeviceBuffer(what, "float32") if type(what) is int else DeviceBuffer.from_numpy(what)
+        )
+        return made[-1]
+
+    yield make
+    for buf in made:
+        buf.close()

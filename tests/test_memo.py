@@ -67,32 +67,27 @@ def test_repeated_calls_with_the_same_objects_compute_each_time() -> None:
             np.testing.assert_array_equal(results[r][2 * step + 1], np.concatenate(a))
 
 
-def test_memo_hits_are_recorded_like_other_calls() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
-    try:
-        sp, rp = a.ptr, b.ptr
-        for _ in range(3):
-            comm.broadcast(sp, rp, root=0, count=N, dtype=F32)
-        records = comm.flight_record()[-3:]
-        seqs = [r[0] for r in records]
-        assert seqs == [comm._seq - 2, comm._seq - 1, comm._seq]
-        # (seq, function, root, (send, recv, count, dtype, root, comm, stream))
-        assert {(r[1], r[2], r[3]) for r in records} == {
-            ("ncclBroadcast", 0, (sp, rp, N, int(F32), 0, comm.handle, 0))
-        }
-    finally:
-        a.close()
-        b.close()
-        comm.destroy()
+def test_memo_hits_are_recorded_like_other_calls(solo_comm: Any, new_buffers: Any) -> None:
+    comm = solo_comm
+    sp, rp = new_buffers(N).ptr, new_buffers(N).ptr
+    for _ in range(3):
+        comm.broadcast(sp, rp, root=0, count=N, dtype=F32)
+    records = comm.flight_record()[-3:]
+    seqs = [r[0] for r in records]
+    assert seqs == [comm._seq - 2, comm._seq - 1, comm._seq]
+    # (seq, function, root, (send, recv, count, dtype, root, comm, stream))
+    assert {(r[1], r[2], r[3]) for r in records} == {
+        ("ncclBroadcast", 0, (sp, rp, N, int(F32), 0, comm.handle, 0))
+    }
 
 
-def test_a_new_default_stream_is_used_by_the_next_identical_call() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    a = DeviceBuffer(N, F32)
+def test_a_new_default_stream_is_used_by_the_next_identical_call(
+    solo_comm: Any, new_buffers: Any
+) -> None:
+    comm = solo_comm
+    ptr = new_buffers(N).ptr
     s = Stream()
     try:
-        ptr = a.ptr
         comm.all_reduce(ptr, count=N, dtype=F32)
         comm.all_reduce(ptr, count=N, dtype=F32)  # a hit
         assert comm.flight_record()[-1][3][-1] == 0
@@ -103,14 +98,14 @@ def test_a_new_default_stream_is_used_by_the_next_identical_call() -> None:
         assert comm.flight_record()[-2][3][-1] == s.handle
     finally:
         comm.stream = None
-        a.close()
         s.close()
-        comm.destroy()
 
 
-def test_the_watchdog_sees_calls_that_hit_the_memo_and_calls_given_a_stream() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    a = DeviceBuffer(N, F32)
+def test_the_watchdog_sees_calls_that_hit_the_memo_and_calls_given_a_stream(
+    solo_comm: Any, new_buffers: Any
+) -> None:
+    comm = solo_comm
+    a = new_buffers(N)
     s = Stream()
     try:
         ptr = a.ptr
@@ -135,21 +130,17 @@ def test_the_watchdog_sees_calls_that_hit_the_memo_and_calls_given_a_stream() ->
         s.synchronize()
     finally:
         comm.stop_watchdog()
-        a.close()
         s.close()
-        comm.destroy()
 
 
-def test_after_destroy_the_same_objects_are_refused() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    a = DeviceBuffer(N, F32)
-    ptr = a.ptr
+def test_after_destroy_the_same_objects_are_refused(solo_comm: Any, new_buffers: Any) -> None:
+    comm = solo_comm
+    ptr = new_buffers(N).ptr
     comm.all_reduce(ptr, count=N, dtype=F32)
     comm.all_reduce(ptr, count=N, dtype=F32)
     comm.destroy()
     with pytest.raises(NcclInvalidUsage, match="destroyed"):
         comm.all_reduce(ptr, count=N, dtype=F32)
-    a.close()
 
 
 @pytest.mark.parametrize(
@@ -162,22 +153,17 @@ def test_after_destroy_the_same_objects_are_refused() -> None:
     ],
 )
 def test_a_remembered_call_does_not_let_an_equal_mistake_through(
-    bad: dict[str, Any], error: Any
+    bad: dict[str, Any], error: Any, solo_comm: Any, new_buffers: Any
 ) -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    a = DeviceBuffer(N, F32)
-    try:
-        ptr = a.ptr
-        comm.all_reduce(ptr, count=N, dtype=F32)
-        comm.all_reduce(ptr, count=N, dtype=F32)
-        kwargs: dict[str, Any] = {"count": N, "dtype": F32, **bad}
-        with pytest.raises(error):
-            comm.all_reduce(ptr, **kwargs)
-        with pytest.raises(TypeError):
-            comm.all_reduce(float(ptr), count=N, dtype=F32)
-    finally:
-        a.close()
-        comm.destroy()
+    comm = solo_comm
+    ptr = new_buffers(N).ptr
+    comm.all_reduce(ptr, count=N, dtype=F32)
+    comm.all_reduce(ptr, count=N, dtype=F32)
+    kwargs: dict[str, Any] = {"count": N, "dtype": F32, **bad}
+    with pytest.raises(error):
+        comm.all_reduce(ptr, **kwargs)
+    with pytest.raises(TypeError):
+        comm.all_reduce(float(ptr), count=N, dtype=F32)
 
 
 # -- the DeviceBuffer memo (each buffer's _arg tuple, never the buffer) --------------------
@@ -197,17 +183,17 @@ def test_devicebuffer_calls_hit_the_array_memo_and_compute_each_time() -> None:
             np.testing.assert_array_equal(results[r][2 * step + 1], np.full(N, 10 * step + 1))
 
 
-def _pair(kind: str, keep: list[Any]) -> tuple[Any, Any]:
+def _pair(kind: str, new_buffers: Any) -> tuple[Any, Any]:
     """Two arrays of ``kind`` for the array memos: DeviceBuffers (the DeviceBuffer memo;
-    freed when collected), or objects keeping an interface of one DeviceBuffer, which is
-    added to ``keep`` (the interface memo)."""
+    freed when collected), or objects keeping an interface of one buffer of
+    ``new_buffers`` (the interface memo)."""
     if kind == "DeviceBuffer":
         return DeviceBuffer(N, F32), DeviceBuffer(N, F32)
-    keep.append(DeviceBuffer(N, F32))
+    buf = new_buffers(N)
     cls = type("Kept", (), {})
     pair = cls(), cls()
     for x in pair:
-        x.__cuda_array_interface__ = interface(keep[0])
+        x.__cuda_array_interface__ = interface(buf)
     return pair
 
 
@@ -219,31 +205,25 @@ def _remembered(comm: Communicator, kind: str, x: Any, row: int = 0) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
-def test_the_array_memos_keep_no_array_alive(kind: str) -> None:
+def test_the_array_memos_keep_no_array_alive(kind: str, solo_comm: Any, new_buffers: Any) -> None:
     import gc
     import weakref
 
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    keep: list[Any] = []
-    try:
-        a, b = _pair(kind, keep)
-        for _ in range(3):
-            comm.all_reduce(a, b)
-        assert _remembered(comm, kind, a)
-        refs = weakref.ref(a), weakref.ref(b)
-        del a, b
-        gc.collect()
-        assert refs[0]() is None and refs[1]() is None
-    finally:
-        for buf in keep:
-            buf.close()
-        comm.destroy()
+    comm = solo_comm
+    a, b = _pair(kind, new_buffers)
+    for _ in range(3):
+        comm.all_reduce(a, b)
+    assert _remembered(comm, kind, a)
+    refs = weakref.ref(a), weakref.ref(b)
+    del a, b
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
 
 
-def test_a_closed_or_replaced_buffer_is_checked_again() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
+def test_a_closed_or_replaced_buffer_is_checked_again(solo_comm: Any, new_buffers: Any) -> None:
+    comm = solo_comm
     fresh = Communicator(1, UniqueId(), 0, device=0)  # never saw these buffers
-    a, b = DeviceBuffer(N, F32), DeviceBuffer(N, F32)
+    a, b = new_buffers(N), new_buffers(N)
     try:
         comm.all_reduce(a, b)
         comm.all_reduce(a, b)
@@ -254,23 +234,21 @@ def test_a_closed_or_replaced_buffer_is_checked_again() -> None:
             fresh.all_reduce(a, b)
         assert str(hit.value) == str(cold.value) and "freed" in str(hit.value)
         # A smaller buffer (perhaps at the freed address): the size is checked afresh.
-        small = DeviceBuffer(N // 2, F32)
+        small = new_buffers(N // 2)
         with pytest.raises(ValueError, match="elements"):
             comm.all_reduce(a, small)
-        small.close()
     finally:
-        a.close()
-        comm.destroy()
         fresh.destroy()
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
-def test_the_array_memos_are_recorded_and_follow_the_stream(kind: str) -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    keep: list[Any] = []
+def test_the_array_memos_are_recorded_and_follow_the_stream(
+    kind: str, solo_comm: Any, new_buffers: Any
+) -> None:
+    comm = solo_comm
     s = Stream()
     try:
-        a, b = _pair(kind, keep)
+        a, b = _pair(kind, new_buffers)
         for _ in range(3):
             comm.reduce(a, b, root=0)
         assert _remembered(comm, kind, a, row=2)
@@ -278,9 +256,10 @@ def test_the_array_memos_are_recorded_and_follow_the_stream(kind: str) -> None:
         assert [r[0] for r in records] == [comm._seq - 2, comm._seq - 1, comm._seq]
         # (seq, function, root, (send, recv, count, dtype, op, root, comm, stream))
         if kind == "DeviceBuffer":
-            ptrs, n = (a.ptr, b.ptr), N
+            ptrs = (a.ptr, b.ptr)
         else:
-            ptrs, n = (keep[0].ptr, keep[0].ptr), a.__cuda_array_interface__["shape"][0]
+            ptrs = (a.__cuda_array_interface__["data"][0],) * 2
+        n = N if kind == "DeviceBuffer" else a.__cuda_array_interface__["shape"][0]
         assert {(r[1], r[2], r[3]) for r in records} == {
             ("ncclReduce", 0, (*ptrs, n, int(F32), 0, 0, comm.handle, 0))
         }
@@ -290,35 +269,28 @@ def test_the_array_memos_are_recorded_and_follow_the_stream(kind: str) -> None:
         assert [r[3][-1] for r in comm.flight_record()[-2:]] == [s.handle, s.handle]
     finally:
         comm.stream = None
-        for buf in keep:
-            buf.close()
         s.close()
-        comm.destroy()
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
-def test_an_array_memo_hit_inside_a_group_keeps_the_arrays_until_it_ends(kind: str) -> None:
+def test_an_array_memo_hit_inside_a_group_keeps_the_arrays_until_it_ends(
+    kind: str, solo_comm: Any, new_buffers: Any
+) -> None:
     import gc
     import weakref
 
     from pynccl import group
 
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    keep: list[Any] = []
-    try:
-        a, b = _pair(kind, keep)
-        comm.all_reduce(a, b)
-        comm.all_reduce(a, b)
-        assert _remembered(comm, kind, a)
-        refs = weakref.ref(a), weakref.ref(b)
-        with group():
-            comm.all_reduce(a, b)  # a hit
-            del a, b
-            gc.collect()
-            assert refs[0]() is not None and refs[1]() is not None
+    comm = solo_comm
+    a, b = _pair(kind, new_buffers)
+    comm.all_reduce(a, b)
+    comm.all_reduce(a, b)
+    assert _remembered(comm, kind, a)
+    refs = weakref.ref(a), weakref.ref(b)
+    with group():
+        comm.all_reduce(a, b)  # a hit
+        del a, b
         gc.collect()
-        assert refs[0]() is None and refs[1]() is None
-    finally:
-        for buf in keep:
-            buf.close()
-        comm.destroy()
+        assert refs[0]() is not None and refs[1]() is not None
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None

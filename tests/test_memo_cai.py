@@ -12,43 +12,17 @@ stream (what stays alive: ``test_memo.py``, with the DeviceBuffer memo's).
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from _cai_cases import CASES, N, changed, interface, outcome, reduce, resolve
 
-from pynccl import DataType
-from pynccl.comm import Communicator, UniqueId
+from pynccl.comm import Communicator
 from pynccl.cuda import DeviceBuffer
 
 pytestmark = pytest.mark.usefixtures("lb")
-
-
-@pytest.fixture
-def comm() -> Iterator[Communicator]:
-    made = Communicator(1, UniqueId(), 0, device=0)
-    yield made
-    made.destroy()
-
-
-@pytest.fixture
-def bufs() -> Iterator[Callable[..., DeviceBuffer]]:
-    """``bufs()``: a new DeviceBuffer of N float32 (``bufs(array)``: holding ``array``),
-    closed after the test (before its communicator is destroyed)."""
-    made: list[DeviceBuffer] = []
-
-    def make(array: np.ndarray | None = None) -> DeviceBuffer:
-        made.append(DeviceBuffer(N, F32) if array is None else DeviceBuffer.from_numpy(array))
-        return made[-1]
-
-    yield make
-    for buf in made:
-        buf.close()
-
-
-F32 = DataType.FLOAT32
 
 
 @pytest.mark.parametrize("how", ["in place", "new dict"])
@@ -58,10 +32,11 @@ def test_the_interface_memo_sees_every_change(
     send_change: dict[str, Any],
     recv_change: dict[str, Any],
     how: str,
-    comm: Communicator,
-    bufs: Callable[..., DeviceBuffer],
+    solo_comm: Communicator,
+    new_buffers: Callable[..., DeviceBuffer],
 ) -> None:
-    src, dst = bufs(np.arange(1, N + 1, dtype=np.float32)), bufs()
+    comm = solo_comm
+    src, dst = new_buffers(np.arange(1, N + 1, dtype=np.float32)), new_buffers(N)
     cls = type("Remembered", (), {})
     x, y = cls(), cls()
     x.__cuda_array_interface__ = interface(src)
@@ -110,9 +85,10 @@ class _Counted:
 
 @pytest.mark.parametrize("kept", [True, False], ids=["kept", "built afresh"])
 def test_interfaces_are_read_once_a_call_but_for_misses_and_the_results_are_right(
-    kept: bool, comm: Communicator, bufs: Callable[..., DeviceBuffer]
+    kept: bool, solo_comm: Communicator, new_buffers: Callable[..., DeviceBuffer]
 ) -> None:
-    made = [bufs() for _ in range(3)]
+    comm = solo_comm
+    made = [new_buffers(N) for _ in range(3)]
     cls: Any = type("Counted", (_Counted,), {"reads": 0})
     a, b, c = (cls(buf, kept) for buf in made)
     rng = np.random.default_rng(7)
@@ -138,8 +114,9 @@ def test_interfaces_are_read_once_a_call_but_for_misses_and_the_results_are_righ
 
 
 def test_an_interface_that_raises_after_a_hit_raises_as_it_would_cold(
-    comm: Communicator, bufs: Callable[..., DeviceBuffer]
+    solo_comm: Communicator, new_buffers: Callable[..., DeviceBuffer]
 ) -> None:
+    comm = solo_comm
 
     class Flaky:
         broken = False
@@ -150,7 +127,7 @@ def test_an_interface_that_raises_after_a_hit_raises_as_it_would_cold(
                 raise RuntimeError("the array was released")
             return cai
 
-    cai = interface(bufs())
+    cai = interface(new_buffers(N))
     x = Flaky()
     comm.all_reduce(x)
     comm.all_reduce(x)
@@ -162,9 +139,10 @@ def test_an_interface_that_raises_after_a_hit_raises_as_it_would_cold(
 
 
 def test_arrays_that_report_a_device_are_checked_every_call(
-    comm: Communicator, bufs: Callable[..., DeviceBuffer]
+    solo_comm: Communicator, new_buffers: Callable[..., DeviceBuffer]
 ) -> None:
-    cai = interface(bufs())
+    comm = solo_comm
+    cai = interface(new_buffers(N))
 
     class OnDevice:
         def __init__(self) -> None:
@@ -181,9 +159,10 @@ def test_arrays_that_report_a_device_are_checked_every_call(
 
 
 def test_arrays_sharing_one_interface_share_its_memo(
-    comm: Communicator, bufs: Callable[..., DeviceBuffer]
+    solo_comm: Communicator, new_buffers: Callable[..., DeviceBuffer]
 ) -> None:
-    cai = interface(bufs())
+    comm = solo_comm
+    cai = interface(new_buffers(N))
     views = [types.SimpleNamespace(__cuda_array_interface__=cai) for _ in range(3)]
     comm.reduce(views[0], views[0], root=0)  # the type's first call: the slow path
     comm.reduce(views[0], views[0], root=0)
