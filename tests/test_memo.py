@@ -19,6 +19,7 @@ from _worlds import ThreadWorld
 
 from pynccl import DataType, NcclInvalidUsage
 from pynccl.comm import Communicator, UniqueId
+from pynccl.comm._memos import ARRAYS, INTERFACES
 from pynccl.cuda import DeviceBuffer, Stream
 
 pytestmark = pytest.mark.usefixtures("lb")
@@ -200,8 +201,8 @@ def _pair(kind: str, new_buffers: Any) -> tuple[Any, Any]:
 def _remembered(comm: Communicator, kind: str, x: Any, row: int = 0) -> bool:
     """Whether ``row``'s memo of ``kind`` holds ``x`` (its first buffer)."""
     if kind == "DeviceBuffer":
-        return comm._amemo[row][0] is x._arg
-    return comm._cmemo[row][0] is type(x)
+        return comm._memo[ARRAYS + row][0] is x._arg
+    return comm._memo[INTERFACES + row][0] is type(x)
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])

@@ -1,4 +1,4 @@
-"""The generated methods' interface memo (``self._cmemo``): a call of
+"""The generated methods' interface memo (``self._memo[INTERFACES + row]``): a call of
 ``__cuda_array_interface__`` arrays whose interfaces hold the very shape, data and typestr
 objects of the row's last such call, on arrays of the same types, reuses its C arguments.
 
@@ -20,6 +20,7 @@ import pytest
 from _cai_cases import CASES, N, changed, interface, outcome, reduce, resolve
 
 from pynccl.comm import Communicator
+from pynccl.comm._memos import INTERFACES
 from pynccl.cuda import DeviceBuffer
 
 pytestmark = pytest.mark.usefixtures("lb")
@@ -43,7 +44,7 @@ def test_the_interface_memo_sees_every_change(
     y.__cuda_array_interface__ = interface(dst)
     reduce(comm, x, y)
     reduce(comm, x, y)  # a hit
-    assert comm._cmemo[0][0] is cls and comm._cmemo[0][4] is cls
+    assert comm._memo[INTERFACES][0] is cls and comm._memo[INTERFACES][4] is cls
     (sc, sw), (rc, rw) = resolve(src, send_change), resolve(dst, recv_change)
     if how == "in place":  # only the changed keys: the others keep their objects
         x.__cuda_array_interface__ = changed(x.__cuda_array_interface__, sc, sw)
@@ -103,7 +104,7 @@ def test_interfaces_are_read_once_a_call_but_for_misses_and_the_results_are_righ
         comm.synchronize()
         reads.append(cls.reads - before)
         np.testing.assert_array_equal(out.to_numpy(), want)
-        assert (comm._cmemo[0][0] is cls) == (kept and step > 0)
+        assert (comm._memo[INTERFACES][0] is cls) == (kept and step > 0)
     # The first call reads sendbuf's interface twice more: is it kept? Built afresh,
     # interfaces are never remembered, and read once a call. Kept, a call that misses
     # the memo (steps 4 and 5) reads again what it read for it.
@@ -152,7 +153,7 @@ def test_arrays_that_report_a_device_are_checked_every_call(
     x = OnDevice()
     comm.all_reduce(x)
     comm.all_reduce(x)
-    assert comm._cmemo[0][0] is not OnDevice  # never remembered
+    assert comm._memo[INTERFACES][0] is not OnDevice  # never remembered
     x.device = 3
     with pytest.raises(ValueError, match="device 3"):
         comm.all_reduce(x)
@@ -166,8 +167,48 @@ def test_arrays_sharing_one_interface_share_its_memo(
     views = [types.SimpleNamespace(__cuda_array_interface__=cai) for _ in range(3)]
     comm.reduce(views[0], views[0], root=0)  # the type's first call: the slow path
     comm.reduce(views[0], views[0], root=0)
-    remembered = comm._cmemo[2]
+    remembered = comm._memo[INTERFACES + 2]
     assert remembered[0] is types.SimpleNamespace
     for v in views[1:]:
         comm.reduce(v, views[0], root=0)
-        assert comm._cmemo[2] is remembered  # a hit (a miss would remember anew)
+        assert comm._memo[INTERFACES + 2] is remembered  # a hit (a miss would remember anew)
+
+
+def test_a_call_that_read_a_replaced_value_does_not_remember_it(
+    solo_comm: Communicator, new_buffers: Callable[..., DeviceBuffer]
+) -> None:
+    # A call binds the memo list first and stores into that list: the stream changed
+    # while it was being checked (here by the array's own interface getter) makes it
+    # store into the list that the change replaced, so the next call does not reuse the
+    # old stream. (It issues on the stream it had read: it started before the change.)
+    from pynccl.cuda import Stream
+
+    comm = solo_comm
+    buf = new_buffers(np.arange(N, dtype=np.float32))
+    cai = interface(buf)
+    other = Stream()
+    switch: list[Stream] = []
+
+    class Switching:
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            if switch:
+                comm.stream = switch.pop()
+            return cai
+
+    x = Switching()
+    try:
+        comm.all_reduce(x)
+        comm.all_reduce(x)  # remembered
+        cai = interface(buf)  # new objects: the next call misses, is checked, and stores
+        switch.append(other)  # ... after its read of the interface switched the stream
+        comm.all_reduce(x)
+        comm.all_reduce(x)
+        comm.all_reduce(x)
+        streams = [entry[3][-1] for entry in comm.flight_record()[-3:]]
+        assert streams == [0, other.handle, other.handle]
+        other.synchronize()
+        np.testing.assert_array_equal(buf.to_numpy(), np.arange(N, dtype=np.float32))
+    finally:
+        comm.stream = None
+        other.close()

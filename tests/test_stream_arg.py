@@ -86,10 +86,10 @@ def test_a_stream_given_is_never_remembered() -> None:
         ):
             call()
             call()  # remembered without a stream
-            memos = (list(comm._memo), list(comm._amemo), list(comm._cmemo))
+            memos = list(comm._memo)
             call(stream=other)
             call(stream=0)  # the legacy stream, not the communicator's default
-            assert (list(comm._memo), list(comm._amemo), list(comm._cmemo)) == memos
+            assert list(comm._memo) == memos
             call()
             assert [r[3][-1] for r in comm.flight_record()[-3:]] == [
                 other.handle,

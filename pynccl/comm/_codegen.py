@@ -23,7 +23,10 @@ from .._capi._enumargs import C_REDOP
 from ..enums import DataType, RedOp
 from ._args import SIZE_ARGS, size_arg
 from ._memos import (
+    ARRAYS,
+    INTERFACES,
     KEEP,
+    TAIL,
     array_key,
     buffer_count,
     cai_memo_hit,
@@ -32,7 +35,6 @@ from ._memos import (
     memo_key,
     record,
 )
-from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
 __all__ = ["FILENAME", "compile_method", "generate", "install", "source"]
@@ -92,17 +94,18 @@ def _issue(
     ``c_<name>``), then the gated call (:func:`~._memos.gated`) at indent ``pad``: every argument a
     ctypes object, passed to the row's function without argtypes (``self._bfn``: ctypes
     converts nothing). ``slow`` is the slow-path call taken when the handle is gone once
-    the gate is held. With ``memos`` — each ``(memo list, condition or "", its items
-    before the C arguments)`` — the C arguments are remembered for the next identical call
-    (see :func:`memo_hit`) in the first memo whose condition holds. ``kept``: the buffers
+    the gate is held. With ``memos`` — each ``(index in memo, condition or "", what it
+    holds, :data:`~._memos.TAIL` included)`` — the C arguments are remembered for the next
+    identical call (see :func:`memo_hit`) in the first memo whose condition holds, in the
+    memo list the call bound first (``memo``). ``kept``: the buffers
     were kept alive (:data:`KEEP`), which bound ``gid``, the group number to record."""
     prepare = [f"args = ({', '.join(cargs)})"]
     entry = record(i, "args", f"({i}, args)", kept)
     if memos:
         prepare += [f"entry = ({i}, args)"]
         entry = record(i, "args", "entry", kept)
-    for j, (table, condition, items) in enumerate(memos):
-        store = f"{table}[{i}] = ({items}, args, entry)"
+    for j, (at, condition, items) in enumerate(memos):
+        store = f"memo[{at}] = ({items})"
         if not condition:
             prepare.append(store)
         else:
@@ -145,8 +148,10 @@ def _method_source(spec: CollSpec) -> str:
     lines = [f"def {spec.method}(self, {sig}):"]
     key = memo_key(spec)
     conds = [f"{k} is m{j}" for j, k in enumerate(key)] + ["stream is None", "config is None"]
-    hit = memo_hit("self._memo", conds, len(key), i, slow_call(spec))
+    hit = memo_hit("self._memo", conds, len(key), str(i), i, slow_call(spec))
     lines += ["    " + line for line in hit]
+    # The memo list every later read and store of this call uses (see _memos.ARRAYS).
+    lines.append("    memo = self._memo")
     has_send, has_recv = spec.send != "-", spec.recv != "-"
     recv = "recvbuf"
     if spec.in_place == "recvbuf=None":
@@ -203,7 +208,7 @@ def _method_source(spec: CollSpec) -> str:
     ]
     slow = "return " + slow_call(spec)
     bufs_raw = tuple(b for b, _, _, _ in names)
-    memo = ("self._memo", "stream is None", ", ".join(key))
+    memo = (str(i), "stream is None", ", ".join([*key, TAIL]))
     lines += _issue([f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, (memo,), bufs_raw)
     # -- arrays with a cached handler ------------------------------------------------------
     lines.append("        elif count is None and dtype is None:")
@@ -219,7 +224,8 @@ def _method_source(spec: CollSpec) -> str:
     extra = array_key(spec)
     akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
     keep = (KEEP.format(bufs=bufs),)
-    hit = memo_hit("self._amemo", [*akey, "stream is None"], len(akey), i, slow_call(spec), keep)
+    conds = [*akey, "stream is None"]
+    hit = memo_hit("memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), keep)
     assert len(names) == buffer_count(spec)
     lines.append(f"            if type({first_buf}) is _DeviceBuffer:")
     lines += ["                " + line for line in hit]
@@ -323,8 +329,9 @@ def _method_source(spec: CollSpec) -> str:
     # when every buffer was a DeviceBuffer.
     interfaces = " and ".join([f"{k} is False" for k in tokens] + ["stream is None"])
     remembered = [f"type({b}), sh_{p}, d_{p}, ts_{p}" for b, p, _, _ in names]
-    cmemo = ("self._cmemo", interfaces, ", ".join(remembered + extra))
-    amemo = ("self._amemo", " and ".join([*tokens, "stream is None"]), ", ".join(tokens + extra))
+    cmemo = (str(INTERFACES + i), interfaces, ", ".join([*remembered, *extra, f"({TAIL})"]))
+    amemo = (str(ARRAYS + i), " and ".join([*tokens, "stream is None"]),
+             ", ".join([*tokens, *extra, TAIL]))  # fmt: skip
     cargs = [p for _, p, _, _ in names] + tail
     lines += _issue(cargs, i, " " * 20, slow, (cmemo, amemo), kept=True)
     lines.append("    " + slow)
@@ -374,7 +381,6 @@ def _env() -> dict[str, object]:
             _SUM=RedOp.SUM,
             _C_SUM=C_REDOP[RedOp.SUM],
             _P63=1 << 63,
-            _MASK=RING_MASK,
             _SIZE_ARGS=SIZE_ARGS,
             _size_arg=size_arg,
             _PTRS=PTR_ARGS,

@@ -8,10 +8,25 @@ frame of every generated C call, which memo hits share with the checked calls.
 from __future__ import annotations
 
 from .._adapt._cai import same_case
+from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
-__all__ = ["KEEP", "array_key", "buffer_count", "cai_memo_hit", "empty_memos", "gated",
-           "memo_hit", "memo_key", "record"]  # fmt: skip
+__all__ = ["ARRAYS", "INTERFACES", "KEEP", "TAIL", "array_key", "buffer_count", "cai_memo_hit",
+           "empty_memos", "gated", "memo_hit", "memo_key", "record"]  # fmt: skip
+
+#: ``self._memo`` is one list of every row's memos: the raw-pointer memo of row ``i`` at
+#: ``i``, its DeviceBuffer memo at ``ARRAYS + i``, its interface memo at ``INTERFACES + i``.
+#: The checked path binds the list once, first (``memo = self._memo``), and stores into
+#: that list: whatever changes what a memo's C arguments were built from (the default
+#: stream, the size, the row's function — the watchdog swaps it) changes it first, then
+#: replaces the list (``_forget_memos``), so a call that read the old values can only
+#: store into the old list, never into the one later calls read.
+ARRAYS = len(COLLECTIVES)
+INTERFACES = 2 * len(COLLECTIVES)
+#: What every memo holds after its key: the row's function and the gate (for the call,
+#: without two attribute lookups), the C arguments, the flight-record entry (the interface
+#: memo, whose hits unpack it apart from the key, as one tuple).
+TAIL = "fn, gate, args, entry"
 
 
 def record(i: int, args: str, entry: str, kept: bool) -> str:
@@ -22,12 +37,15 @@ def record(i: int, args: str, entry: str, kept: bool) -> str:
     return f"({i}, {args}, {group} else {entry}"
 
 
-def gated(i: int, prepare: list[str], record: str, call: str, slow: str) -> list[str]:
-    """Every generated C call's frame: take the gate, test the handle, run ``prepare``,
-    store ``record`` in the flight recorder, make the C call ``call``, give the gate back;
-    then ``slow`` (a statement) if the handle was gone, and the result check."""
+def gated(
+    i: int, prepare: list[str], record: str, call: str, slow: str, gate: bool = True
+) -> list[str]:
+    """Every generated C call's frame: take the gate (``gate``: bind it from ``self._gate``
+    first; a memo hit has it from the memo), test the handle, run ``prepare``, store
+    ``record`` in the flight recorder, make the C call ``call``, give the gate back; then
+    ``slow`` (a statement) if the handle was gone, and the result check."""
     return [
-        "gate = self._gate",
+        *(["gate = self._gate"] if gate else []),
         "try:",
         "    gate.pop()",
         "except IndexError:",
@@ -38,7 +56,7 @@ def gated(i: int, prepare: list[str], record: str, call: str, slow: str) -> list
         *["        " + line for line in prepare],
         "        seq = self._seq + 1",
         "        self._seq = seq",
-        f"        self._ring[seq & _MASK] = {record}",
+        f"        self._ring[seq & {RING_MASK}] = {record}",
         f"        rc = {call}",
         "finally:",
         "    gate.append(True)",
@@ -63,32 +81,32 @@ def memo_hit(
     memo: str,
     conds: list[str],
     n: int,
+    at: str,
     i: int,
     slow: str,
     pre: tuple[str, ...] = (),
 ) -> list[str]:
-    """A memo (``self._memo`` or ``self._amemo``): a call whose arguments are those its row's
-    last checked call of that kind was made from (``conds``, identity tests against the
-    memo's first ``n`` items, unpacked as ``m0``, ``m1``, ...) reuses that call's C
-    arguments (shared ctypes objects) and record entry, after the lines ``pre``.
+    """A memo (``{memo}[{at}]``): a call whose arguments are those its row's last checked
+    call of that kind was made from (``conds``, identity tests against the memo's first
+    ``n`` items, unpacked as ``m0``, ``m1``, ...) reuses that call's function, C arguments
+    (shared ctypes objects) and record entry (:data:`TAIL`), after the lines ``pre``.
 
-    ``self._memo`` (raw pointers) remembers the argument objects themselves: only ints,
-    a DataType, an op name/member and None (immutable, so the earlier checks still hold,
+    The raw-pointer memo remembers the argument objects themselves: only ints, a
+    DataType, an op name/member and None (immutable, so the earlier checks still hold,
     and nothing large is kept alive; a PreMulSum op, an int, takes the slow path and is
-    never remembered). ``self._amemo`` (DeviceBuffers) remembers each buffer's ``_arg``
-    tuple, not the buffer: a closed buffer's is None, a new buffer's a new tuple, and
-    the buffer itself is not kept alive (``self._cmemo``, for ``__cuda_array_interface__``
+    never remembered). The DeviceBuffer memo remembers each buffer's ``_arg`` tuple, not
+    the buffer: a closed buffer's is None, a new buffer's a new tuple, and the buffer
+    itself is not kept alive (the interface memo, for ``__cuda_array_interface__``
     arrays: :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
     falls through to the checks. The lines ``pre`` (:data:`KEEP`) bind ``gid``, the
     group number to record."""
     entry = record(i, "margs", "mentry", bool(pre))
     names = ", ".join(f"m{j}" for j in range(n))
     body = [
-        f"{names}, margs, mentry = {memo}[{i}]",
+        f"{names}, fn, gate, margs, mentry = {memo}[{at}]",
         "if " + " and ".join(conds) + ":",
         *["    " + line for line in pre],
-        f"    fn = self._bfn[{i}]",
-        *["    " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow)],
+        *["    " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow, False)],
     ]
     return body
 
@@ -100,12 +118,12 @@ KEEP = "gid = _keep_alive(({bufs})) if _OPEN else 0"
 
 
 def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: str) -> list[str]:
-    """The interface memo, ``cm = self._cmemo[i]``: a call of ``__cuda_array_interface__``
+    """The interface memo, ``cm = memo[INTERFACES + i]``: a call of ``__cuda_array_interface__``
     arrays (parameters ``names``) of the types the row's last such call had, whose
     interfaces hold that call's very shape, data and typestr objects (tuples of ints and
     a str: immutable) with no strides or mask (:func:`~pynccl._adapt._cai.same_case`) —
-    ``cm`` holds, per buffer, its type and those three, then ``extra``'s objects, the C
-    arguments and the record entry — reuses the C arguments. The common case would read
+    ``cm`` holds, per buffer, its type and those three, then ``extra``'s objects and
+    the tuple of :data:`TAIL` — reuses the C arguments. The common case would read
     the same again, for any array of those types; the array itself is not kept alive.
 
     Only types whose arrays tell no device and keep their interface (the same dict at
@@ -122,7 +140,7 @@ def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: st
         body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]
     entry = record(i, "margs", "mentry", True)
     return [
-        f"cm = self._cmemo[{i}]",
+        f"cm = memo[{INTERFACES + i}]",
         "if " + " and ".join(key) + ":",
         "    hit = False",
         "    try:",
@@ -131,9 +149,8 @@ def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: st
         "        pass",
         "    if hit:",
         f"        {keep}",
-        "        margs, mentry = cm[-2], cm[-1]",
-        f"        fn = self._bfn[{i}]",
-        *["        " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow)],
+        "        fn, gate, margs, mentry = cm[-1]",
+        *["        " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow, False)],
     ]
 
 
@@ -146,23 +163,23 @@ def buffer_count(spec: CollSpec) -> int:
     return (spec.send != "-") + (spec.recv != "-")
 
 
-_EMPTY: list[tuple[tuple[object, ...], ...]] = []
+_EMPTY: list[tuple[object, ...]] = []
 
 
-def empty_memos() -> list[list[tuple[object, ...]]]:
-    """Fresh lists of each row's raw-pointer, DeviceBuffer and interface memos with
-    nothing remembered: as many items as the generated code unpacks, each an object no
-    argument (nor its type) can be (the tuples, made once, are shared)."""
+def empty_memos() -> list[tuple[object, ...]]:
+    """A fresh ``self._memo`` with nothing remembered: each row's raw-pointer, DeviceBuffer
+    and interface memo (at ``i``, ``ARRAYS + i``, ``INTERFACES + i``) with as many items as
+    the generated code unpacks, each an object no argument (nor its type) can be (the
+    tuples, made once, are shared)."""
     if not _EMPTY:
         nothing = object()
+        tail = len(TAIL.split(", "))
         for per_buffer in (0, 1, 4):
-            _EMPTY.append(
-                tuple(
-                    (nothing,)
-                    * (len(memo_key(spec)) if per_buffer == 0 else
-                       per_buffer * buffer_count(spec) + len(array_key(spec)))
-                    + (nothing, nothing)
-                    for spec in COLLECTIVES
-                )
+            _EMPTY.extend(
+                (nothing,)
+                * (len(memo_key(spec)) if per_buffer == 0 else
+                   per_buffer * buffer_count(spec) + len(array_key(spec)))
+                + (nothing,) * (tail if per_buffer < 4 else 1)
+                for spec in COLLECTIVES
             )  # fmt: skip
-    return [list(memos) for memos in _EMPTY]
+    return list(_EMPTY)

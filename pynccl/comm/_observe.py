@@ -31,9 +31,7 @@ class Observed(CommHandle):
     """Recorder, synchronize, watchdog and capture guard (a base of Communicator)."""
 
     __slots__ = (
-        "_amemo",
         "_bfn",
-        "_cmemo",
         "_cstream",
         "_device",
         "_fn",
@@ -50,9 +48,7 @@ class Observed(CommHandle):
     _raw_fn: list[Any]
     _bfn: list[Any]
     _raw_bfn: list[Any]
-    _memo: list[tuple[object, ...]]
-    _amemo: list[tuple[object, ...]]
-    _cmemo: list[tuple[object, ...]]
+    _memo: list[tuple[object, ...]]  # every row's memos: see _memos.ARRAYS
     _ring: list[object]
     _seq: int
     _stream: int
@@ -221,6 +217,7 @@ class Observed(CommHandle):
         # never tests for a watchdog).
         self._fn = [None if fn is None else _watched(self, fn, watch) for fn in self._raw_fn]
         self._bfn = [None if fn is None else _watched(self, fn, watch) for fn in self._raw_bfn]
+        self._forget_memos()  # they hold the bare functions
 
     def stop_watchdog(self) -> None:
         """Stop the watchdog thread, if one runs."""
@@ -234,6 +231,7 @@ class Observed(CommHandle):
         """Every row's call slots back to the bare functions (the watchdog's are dropped)."""
         self._fn = list(self._raw_fn)
         self._bfn = list(self._raw_bfn)
+        self._forget_memos()  # they hold the watchdog's wrappers
 
     def _use_stream(self, stream: int) -> None:
         """Make ``stream`` (a handle) the default stream of every call: the generated
@@ -245,9 +243,10 @@ class Observed(CommHandle):
 
     def _forget_memos(self) -> None:
         """Forget each row's memos of its last raw-pointer, DeviceBuffer and interface
-        calls (``_memos.memo_hit``): what their C arguments were built from (the size,
-        the stream) changed."""
-        self._memo, self._amemo, self._cmemo = _empty_memos()
+        calls (``_memos.memo_hit``): what they were built from (the size, the stream, the
+        row's function) changed — changed before this is called, so that a call that read
+        the old values stores into the list replaced here (``_memos.ARRAYS``)."""
+        self._memo = _empty_memos()
 
     def watch_status(self) -> tuple[bool, bool, BaseException | None]:
         """For the watchdog: ``(alive, ready, asynchronous error or None)``."""
