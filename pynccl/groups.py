@@ -83,6 +83,7 @@ _local = _Local()
 #: when this is not empty (set add/discard are atomic under the GIL).
 OPEN: set[int] = set()
 _SERIAL = itertools.count(1)
+_open_add, _open_discard = OPEN.add, OPEN.discard
 
 # The bare ncclGroupStart / ncclGroupEnd of the library they were bound from (`_bound`,
 # compared with library's `_nccl`, None until the first load): bound on first use and
@@ -140,7 +141,7 @@ def group_end() -> Result:
         st.depth = depth
         if depth == 0:
             st.gid = 0
-            OPEN.discard(st.ident)
+            _open_discard(st.ident)
     if _library._nccl is not _bound:  # an end without a start through pynccl
         _bind()
     rc = _ge()
@@ -201,9 +202,9 @@ class Group:
             _fail(rc, "ncclGroupStart")
         st = _local.s
         depth = st.depth
-        if depth == 0:
+        if not depth:
             st.gid = next(_SERIAL)
-            OPEN.add(st.ident)
+            _open_add(st.ident)
         st.depth = depth + 1
         return self
 
@@ -216,19 +217,25 @@ class Group:
         if exc is not None:
             _end_after(exc, group_end)
             return
-        # group_end()'s body, inline (the hot path again). The bare ncclGroupEnd bound
-        # when this group started is the right one even if the library was replaced since.
+        # group_end()'s body, inline (the hot path again), the outermost group's end
+        # first. The bare ncclGroupEnd bound when this group started is the right one even
+        # if the library was replaced since.
         st = _local.s
         depth = st.depth
-        if depth > 0:
-            depth -= 1
-            st.depth = depth
-            if depth == 0:
-                st.gid = 0
-                OPEN.discard(st.ident)
-        rc = _ge()
-        if rc or (depth == 0 and (st.keep or st.pending)):
-            _ended(st, depth, rc, "ncclGroupEnd")
+        if depth == 1:
+            st.depth = 0
+            st.gid = 0
+            _open_discard(st.ident)
+            rc = _ge()
+            if rc or st.keep or st.pending:
+                _ended(st, 0, rc, "ncclGroupEnd")
+        else:  # nested (or unbalanced: no group open through pynccl)
+            if depth > 0:
+                depth -= 1
+                st.depth = depth
+            rc = _ge()
+            if rc or (depth == 0 and (st.keep or st.pending)):
+                _ended(st, depth, rc, "ncclGroupEnd")
 
     def __repr__(self) -> str:
         return "pynccl.group()"
@@ -283,7 +290,7 @@ class SimulatedGroup(Group):
             st.depth = depth
             if depth == 0:
                 st.gid = 0
-                OPEN.discard(st.ident)
+                _open_discard(st.ident)
         rc = simulate_end(byref(info))
         result = _ended(st, depth, rc, "ncclGroupSimulateEnd")
         estimate = float(info.estimatedTime)  # microseconds; NCCL_UNDEF_FLOAT (-1): none

@@ -726,6 +726,21 @@ def test_group_end_failure_is_chained_to_the_body_exception(lb: Any) -> None:
     assert group_depth() == 0
 
 
+def test_a_failed_group_end_raises_and_closes_the_group(lb: Any) -> None:
+    with pytest.raises(NcclInvalidUsage):
+        with group():
+            library.lib().ncclGroupEnd()  # closes NCCL's group behind pynccl's back
+    assert group_depth() == 0
+    with pytest.raises(NcclInvalidUsage):
+        with group():
+            with group():
+                library.lib().ncclGroupEnd()
+            # The stray end closed one of NCCL's two groups, the inner exit the other:
+            # the outer exit's ncclGroupEnd has none left to end.
+            assert group_depth() == 1
+    assert group_depth() == 0
+
+
 def test_group_end_without_start_is_invalid_usage(lb: Any) -> None:
     with pytest.raises(NcclInvalidUsage):
         group_end()

@@ -100,6 +100,13 @@ def test_temporaries_live_until_the_group_ends(solo: Communicator) -> None:
             solo.all_reduce(_temp(x), out)
         solo.synchronize()
         assert np.array_equal(out.to_numpy(), x)
+        out.copy_from(np.zeros(N, np.float32))
+        with group():
+            with group():  # a nested group's end launches nothing: still kept
+                solo.send(_temp(x), 0)
+            solo.recv(out, 0)
+        solo.synchronize()
+        assert np.array_equal(out.to_numpy(), x)
     finally:
         gc.enable()
         out.close()
