@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 
 __all__ = [
+    "KEEP_ALIVE",
     "Group",
     "SimulatedGroup",
     "group",
@@ -68,7 +69,8 @@ class _GroupState:
         self.pending: list[GroupMember] = []
         # Buffer objects of the queued operations: alive until the outermost group end.
         self.keep: list[object] = []
-        # The outermost open group's number (0: none), for the flight recorder.
+        # The outermost open group's number, for the flight recorder: not 0 exactly while
+        # depth > 0 (which is what keep_alive tests).
         self.gid = 0
 
 
@@ -110,11 +112,26 @@ def group_depth() -> int:
 def keep_alive(objs: object) -> int:
     """Keep ``objs`` referenced until the calling thread's outermost group has ended
     (called for operations queued inside a group; nothing happens outside one). Returns
-    that group's number (0: none), which the flight recorder stores with the operation."""
+    that group's number (0: none), which the flight recorder stores with the operation.
+    :data:`KEEP_ALIVE` is the same, inline."""
     st = _local.s
-    if st.depth > 0:
+    gid = st.gid
+    if gid:
         st.keep.append(objs)
-    return st.gid
+    return gid
+
+
+#: :func:`keep_alive` as source lines for generated hot paths, whose globals bind
+#: ``_GROUPS`` to this module's thread-local state and ``_OPEN`` to :data:`OPEN` (no
+#: thread has a group open: nothing to look up): ``{objs}`` kept, ``gid`` bound.
+KEEP_ALIVE = (
+    "gid = 0",
+    "if _OPEN:",
+    "    st = _GROUPS.s",
+    "    gid = st.gid",
+    "    if gid:",
+    "        st.keep.append({objs})",
+)
 
 
 def in_progress_later(comm: GroupMember) -> None:
@@ -227,8 +244,10 @@ class Group:
             st.gid = 0
             _open_discard(st.ident)
             rc = _ge()
-            if rc or st.keep or st.pending:
+            if rc or st.pending:
                 _ended(st, 0, rc, "ncclGroupEnd")
+            elif st.keep:
+                st.keep.clear()  # the launched operations' buffers
         else:  # nested (or unbalanced: no group open through pynccl)
             if depth > 0:
                 depth -= 1

@@ -25,12 +25,12 @@ from ._args import SIZE_ARGS, size_arg
 from ._memos import (
     ARRAYS,
     INTERFACES,
-    KEEP,
     TAIL,
     array_key,
     buffer_count,
     cai_memo_hit,
     gated,
+    keep,
     memo_hit,
     memo_key,
     record,
@@ -98,7 +98,8 @@ def _issue(
     holds, :data:`~._memos.TAIL` included)`` — the C arguments are remembered for the next
     identical call (see :func:`memo_hit`) in the first memo whose condition holds, in the
     memo list the call bound first (``memo``). ``kept``: the buffers
-    were kept alive (:data:`KEEP`), which bound ``gid``, the group number to record."""
+    were kept alive (:func:`~._memos.keep`), which bound ``gid``, the group number to
+    record."""
     prepare = [f"args = ({', '.join(cargs)})"]
     entry = record(i, "args", f"({i}, args)", kept)
     if memos:
@@ -223,14 +224,14 @@ def _method_source(spec: CollSpec) -> str:
     ]
     extra = array_key(spec)
     akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
-    keep = (KEEP.format(bufs=bufs),)
+    kept = keep(bufs)
     conds = [*akey, "stream is None"]
-    hit = memo_hit("memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), keep)
+    hit = memo_hit("memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), kept)
     assert len(names) == buffer_count(spec)
     lines.append(f"            if type({first_buf}) is _DeviceBuffer:")
     lines += ["                " + line for line in hit]
     lines.append("            else:")
-    hit = cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), keep[0])
+    hit = cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), kept)
     lines += ["                " + line for line in hit]
     lines += [
         "            if stream is None:",
@@ -322,7 +323,7 @@ def _method_source(spec: CollSpec) -> str:
     lines += [
         f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
-        "                    " + KEEP.format(bufs=bufs),
+        *["                    " + line for line in kept],
     ]
     tokens = [f"k_{p}" for _, p, _, _ in names]
     # Remembered when every buffer was an interface the interface memo may remember, or
@@ -396,7 +397,6 @@ def _env() -> dict[str, object]:
             _DeviceBuffer=DeviceBuffer,
             _GROUPS=groups._local,
             _OPEN=groups.OPEN,
-            _keep_alive=groups.keep_alive,
         )
     return _ENV
 

@@ -8,11 +8,12 @@ frame of every generated C call, which memo hits share with the checked calls.
 from __future__ import annotations
 
 from .._adapt._cai import same_case
+from ..groups import KEEP_ALIVE
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
-__all__ = ["ARRAYS", "INTERFACES", "KEEP", "TAIL", "array_key", "buffer_count", "cai_memo_hit",
-           "empty_memos", "gated", "memo_hit", "memo_key", "record"]  # fmt: skip
+__all__ = ["ARRAYS", "INTERFACES", "TAIL", "array_key", "buffer_count", "cai_memo_hit",
+           "empty_memos", "gated", "keep", "memo_hit", "memo_key", "record"]  # fmt: skip
 
 #: ``self._memo`` is one list of every row's memos: the raw-pointer memo of row ``i`` at
 #: ``i``, its DeviceBuffer memo at ``ARRAYS + i``, its interface memo at ``INTERFACES + i``.
@@ -32,7 +33,7 @@ TAIL = "fn, gate, args, entry"
 def record(i: int, args: str, entry: str, kept: bool) -> str:
     """The flight-record entry of a call of row ``i`` whose C arguments are ``args``: the
     prebuilt ``entry`` (``(i, args)``) outside a group, else ``(i, args, group number)`` —
-    ``gid`` where :data:`KEEP` bound it (``kept``), else the thread's."""
+    ``gid`` where :func:`keep` bound it (``kept``), else the thread's."""
     group = "gid) if gid" if kept else "_GROUPS.s.gid) if _OPEN"
     return f"({i}, {args}, {group} else {entry}"
 
@@ -98,7 +99,7 @@ def memo_hit(
     the buffer: a closed buffer's is None, a new buffer's a new tuple, and the buffer
     itself is not kept alive (the interface memo, for ``__cuda_array_interface__``
     arrays: :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
-    falls through to the checks. The lines ``pre`` (:data:`KEEP`) bind ``gid``, the
+    falls through to the checks. The lines ``pre`` (:func:`keep`) bind ``gid``, the
     group number to record."""
     entry = record(i, "margs", "mentry", bool(pre))
     names = ", ".join(f"m{j}" for j in range(n))
@@ -111,13 +112,16 @@ def memo_hit(
     return body
 
 
-#: Keeping a call's buffers alive until the group it is queued in ends (``{bufs}``: they,
-#: as a tuple's items), and the group's number (0: none) for the flight record, in one
-#: look at the thread's group state.
-KEEP = "gid = _keep_alive(({bufs})) if _OPEN else 0"
+def keep(bufs: str) -> tuple[str, ...]:
+    """Keeping a call's buffers (``bufs``: a tuple's items) alive until the group it is
+    queued in ends, and binding ``gid``, the group's number (0: none) for the flight
+    record, in one look at the thread's group state (:data:`pynccl.groups.KEEP_ALIVE`)."""
+    return tuple(line.format(objs=f"({bufs})") for line in KEEP_ALIVE)
 
 
-def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: str) -> list[str]:
+def cai_memo_hit(
+    names: list[str], extra: list[str], i: int, slow: str, kept: tuple[str, ...]
+) -> list[str]:
     """The interface memo, ``cm = memo[INTERFACES + i]``: a call of ``__cuda_array_interface__``
     arrays (parameters ``names``) of the types the row's last such call had, whose
     interfaces hold that call's very shape, data and typestr objects (tuples of ints and
@@ -148,7 +152,7 @@ def cai_memo_hit(names: list[str], extra: list[str], i: int, slow: str, keep: st
         "    except Exception:  # the checks read the interface again and say why",
         "        pass",
         "    if hit:",
-        f"        {keep}",
+        *["        " + line for line in kept],
         "        fn, gate, margs, mentry = cm[-1]",
         *["        " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow, False)],
     ]
