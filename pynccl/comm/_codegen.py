@@ -151,8 +151,6 @@ def _method_source(spec: CollSpec) -> str:
     conds = [f"{k} is m{j}" for j, k in enumerate(key)] + ["stream is None", "config is None"]
     hit = memo_hit("self._memo", conds, len(key), str(i), i, slow_call(spec))
     lines += ["    " + line for line in hit]
-    # The memo list every later read and store of this call uses (see _memos.ARRAYS).
-    lines.append("    memo = self._memo")
     has_send, has_recv = spec.send != "-", spec.recv != "-"
     recv = "recvbuf"
     if spec.in_place == "recvbuf=None":
@@ -161,6 +159,24 @@ def _method_source(spec: CollSpec) -> str:
     names = ([("sendbuf", "sp", "sn", spec.send)] if has_send else []) + (
         [(recv, "rp", "rn", spec.recv)] if has_recv else []
     )
+    assert len(names) == buffer_count(spec)
+    # DeviceBuffers again: the DeviceBuffer memo (each buffer's _arg tuple, the op, the
+    # root/peer), tried when the first buffer is one, before the checks it stands for.
+    first_buf = names[0][0]
+    akey = [f"{first_buf}._arg is m0"] + [
+        f"type({b}) is _DeviceBuffer and {b}._arg is m{j}"
+        for j, (b, _, _, _) in enumerate(names)
+        if j
+    ]
+    extra = array_key(spec)
+    akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
+    kept = keep(bufs)
+    conds = [*akey, "count is None", "dtype is None", "stream is None", "config is None"]
+    hit = memo_hit("self._memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), kept)
+    lines.append(f"    if type({first_buf}) is _DeviceBuffer:")
+    lines += ["        " + line for line in hit]
+    # The memo list every later read and store of this call uses (see _memos.ARRAYS).
+    lines.append("    memo = self._memo")
     first = ["config is None"]
     if spec.where:
         first.append(f"type({spec.where}) is int and 0 <= {spec.where} < self._fast_w")
@@ -213,26 +229,9 @@ def _method_source(spec: CollSpec) -> str:
     lines += _issue([f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, (memo,), bufs_raw)
     # -- arrays with a cached handler ------------------------------------------------------
     lines.append("        elif count is None and dtype is None:")
-    # DeviceBuffers again: the array memo (each buffer's _arg tuple, the op, the root/peer).
-    # The first buffer's type picks the memo to try: DeviceBuffers again (each buffer's
-    # _arg tuple, the op, the root/peer), or the interface memo (its arrays' types first).
-    first_buf = names[0][0]
-    akey = [f"{first_buf}._arg is m0"] + [
-        f"type({b}) is _DeviceBuffer and {b}._arg is m{j}"
-        for j, (b, _, _, _) in enumerate(names)
-        if j
-    ]
-    extra = array_key(spec)
-    akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
-    kept = keep(bufs)
-    conds = [*akey, "stream is None"]
-    hit = memo_hit("memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), kept)
-    assert len(names) == buffer_count(spec)
-    lines.append(f"            if type({first_buf}) is _DeviceBuffer:")
-    lines += ["                " + line for line in hit]
-    lines.append("            else:")
+    # The interface memo (its arrays' types first; a DeviceBuffer's type is never in it).
     hit = cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), kept)
-    lines += ["                " + line for line in hit]
+    lines += ["            " + line for line in hit]
     lines += [
         "            if stream is None:",
         "                s = self._stream",
