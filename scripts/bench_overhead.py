@@ -20,10 +20,12 @@ The raw rows repeat one call with the same objects, so they take the generated m
 memo (the previous call's checked C arguments reused), and the DevBuf rows their
 DeviceBuffer memo (keyed on each buffer's ``_arg`` tuple); ``all_reduce(memo miss)`` and
 ``all_reduce(DevBuf miss)`` alternate two calls that swap the buffers, so every call is
-checked in full; ``all_reduce(new dicts)`` reads interfaces that are new dicts of new
-tuples at every read (as CuPy, Numba and PyTorch make them), against a floor that reads
-them too; ``all_reduce(stream=)`` passes a stream (a handle to the raw call, a
-:class:`pynccl.cuda.Stream` with DeviceBuffers), which no memo takes. Then all_reduce's
+checked in full; ``all_reduce(new ints)`` passes pointers and count made afresh at every
+call (equal ints, new objects: the memo compares ints by value); ``all_reduce(new dicts)``
+reads interfaces that are new dicts of new tuples at every read (as CuPy, Numba and
+PyTorch make them), against a floor that reads them too; ``all_reduce(stream=)`` passes
+a stream (a handle to the raw call, a :class:`pynccl.cuda.Stream` with DeviceBuffers),
+which no memo takes. Then all_reduce's
 generated code compiled without the gate (what serializing teardown against calls in
 flight costs), ``send``+``recv`` inside ``pynccl.group()`` against bare
 ``ncclGroupStart/ncclSend/ncclRecv/ncclGroupEnd``, the low-level layer
@@ -215,6 +217,10 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
         ar(send, recv, count=n, dtype=f32),
         ar(recv, send, count=n, dtype=f32),
     )
+    # Pointers and count made afresh at every call, as ``t.data_ptr()``/``t.numel()``
+    # make them (equal ints, new objects; the floor makes them too).
+    v["all_reduce(new ints) floor"] = lambda: floor_ar(send + 0, recv + 0, n + 0, 7, 0, h, 0)
+    v["all_reduce(new ints) raw"] = lambda: ar(send + 0, recv + 0, count=n + 0, dtype=f32)
     # Interfaces built afresh at every read: the floor reads them too (what any consumer
     # pays the producer), so the ratio is pynccl's reading of them.
     fa, fb = FreshCaiArray(send, n), FreshCaiArray(recv, n)

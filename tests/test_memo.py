@@ -167,6 +167,39 @@ def test_a_remembered_call_does_not_let_an_equal_mistake_through(
         comm.all_reduce(float(ptr), count=N, dtype=F32)
 
 
+def test_equal_ints_made_afresh_hit_the_memo_and_no_other_equal_value_does(
+    solo_comm: Any, new_buffers: Any
+) -> None:
+    # Pointers and counts come as new int objects at every call (t.data_ptr(), t.numel()):
+    # an int equal to the remembered one takes the memo; a bool, a float or a numpy
+    # integer of the same value is checked in full, as on a first call.
+    comm = solo_comm
+    x = np.arange(1, N + 1, dtype=np.float32)
+    buf = new_buffers(x)
+    ptr = buf.ptr
+    comm.all_reduce(ptr, count=N, dtype=F32)
+    comm.all_reduce(ptr, count=N, dtype=F32)
+    remembered = comm._memo[0]
+    comm.all_reduce(ptr + 0, count=N + 0, dtype=F32)  # equal ints, new objects
+    assert comm._ring[comm._seq & 63] is remembered[-1]  # the memo's record entry: a hit
+    assert comm._memo[0] is remembered
+    comm.synchronize()
+    np.testing.assert_array_equal(buf.to_numpy(), x)
+    comm.all_reduce(ptr, count=1, dtype=F32)
+    comm.all_reduce(ptr, count=1, dtype=F32)
+    for count in (True, 1.0):
+        with pytest.raises(TypeError, match=f"count must be a non-negative int, got "
+                           f"{type(count).__name__}"):  # fmt: skip
+            comm.all_reduce(ptr, count=count, dtype=F32)
+    with pytest.raises(TypeError, match="got float"):
+        comm.all_reduce(float(ptr), count=1, dtype=F32)
+    with pytest.raises(TypeError, match=r"got numpy\.int64"):
+        comm.all_reduce(np.int64(ptr), count=1, dtype=F32)
+    comm.all_reduce(ptr, count=np.int64(1), dtype=F32)  # a count may be any integer
+    assert comm._memo[0][2] == 1 and type(comm._memo[0][2]) is int
+    comm.synchronize()
+
+
 # -- the DeviceBuffer memo (each buffer's _arg tuple, never the buffer) --------------------
 
 

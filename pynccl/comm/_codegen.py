@@ -34,6 +34,7 @@ from ._memos import (
     memo_hit,
     memo_key,
     record,
+    same,
 )
 from ._spec import COLLECTIVES, CollSpec
 
@@ -148,7 +149,7 @@ def _method_source(spec: CollSpec) -> str:
     i = spec.index
     lines = [f"def {spec.method}(self, {sig}):"]
     key = memo_key(spec)
-    conds = [f"{k} is m{j}" for j, k in enumerate(key)] + ["stream is None", "config is None"]
+    conds = [same(k, f"m{j}") for j, k in enumerate(key)] + ["stream is None", "config is None"]
     hit = memo_hit("self._memo", conds, len(key), str(i), i, slow_call(spec))
     lines += ["    " + line for line in hit]
     has_send, has_recv = spec.send != "-", spec.recv != "-"

@@ -13,7 +13,7 @@ from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
 __all__ = ["ARRAYS", "INTERFACES", "TAIL", "array_key", "buffer_count", "cai_memo_hit",
-           "empty_memos", "gated", "keep", "memo_hit", "memo_key", "record"]  # fmt: skip
+           "empty_memos", "gated", "keep", "memo_hit", "memo_key", "record", "same"]  # fmt: skip
 
 #: ``self._memo`` is one list of every row's memos: the raw-pointer memo of row ``i`` at
 #: ``i``, its DeviceBuffer memo at ``ARRAYS + i``, its interface memo at ``INTERFACES + i``.
@@ -78,6 +78,20 @@ def memo_key(spec: CollSpec) -> list[str]:
     return key + ([spec.where] if spec.where else [])
 
 
+#: The raw-pointer memo's keys that are ints (pointers, count): callers make them afresh
+#: at every call (``t.data_ptr()``, ``t.numel()``), equal to the last call's.
+_INT_KEYS = ("sendbuf", "recvbuf", "count")
+
+
+def same(name: str, kept: str) -> str:
+    """The test that parameter ``name`` is what the memo item ``kept`` was made from: the
+    very object, or — for an int key — an int of the same value (the checks it passed
+    hold for any int equal to it; a bool, a float or a numpy integer is not an int)."""
+    if name in _INT_KEYS:
+        return f"({name} is {kept} or type({name}) is int and {name} == {kept})"
+    return f"{name} is {kept}"
+
+
 def memo_hit(
     memo: str,
     conds: list[str],
@@ -95,7 +109,8 @@ def memo_hit(
     The raw-pointer memo remembers the argument objects themselves: only ints, a
     DataType, an op name/member and None (immutable, so the earlier checks still hold,
     and nothing large is kept alive; a PreMulSum op, an int, takes the slow path and is
-    never remembered). The DeviceBuffer memo remembers each buffer's ``_arg`` tuple, not
+    never remembered); its int keys also match an equal int (:func:`same`). The
+    DeviceBuffer memo remembers each buffer's ``_arg`` tuple, not
     the buffer: a closed buffer's is None, a new buffer's a new tuple, and the buffer
     itself is not kept alive (the interface memo, for ``__cuda_array_interface__``
     arrays: :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
