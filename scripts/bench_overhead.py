@@ -218,9 +218,13 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
         ar(recv, send, count=n, dtype=f32),
     )
     # Pointers and count made afresh at every call, as ``t.data_ptr()``/``t.numel()``
-    # make them (equal ints, new objects; the floor makes them too).
-    v["all_reduce(new ints) floor"] = lambda: floor_ar(send + 0, recv + 0, n + 0, 7, 0, h, 0)
-    v["all_reduce(new ints) raw"] = lambda: ar(send + 0, recv + 0, count=n + 0, dtype=f32)
+    # make them (equal ints, new objects; the floor makes them too). On a communicator of
+    # its own: its memo then holds other objects than the raw rows' (which the raw rows
+    # would then match by value, not as the very objects).
+    fresh = Communicator(1, UniqueId(), 0, device=0)
+    fh, far = fresh.handle, fresh.all_reduce
+    v["all_reduce(new ints) floor"] = lambda: floor_ar(send + 0, recv + 0, n + 0, 7, 0, fh, 0)
+    v["all_reduce(new ints) raw"] = lambda: far(send + 0, recv + 0, count=n + 0, dtype=f32)
     # Interfaces built afresh at every read: the floor reads them too (what any consumer
     # pays the producer), so the ratio is pynccl's reading of them.
     fa, fb = FreshCaiArray(send, n), FreshCaiArray(recv, n)
@@ -245,7 +249,7 @@ def build_variants(n: int) -> tuple[dict[str, Callable[[], Any]], list[Any]]:
     v["low-level floor"] = lambda: floor_ar(send, recv, n, 7, 0, h, 0)
     op_sum = RedOp.SUM  # hoisted like f32: an enum member lookup costs ~100 ns here
     v["low-level low-level"] = lambda: low(send, recv, n, f32, op_sum, h, 0)
-    return v, [comm, a, b, st]
+    return v, [comm, a, b, st, fresh]
 
 
 def main() -> int:
@@ -317,10 +321,11 @@ def main() -> int:
     first_use = import_time_ms("from pynccl import Communicator")
     print(f"from pynccl import Communicator: {first_use:.1f} ms ({where}; target <= 25)")
     print(f"{missed} ratio target(s) missed")
-    comm, a, b, st = keep
+    comm, a, b, st, fresh = keep
     a.close()
     b.close()
     comm.destroy()
+    fresh.destroy()
     st.close()
     return 0
 
