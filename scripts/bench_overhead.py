@@ -280,14 +280,13 @@ def main() -> int:
                 fn()
             samples[name].append(max((perf() - t0) / args.calls - base[-1], 1e-9))
 
-    def row_of(name: str) -> str:
-        return name.rsplit(" ", 1)[0]
-
+    # Each variant's name: "<row> <kind>".
+    parts = {k: k.rsplit(" ", 1) for k in samples}
     # A variant's ratio in each round is to its floor in the same round (timed next to it:
     # the machine's load is then alike for both); its median over the rounds is the
     # verdict's figure. The best round of each, too: noise only ever adds time.
     ratios = {
-        k: statistics.median(v / f for v, f in zip(s, samples[f"{row_of(k)} floor"]))
+        k: statistics.median(v / f for v, f in zip(s, samples[f"{parts[k][0]} floor"]))
         for k, s in samples.items()
     }
     medians = {k: statistics.median(s) for k, s in samples.items()}
@@ -300,7 +299,7 @@ def main() -> int:
     print(f"{'call':<31}{'median ns':>10}{'x floor':>9}{'best ns':>9}{'x floor':>9}  target")
     missed = 0
     for name, value in medians.items():
-        row, kind = name.rsplit(" ", 1)
+        row, kind = parts[name]
         best_floor = bests[f"{row} floor"]
         target = target_of(row, kind)
         verdict = ""

@@ -98,9 +98,8 @@ def _issue(
     the gate is held. With ``memos`` — each ``(index in memo, condition or "", what it
     holds, :data:`~._memos.TAIL` included)`` — the C arguments are remembered for the next
     identical call (see :func:`memo_hit`) in the first memo whose condition holds, in the
-    memo list the call bound first (``memo``). ``kept``: the buffers
-    were kept alive (:func:`~._memos.keep`), which bound ``gid``, the group number to
-    record."""
+    memo list the call bound first (``memo``). ``kept``: the buffers were kept alive
+    (:func:`~._memos.keep`), which bound ``gid``, the group number to record."""
     prepare = [f"args = ({', '.join(cargs)})"]
     entry = record(i, "args", f"({i}, args)", kept)
     if memos:

@@ -102,20 +102,21 @@ def memo_hit(
     pre: tuple[str, ...] = (),
 ) -> list[str]:
     """A memo (``{memo}[{at}]``): a call whose arguments are those its row's last checked
-    call of that kind was made from (``conds``, identity tests against the memo's first
-    ``n`` items, unpacked as ``m0``, ``m1``, ...) reuses that call's function, C arguments
-    (shared ctypes objects) and record entry (:data:`TAIL`), after the lines ``pre``.
+    call of that kind was made from (``conds``, tests against the memo's first ``n``
+    items, unpacked as ``m0``, ``m1``, ...: identity, or :func:`same`) reuses that call's
+    function, C arguments (shared ctypes objects) and record entry (:data:`TAIL`), after
+    the lines ``pre``.
 
     The raw-pointer memo remembers the argument objects themselves: only ints, a
     DataType, an op name/member and None (immutable, so the earlier checks still hold,
     and nothing large is kept alive; a PreMulSum op, an int, takes the slow path and is
     never remembered); its int keys also match an equal int (:func:`same`). The
-    DeviceBuffer memo remembers each buffer's ``_arg`` tuple, not
-    the buffer: a closed buffer's is None, a new buffer's a new tuple, and the buffer
-    itself is not kept alive (the interface memo, for ``__cuda_array_interface__``
-    arrays: :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else
-    falls through to the checks. The lines ``pre`` (:func:`keep`) bind ``gid``, the
-    group number to record."""
+    DeviceBuffer memo remembers each buffer's ``_arg`` tuple, not the buffer: a closed
+    buffer's is None, a new buffer's a new tuple, and the buffer itself is not kept
+    alive (the interface memo, for ``__cuda_array_interface__`` arrays:
+    :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else falls
+    through to the checks. The lines ``pre`` (:func:`keep`) bind ``gid``, the group
+    number to record."""
     entry = record(i, "margs", "mentry", bool(pre))
     names = ", ".join(f"m{j}" for j in range(n))
     body = [
