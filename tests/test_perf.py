@@ -709,5 +709,6 @@ def test_wrong_results_fail_the_run(tmp_path: Path) -> None:
     proc = run_perf("-g", "2", "-b", "1K", "-e", "1K", "-n", "1", extra_env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     rows = _rows(proc.stdout)
-    assert rows and rows[0][8] == "1" and rows[0][12] == "1"  # one bad element, each placement
+    # one bad element, each placement
+    assert rows and rows[0][8] == "1" and rows[0][12] == "1", proc.stdout + proc.stderr
     assert "Out of bounds values : 2 FAILED" in proc.stdout
