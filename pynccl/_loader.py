@@ -18,7 +18,12 @@ Search order for libnccl (the first that loads wins; the rule is remembered):
 libcudart follows the same scheme: ``explicit``, ``env:PYNCCL_CUDART_LIBRARY``,
 ``already-mapped``, ``wheel:<distribution>`` (``nvidia/cu13/lib``,
 ``nvidia/cuda_runtime/lib``), ``dynamic-loader`` (``libcudart.so.13``, then ``.12``),
-``CUDA_HOME``, ``/usr/local/cuda``.
+``CUDA_HOME``, ``/usr/local/cuda``. A libcudart that loads but is newer than the
+driver (a CUDA 13 runtime needs driver >= 580: every call would fail with
+``cudaErrorInsufficientDriver``, 35) is passed over for the next candidate, so that
+``.so.12`` serves an older driver; the rule then says so (``dynamic-loader, fallback:
+...``). Where no candidate suits the driver, the first that loaded is kept, and its
+calls report error 35 (``python -m pynccl info`` explains it).
 
 An explicit path or environment variable that fails is an error at once: falling
 through to some other library would hide the user's mistake.
@@ -31,7 +36,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .errors import LibraryNotFoundError
 
@@ -255,20 +260,36 @@ def _resolve(cdll: ctypes.CDLL, candidate: str) -> str:
     return path
 
 
-def _explicit(library: str, candidate: str, rule: str, names: tuple[str, ...], probe: str) -> Found:
-    """Load a path the user gave (a file, a directory holding ``names``, or a bare soname)."""
+# Tells why a library that loaded cannot work here ("" when it can, or when that
+# cannot be told); a candidate it refuses is passed over for the next one.
+_Judge = Callable[[ctypes.CDLL], str]
+
+
+def _explicit(
+    library: str,
+    candidate: str,
+    rule: str,
+    names: tuple[str, ...],
+    probe: str,
+    judge: _Judge | None = None,
+) -> Found:
+    """Load a path the user gave (a file, a directory holding ``names``, or a bare soname).
+
+    A file or soname is taken as it is; in a directory, ``judge`` may pass over one
+    name for the next (``libcudart.so.13`` for ``.so.12`` under an older driver).
+    """
     if not candidate:
         raise LibraryNotFoundError(library, [(f"{rule}: {candidate!r}", "empty path")])
-    files = [candidate]
-    if os.path.isdir(candidate):
-        files = [os.path.join(candidate, n) for n in names]
+    if not os.path.isdir(candidate):
+        judge = None  # the user named this very file: use it, whatever the driver says
+        files = [(rule, candidate)]
+    else:
+        files = [(rule, os.path.join(candidate, n)) for n in names]
     tried: list[tuple[str, str]] = []
-    for f in files:
-        cdll, why = _try_load(f, probe)
-        if cdll is not None:
-            return Found(_resolve(cdll, f), rule, cdll)
-        tried.append((f"{rule}: {f}", why))
-    raise LibraryNotFoundError(library, tried)
+    found = _search(library, probe, iter(files), tried, judge)
+    if found is None:
+        raise LibraryNotFoundError(library, tried)
+    return found
 
 
 def _sys_path_dirs() -> list[str]:
@@ -300,9 +321,18 @@ def _search(
     probe: str,
     candidates: Iterator[tuple[str, str]],
     tried: list[tuple[str, str]],
+    judge: _Judge | None = None,
 ) -> Found | None:
-    """Try ``(rule, candidate)`` pairs in order, recording each failure in ``tried``."""
+    """Try ``(rule, candidate)`` pairs in order, recording each failure in ``tried``.
+
+    A candidate that loads but that ``judge`` refuses is recorded too, and the search
+    goes on; the one finally taken says in its rule what it stands in for. When every
+    candidate that loaded was refused, the first of them is returned as it is: a
+    library that fails each call with a clear error beats "not found".
+    """
     done: set[str] = set()
+    first_refused: Found | None = None
+    passed_over: list[str] = []
     for rule, candidate in candidates:
         if candidate.startswith("!"):  # a rule that had nothing to offer: say why
             tried.append((rule, candidate[1:]))
@@ -312,10 +342,22 @@ def _search(
             continue
         done.add(key)
         cdll, why = _try_load(candidate, probe)
-        if cdll is not None:
-            return Found(_resolve(cdll, candidate), rule, cdll)
-        tried.append((f"{rule}: {candidate}", why))
-    return None
+        if cdll is None:
+            tried.append((f"{rule}: {candidate}", why))
+            continue
+        found = Found(_resolve(cdll, candidate), rule, cdll)
+        refused = judge(cdll) if judge is not None else ""
+        if not refused:
+            if passed_over:
+                found = Found(found.path, f"{rule}, fallback: {'; '.join(passed_over)}", cdll)
+            return found
+        tried.append((f"{rule}: {candidate}", f"loaded, but {refused}"))
+        note = f"{found.path} passed over ({refused})"
+        if note not in passed_over:  # one file reached by two names
+            passed_over.append(note)
+        if first_refused is None:
+            first_refused = found
+    return first_refused
 
 
 # --- libnccl -----------------------------------------------------------------
@@ -435,22 +477,65 @@ def _cudart_candidates() -> Iterator[tuple[str, str]]:
         yield "/usr/local/cuda", os.path.join("/usr/local/cuda/lib64", n)
 
 
+_CUDA_ERROR_INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
+
+
+def _cuda_version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _cudart_too_new(cdll: ctypes.CDLL) -> str:
+    """Why this libcudart cannot run on the installed driver ("" when it can, or cannot tell).
+
+    CUDA's minor-version compatibility lets a 12.x runtime run on any 12.x driver,
+    so only a runtime of a newer *major* version than the driver is suspect; then
+    ``cudaGetDeviceCount`` must confirm it with ``cudaErrorInsufficientDriver`` (a
+    forward-compatibility libcuda reports its own, newer version, and passes). No
+    driver at all (version 0) is no reason to prefer another runtime. Nothing here
+    initializes CUDA unless the versions already disagree.
+    """
+    runtime, driver, count = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    try:
+        # cdll[name] makes a fresh function object: the cached attributes, which the
+        # prototype layer configures, are left alone
+        if cdll["cudaRuntimeGetVersion"](ctypes.byref(runtime)) != 0:
+            return ""
+        if cdll["cudaDriverGetVersion"](ctypes.byref(driver)) != 0 or driver.value <= 0:
+            return ""
+        if driver.value // 1000 >= runtime.value // 1000:
+            return ""
+        rc = cdll["cudaGetDeviceCount"](ctypes.byref(count))
+    except AttributeError:  # a partial stand-in: nothing to judge by
+        return ""
+    if rc != _CUDA_ERROR_INSUFFICIENT_DRIVER:
+        return ""
+    return (
+        f"CUDA runtime {_cuda_version(runtime.value)} needs a newer driver than this one "
+        f"(CUDA {_cuda_version(driver.value)}): cudaGetDeviceCount returned "
+        f"cudaErrorInsufficientDriver ({rc})"
+    )
+
+
 def open_cudart(path: str | os.PathLike[str] | None = None) -> Found:
     """Find and load the CUDA runtime (libcudart), same scheme as :func:`open_nccl`.
 
-    ``path`` and ``$PYNCCL_CUDART_LIBRARY`` are used alone. A libcudart already
-    mapped (torch, cupy) is preferred so that pynccl shares its runtime.
+    ``path`` and ``$PYNCCL_CUDART_LIBRARY`` are used alone (a directory among them
+    may fall back from ``.so.13`` to ``.so.12``; a file is taken as it is). A
+    libcudart already mapped (torch, cupy) is preferred so that pynccl shares its
+    runtime. A runtime too new for the driver is passed over for an older one (see
+    the module docstring); the rule of the one taken then names it.
 
     Raises:
         LibraryNotFoundError: nothing loaded, with the candidates tried and why.
     """
+    names, probe, judge = _CUDART_NAMES, _CUDART_PROBE, _cudart_too_new
     if path is not None:
-        return _explicit("libcudart", os.fspath(path), "explicit", _CUDART_NAMES, _CUDART_PROBE)
+        return _explicit("libcudart", os.fspath(path), "explicit", names, probe, judge)
     env = os.environ.get(CUDART_ENV)
     if env is not None:
-        return _explicit("libcudart", env, f"env:{CUDART_ENV}", _CUDART_NAMES, _CUDART_PROBE)
+        return _explicit("libcudart", env, f"env:{CUDART_ENV}", names, probe, judge)
     tried: list[tuple[str, str]] = [(f"env:{CUDART_ENV}", "not set")]
-    found = _search("libcudart", _CUDART_PROBE, _cudart_candidates(), tried)
+    found = _search("libcudart", probe, _cudart_candidates(), tried, judge)
     if found is None:
         raise LibraryNotFoundError("libcudart", tried)
     return found

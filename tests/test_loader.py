@@ -357,3 +357,146 @@ def test_cudart_wheel_layouts(tmp_path: Path) -> None:
         < first["/usr/local/cuda"]
     )
     assert ["CUDA_HOME", "/opt/cuda-x/lib64/libcudart.so.13"] in cands
+
+
+# --- libcudart too new for the driver: the fall back to .so.12 ---------------------------------
+
+# A stand-in libcudart whose runtime and driver versions are set at build time, and
+# whose cudaGetDeviceCount answers as the real runtime does (cudart's documented
+# behaviour): cudaErrorInsufficientDriver (35) when the driver's CUDA major version is
+# older than the runtime's, cudaErrorNoDevice (100) when no driver is installed
+# (cudaDriverGetVersion then reports 0), else one device.
+FAKE_CUDART = r"""
+static int last_error = 0;
+int cudaRuntimeGetVersion(int *v) { *v = RUNTIME; return 0; }
+int cudaDriverGetVersion(int *v) { *v = DRIVER; return 0; }
+int cudaGetDeviceCount(int *n) {
+    *n = 0;
+    if (DRIVER == 0) return last_error = 35;
+    if (DRIVER / 1000 < RUNTIME / 1000) return last_error = 35;
+    *n = 1;
+    return 0;
+}
+int cudaGetLastError(void) { int e = last_error; last_error = 0; return e; }
+int cudaPeekAtLastError(void) { return last_error; }
+const char *cudaGetErrorName(int e) { return e == 35 ? "cudaErrorInsufficientDriver" : "?"; }
+const char *cudaGetErrorString(int e) { return e == 35 ? "insufficient driver" : "?"; }
+"""
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+def _fake_cudart(directory: Path, soname: str, runtime: int, driver: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    src = directory / f"{soname}.c"
+    src.write_text(FAKE_CUDART)
+    so = directory / soname
+    subprocess.run(
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            f"-DRUNTIME={runtime}",
+            f"-DDRIVER={driver}",
+            f"-Wl,-soname,{soname}",
+            "-o",
+            str(so),
+            str(src),
+        ],
+        check=True,
+    )
+    return so
+
+
+def _open_cudart_in(env: dict[str, str], arg: str = "") -> Any:
+    return run_child(OPEN_CUDART.format(arg=arg), env=env, hide_wheels=True)
+
+
+@needs_cc
+def test_cudart_13_too_new_for_the_driver_falls_back_to_12(tmp_path: Path) -> None:
+    # Driver 12.4 (< 580): CUDA 13.0's runtime fails every call with error 35; 12.8's
+    # runs on it (minor-version compatibility), so the search must go on to .so.12.
+    new = _fake_cudart(tmp_path, "libcudart.so.13", 13000, 12040)
+    old = _fake_cudart(tmp_path, "libcudart.so.12", 12080, 12040)
+    out = _open_cudart_in(child_env(LD_LIBRARY_PATH=str(tmp_path)))
+    assert out["path"] == str(old) and out["version"] == 12080
+    assert out["rule"].startswith(f"dynamic-loader, fallback: {new} passed over (")
+    assert "cudaErrorInsufficientDriver (35)" in out["rule"]
+    assert "CUDA runtime 13.0 needs a newer driver than this one (CUDA 12.4)" in out["rule"]
+
+
+@needs_cc
+def test_cudart_13_missing_falls_back_to_12_in_a_directory(tmp_path: Path) -> None:
+    old = _fake_cudart(tmp_path / "only12", "libcudart.so.12", 12080, 12040)
+    out = _open_cudart_in(child_env(), repr(str(old.parent)))
+    assert (out["path"], out["rule"], out["version"]) == (str(old), "explicit", 12080)
+
+
+@needs_cc
+def test_cudart_explicit_directory_falls_back_and_a_file_is_kept(tmp_path: Path) -> None:
+    new = _fake_cudart(tmp_path, "libcudart.so.13", 13000, 12040)
+    old = _fake_cudart(tmp_path, "libcudart.so.12", 12080, 12040)
+    out = _open_cudart_in(child_env(PYNCCL_CUDART_LIBRARY=str(tmp_path)))
+    assert out["path"] == str(old)
+    assert out["rule"].startswith(f"env:PYNCCL_CUDART_LIBRARY, fallback: {new} passed over")
+    # a file the user named is used as it is: the error then comes from its calls
+    out = _open_cudart_in(child_env(), repr(str(new)))
+    assert (out["path"], out["rule"]) == (str(new), "explicit")
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    ("driver", "why"),
+    [
+        (13000, "the driver runs CUDA 13.0"),
+        (13020, "a newer 13.x driver"),
+        (0, "no driver at all: no other runtime would do better"),
+    ],
+)
+def test_cudart_13_kept_when_the_driver_allows_it(tmp_path: Path, driver: int, why: str) -> None:
+    new = _fake_cudart(tmp_path, "libcudart.so.13", 13000, driver)
+    _fake_cudart(tmp_path, "libcudart.so.12", 12080, driver)
+    out = _open_cudart_in(child_env(LD_LIBRARY_PATH=str(tmp_path)))
+    assert (out["path"], out["rule"]) == (str(new), "dynamic-loader"), why
+
+
+@needs_cc
+def test_cudart_every_candidate_too_new_keeps_the_first(tmp_path: Path) -> None:
+    # Driver 11.8: neither runtime can run; the first that loaded is kept (its calls
+    # then say cudaErrorInsufficientDriver), rather than "libcudart not found".
+    new = _fake_cudart(tmp_path, "libcudart.so.13", 13000, 11080)
+    _fake_cudart(tmp_path, "libcudart.so.12", 12080, 11080)
+    # (a directory named alone: the search would go on to this machine's own libcudart)
+    out = _open_cudart_in(child_env(PYNCCL_CUDART_LIBRARY=str(tmp_path)))
+    assert (out["path"], out["rule"]) == (str(new), "env:PYNCCL_CUDART_LIBRARY")
+
+
+@needs_cc
+def test_info_shows_the_fallback_rule(tmp_path: Path) -> None:
+    new = _fake_cudart(tmp_path, "libcudart.so.13", 13000, 12040)
+    old = _fake_cudart(tmp_path, "libcudart.so.12", 12080, 12040)
+    env = child_env(LD_LIBRARY_PATH=str(tmp_path))
+    code = HIDE_WHEELS + textwrap.dedent(
+        """
+        import sys
+        from pynccl.info import main
+        sys.exit(main(sys.argv[1:]))
+        """
+    )
+    for args in (["--json"], []):
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=str(ROOT),
+        )
+        assert proc.returncode == 0, proc.stderr
+        if args:
+            cudart = json.loads(proc.stdout)["cudart"]
+            assert cudart["path"] == str(old)
+            assert cudart["rule"].startswith(f"dynamic-loader, fallback: {new} passed over")
+        else:
+            line = next(x for x in proc.stdout.splitlines() if x.startswith("libcudart"))
+            assert f"{old}  (found by rule: dynamic-loader, fallback: {new}" in line
