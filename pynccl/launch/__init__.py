@@ -29,10 +29,22 @@ stderr to stderr, whole lines only). SIGINT/SIGTERM are forwarded to the ranks;
 a second one kills them. When a rank fails the others get SIGTERM, then SIGKILL
 after ``--grace`` seconds, and the launcher exits with the failed rank's code
 (128 + signal number for a rank killed by a signal). Each rank runs in its own
-process group, so the processes it starts are stopped with it. Nothing outlives the
-launcher, however it dies (a scheduler's SIGKILL included): on Linux each rank gets
-SIGKILL from the kernel when the launcher goes (``prctl(PR_SET_PDEATHSIG)``), and a
-tiny keeper process, outside those groups, then SIGKILLs the ranks' whole groups.
+process group, so the processes it starts are stopped with it.
+
+What the ranks start goes with them, however the launcher ends (a scheduler's SIGKILL
+included), even a process that left the rank's group with ``setsid()``. The ranks are
+started by a small keeper process in a session of its own, which stays their parent:
+on Linux it is a *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``), so every
+orphaned descendant of a rank is re-parented to it rather than to init, and each rank
+gets SIGKILL from the kernel if the keeper dies (``PR_SET_PDEATHSIG``). When the
+launcher ends, or dies (the keeper reads its stdin, which only the launcher holds, to
+end of file), the keeper SIGKILLs its whole process tree, round after round, until it
+has no child left. Limits: a process that is not a descendant (started through a
+daemon: ``systemd-run``, ``ssh``, ``docker exec``) or that runs as another user (a
+set-user-ID program) is out of reach; if the keeper itself is SIGKILLed, the ranks
+still die (parent-death signal) but a descendant that left its rank's process group
+may survive; and off Linux (no subreaper, no parent-death signal) only the ranks'
+process groups are stopped.
 """
 
 from __future__ import annotations

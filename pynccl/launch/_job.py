@@ -1,10 +1,10 @@
-"""The launcher's supervisor: the local ranks as child processes (each in its own process
-group, each dying with the launcher), their output prefixed line by line, failures,
-signals and timeouts turned into one exit code, and nothing left behind."""
+"""The launcher's supervisor: the local ranks (started by the keeper, each in its own
+process group), their output prefixed line by line, failures, signals and timeouts turned
+into one exit code, and nothing left behind (see ``_keeper`` for how, and for the limits)."""
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
 import selectors
 import signal
@@ -12,57 +12,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import IO
+
+from . import _keeper
 
 __all__ = ["Job"]
 
 _MAX_LINE = 1 << 20  # longer lines are split (each piece still prefixed and whole)
 _POLL = 0.05  # seconds between checks of the children
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-# The keeper: a tiny process outside the ranks' groups that outlives a killed launcher just
-# long enough to SIGKILL the ranks' whole process groups (what the ranks started, too; the
-# parent-death signal reaches the ranks only). It reads its stdin, which only the launcher
-# holds open, until EOF: "done" first means the launcher stopped the ranks itself.
-_KEEPER = """
-import os, signal, sys
-signal.signal(signal.SIGINT, signal.SIG_IGN)
-said = b""
-while True:
-    chunk = os.read(0, 16)
-    if not chunk:
-        break
-    said += chunk
-if said != b"done":
-    for group in sys.argv[1:]:
-        try:
-            os.killpg(int(group), signal.SIGKILL)
-        except OSError:
-            pass
-"""
-
-
-def _die_with_launcher() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the kernel SIGKILL the child when this process dies,
-    however it dies; ``None`` where ``prctl`` is not available (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    launcher = os.getpid()
-
-    def preexec() -> None:  # runs in the child between fork and exec: nothing that locks
-        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            os._exit(126)  # exec would give a rank that may outlive us
-        if os.getppid() != launcher:  # we died before the request took effect
-            os._exit(126)
-
-    return preexec
+_START_LIMIT = 60.0  # seconds for the keeper to start the ranks
 
 
 def _describe(code: int) -> str:
@@ -105,11 +63,12 @@ class _Sink:
 
 
 class _Stream:
-    __slots__ = ("buf", "fd", "pipe", "prefix", "sink")
+    """One rank's stdout or stderr: the read end of its pipe, cut into prefixed lines."""
 
-    def __init__(self, pipe: IO[bytes], prefix: bytes, sink: _Sink) -> None:
-        self.pipe = pipe  # closed through its file object, which owns the descriptor
-        self.fd = pipe.fileno()
+    __slots__ = ("buf", "fd", "prefix", "sink")
+
+    def __init__(self, fd: int, prefix: bytes, sink: _Sink) -> None:
+        self.fd = fd  # owned: closed by Job._close_stream
         self.prefix = prefix
         self.sink = sink
         self.buf = bytearray()
@@ -134,6 +93,45 @@ class _Stream:
             self.buf.clear()
 
 
+class _KeeperLink:
+    """The launcher's end of the keeper: commands out, ``pid``/``fail``/``exit`` lines in."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self.proc = proc
+        self.fd = proc.stdout.fileno()
+        self.buf = b""
+        self.eof = False
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(command.encode() + b"\n")
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # it died (or its stdin is closed): nothing to tell
+            pass
+
+    def lines(self, timeout: float | None = None) -> list[list[str]]:
+        """The complete lines that arrived (split into words); waits up to ``timeout`` for some."""
+        if timeout is not None:
+            ready = selectors.DefaultSelector()
+            try:
+                ready.register(self.fd, selectors.EVENT_READ)
+                if not ready.select(timeout):
+                    return []
+            finally:
+                ready.close()
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return []
+        if not data:
+            self.eof = True
+        self.buf += data
+        *done, self.buf = self.buf.split(b"\n")
+        return [line.decode("utf-8", "replace").split(" ", 2) for line in done if line]
+
+
 class Job:
     def __init__(
         self, cmd: list[str], envs: list[dict[str, str]], grace: float, timeout: float | None
@@ -145,7 +143,7 @@ class Job:
         self.timeout = timeout
         self.out = _Sink(sys.stdout)
         self.err = _Sink(sys.stderr)
-        self.procs: list[subprocess.Popen[bytes]] = []
+        self.pids: list[int] = []  # of the ranks started; each is also its process group id
         self.codes: dict[int, int] = {}
         self.sel = selectors.DefaultSelector()
         self.streams: dict[int, _Stream] = {}
@@ -154,8 +152,7 @@ class Job:
         self.timed_out = False
         self.kill_at: float | None = None
         self.wake_r, self.wake_w = socket.socketpair()
-        self.preexec = _die_with_launcher()
-        self.keeper: subprocess.Popen[bytes] | None = None
+        self.keeper: _KeeperLink | None = None
 
     def say(self, text: str) -> None:
         self.err.write(f"pynccl launch: {text}\n".encode())
@@ -165,81 +162,131 @@ class Job:
 
     def _signal_group(self, rank: int, sig: int) -> None:
         try:
-            os.killpg(self.procs[rank].pid, sig)
+            os.killpg(self.pids[rank], sig)
         except (ProcessLookupError, PermissionError):
             pass  # the group is gone
 
     def _group_alive(self, rank: int) -> bool:
         try:
-            os.killpg(self.procs[rank].pid, 0)
+            os.killpg(self.pids[rank], 0)
         except (ProcessLookupError, PermissionError):
             return False
         return True
 
     def stop_all(self, sig: int) -> None:
         """Send ``sig`` to every group still alive and arm the SIGKILL deadline."""
-        for rank in range(len(self.procs)):
+        for rank in range(len(self.pids)):
             self._signal_group(rank, sig)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.grace
 
     def kill_all(self) -> None:
-        for rank in range(len(self.procs)):
+        """SIGKILL the ranks' groups, and (through the keeper) every descendant outside them."""
+        for rank in range(len(self.pids)):
             self._signal_group(rank, signal.SIGKILL)
+        if self.keeper is not None:
+            self.keeper.send("kill")
 
     # -- main loop ----------------------------------------------------------------------
 
     def start(self) -> None:
-        for rank, env in enumerate(self.envs):
-            proc = subprocess.Popen(
-                self.cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # own process group: signals reach grandchildren
-                close_fds=True,
-                preexec_fn=self.preexec,  # dies with the launcher
-            )
-            self.procs.append(proc)
-            prefix = f"[rank {self.ranks[rank]}] ".encode()
-            for pipe, sink in ((proc.stdout, self.out), (proc.stderr, self.err)):
-                assert pipe is not None
-                stream = _Stream(pipe, prefix, sink)
-                os.set_blocking(stream.fd, False)
-                self.streams[stream.fd] = stream
-                self.sel.register(stream.fd, selectors.EVENT_READ, stream)
+        """Start the keeper, which starts the ranks; raises ``OSError`` if one cannot start."""
+        pipes: list[tuple[int, int, int, int]] = []
         try:
-            self.keeper = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _KEEPER, *(str(p.pid) for p in self.procs)],
+            for rank in range(len(self.envs)):
+                out_r, out_w = os.pipe()
+                err_r, err_w = os.pipe()
+                pipes.append((out_r, out_w, err_r, err_w))
+                prefix = f"[rank {self.ranks[rank]}] ".encode()
+                for fd, sink in ((out_r, self.out), (err_r, self.err)):
+                    os.set_blocking(fd, False)
+                    self.streams[fd] = _Stream(fd, prefix, sink)
+                    self.sel.register(fd, selectors.EVENT_READ, self.streams[fd])
+            writers = [fd for p in pipes for fd in (p[1], p[3])]
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", _keeper.__file__],
                 stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
                 start_new_session=True,  # not in our group: a kill aimed at us leaves it be
                 close_fds=True,
+                pass_fds=writers,
             )
-        except OSError as e:  # the ranks still die with us; only what they start might not
-            self.say(f"warning: could not start the keeper of the ranks' process groups: {e}")
+        finally:
+            for p in pipes:  # the keeper (and then each rank) holds the write ends
+                os.close(p[1])
+                os.close(p[3])
+        self.keeper = keeper = _KeeperLink(proc)
+        spec = {
+            "cmd": self.cmd,
+            "envs": self.envs,
+            "fds": [[p[1], p[3]] for p in pipes],
+            "grace": min(self.grace, 2.0),
+        }
+        keeper.send(json.dumps(spec))
+        deadline = time.monotonic() + _START_LIMIT
+        while len(self.pids) < len(self.envs):
+            for words in keeper.lines(max(0.0, deadline - time.monotonic())):
+                if words[0] == "pid":
+                    self.pids.append(int(words[2]))
+                elif words[0] == "fail":
+                    raise OSError(words[2] if len(words) > 2 else "unknown error")
+                else:
+                    self._on_keeper(words)
+            if keeper.eof or time.monotonic() >= deadline:
+                raise OSError("the keeper process ended before it started every rank")
+        os.set_blocking(keeper.fd, False)
+        self.sel.register(keeper.fd, selectors.EVENT_READ, keeper)
+
+    def _on_keeper(self, words: list[str]) -> None:
+        if words[0] == "exit" and len(words) == 3:
+            self._on_exit(int(words[1]), int(words[2]))
+
+    def _on_exit(self, rank: int, code: int) -> None:
+        if rank in self.codes:
+            return
+        self.codes[rank] = code
+        if code != 0 and self.failure is None and self.signalled is None and not self.timed_out:
+            self.failure = (rank, code)
+            what = _describe(code)
+            self.say(f"rank {self.ranks[rank]} failed ({what}); stopping the other ranks")
+            self.stop_all(signal.SIGTERM)
+
+    def _keeper_lost(self) -> None:
+        """The keeper ended on its own (killed): the ranks die with it (parent-death signal)."""
+        assert self.keeper is not None
+        self.sel.unregister(self.keeper.fd)
+        missing = [r for r in range(len(self.pids)) if r not in self.codes]
+        if missing:
+            self.say("the keeper process of the ranks died; stopping the ranks")
+            for rank in missing:
+                self._signal_group(rank, signal.SIGKILL)
+                self._on_exit(rank, -signal.SIGKILL)
 
     def _pump(self, timeout: float) -> None:
         for key, _ in self.sel.select(timeout):
-            stream = key.data
-            if stream is None:
+            source = key.data
+            if source is None:
                 try:
                     while self.wake_r.recv(256):
                         pass
                 except BlockingIOError:
                     pass
                 continue
-            assert isinstance(stream, _Stream)
+            if isinstance(source, _KeeperLink):
+                for words in source.lines():
+                    self._on_keeper(words)
+                if source.eof:
+                    self._keeper_lost()
+                continue
+            assert isinstance(source, _Stream)
             try:
-                data = os.read(stream.fd, 65536)
+                data = os.read(source.fd, 65536)
             except BlockingIOError:
                 continue
             if data:
-                stream.feed(data)
+                source.feed(data)
             else:
-                self._close_stream(stream)
+                self._close_stream(source)
         self.out.flush()
         self.err.flush()
 
@@ -247,13 +294,13 @@ class Job:
         stream.finish()
         self.sel.unregister(stream.fd)
         del self.streams[stream.fd]
-        stream.pipe.close()
+        os.close(stream.fd)
 
     def on_signal(self, signum: int) -> None:
         if self.signalled is None:
             self.signalled = signum
             self.say(f"received {signal.Signals(signum).name}; forwarding it to the ranks")
-            for rank in range(len(self.procs)):
+            for rank in range(len(self.pids)):
                 if rank not in self.codes:
                     self._signal_group(rank, signum)
             if self.kill_at is None:
@@ -266,35 +313,17 @@ class Job:
         started = time.monotonic()
         self.sel.register(self.wake_r, selectors.EVENT_READ, None)
         reaped_all_at: float | None = None
+        killed_leftovers = False
         while True:
             while pending_signals:
                 self.on_signal(pending_signals.pop(0))
-            for rank, proc in enumerate(self.procs):
-                if rank in self.codes:
-                    continue
-                code = proc.poll()
-                if code is None:
-                    continue
-                self.codes[rank] = code
-                if (
-                    code != 0
-                    and self.failure is None
-                    and self.signalled is None
-                    and not self.timed_out
-                ):
-                    self.failure = (rank, code)
-                    self.say(
-                        f"rank {self.ranks[rank]} failed ({_describe(code)}); stopping the "
-                        "other ranks"
-                    )
-                    self.stop_all(signal.SIGTERM)
             now = time.monotonic()
             if (
                 self.timeout is not None
                 and not self.timed_out
                 and self.failure is None
                 and now - started >= self.timeout
-                and len(self.codes) < len(self.procs)
+                and len(self.codes) < len(self.pids)
             ):
                 self.timed_out = True
                 self.say(f"timed out after {self.timeout:g} s; stopping the ranks")
@@ -302,20 +331,24 @@ class Job:
             if self.kill_at is not None and now >= self.kill_at:
                 self.kill_all()
                 self.kill_at = now + 3600.0  # once; the groups are gone after SIGKILL
-            if len(self.codes) == len(self.procs):
-                # the ranks are gone: stop whatever they left behind in their groups
+            if len(self.codes) == len(self.pids):
+                # the ranks are gone: stop whatever they left behind, in their groups or
+                # (through the keeper) outside them
                 if reaped_all_at is None:
                     reaped_all_at = now
-                    if any(self._group_alive(r) for r in range(len(self.procs))):
-                        for r in range(len(self.procs)):
+                    if self.streams or any(self._group_alive(r) for r in range(len(self.pids))):
+                        for r in range(len(self.pids)):
                             self._signal_group(r, signal.SIGTERM)
-                if now - reaped_all_at >= min(self.grace, 2.0):
+                        if self.keeper is not None:
+                            self.keeper.send("term")
+                if now - reaped_all_at >= min(self.grace, 2.0) and not killed_leftovers:
+                    killed_leftovers = True
                     self.kill_all()
                 if not self.streams:
                     break
                 if now - reaped_all_at >= min(self.grace, 2.0) + 5.0:
                     for stream in list(self.streams.values()):
-                        self._close_stream(stream)  # a descendant escaped its group
+                        self._close_stream(stream)  # a descendant out of reach holds them
                     break
             self._pump(_POLL)
         return self.exit_code()
@@ -338,25 +371,24 @@ class Job:
 
     def cleanup(self) -> None:
         """Nothing survives the launcher: no child, zombie, pipe or descriptor."""
-        if self.procs:
-            self.kill_all()
-        for proc in self.procs:
+        for rank in range(len(self.pids)):
+            self._signal_group(rank, signal.SIGKILL)
+        if self.keeper is not None:
+            # "stop", then end of file: the keeper gives what is left outside the groups
+            # SIGTERM and a grace period, SIGKILLs the rest, reaps everything and ends
+            keeper = self.keeper.proc
+            self.keeper.send("stop")
+            assert keeper.stdin is not None and keeper.stdout is not None
             try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.keeper is not None:  # the ranks' groups are stopped: the keeper may go
-            assert self.keeper.stdin is not None
-            try:
-                self.keeper.stdin.write(b"done")
-                self.keeper.stdin.close()
+                keeper.stdin.close()
             except OSError:
                 pass  # it died: nothing to release
             try:
-                self.keeper.wait(timeout=10)
+                keeper.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.keeper.kill()
-                self.keeper.wait()
+                keeper.kill()
+                keeper.wait()
+            keeper.stdout.close()
         for stream in list(self.streams.values()):
             self._close_stream(stream)
         self.out.flush()
