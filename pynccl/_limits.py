@@ -11,7 +11,8 @@ with the same exception type and message shape wherever the same mistake is made
   argument, the value and the range.
 
 Integers are ``int`` or any object with ``__index__`` (numpy integers); ``bool`` and
-``float`` never count as integers, even where they compare equal to one.
+``float`` never count as integers, even where they compare equal to one. A numpy bool
+(``numpy.True_``) is a bool everywhere: refused wherever ``bool`` is (:func:`is_bool`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ __all__ = [
     "check_count",
     "check_device_ordinal",
     "check_extent",
+    "check_flag",
     "check_index",
     "check_on_hang",
     "check_pointer",
     "check_timeout",
     "index_int",
+    "is_bool",
     "is_pointer_object",
     "pointer_int",
 ]
@@ -51,7 +54,7 @@ def index_int(value: Any, name: str, expected: str = "an int") -> int:
     """
     if type(value) is int:
         return value
-    if isinstance(value, bool) or isinstance(value, float):
+    if isinstance(value, (bool, float)) or is_bool(value):
         raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}")
     index = getattr(type(value), "__index__", None)
     if index is None:
@@ -164,15 +167,18 @@ def check_extent(count: int, itemsize: int, name: str) -> int:
 
 
 def check_timeout(value: Any, name: str = "timeout") -> float | None:
-    """A timeout in seconds: None (wait forever) or a finite number > 0 (bool refused)."""
+    """A timeout in seconds: None (wait forever) or a finite number > 0 (bool and numpy
+    bool refused; a number too large for a float is out of range, not an OverflowError)."""
     if value is None:
         return None
-    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+    if isinstance(value, (bool, str, bytes)) or is_bool(value) or not hasattr(value, "__float__"):
         raise TypeError(
             f"{name} must be a number of seconds or None, got {type(value).__name__} {value!r}"
         )
     try:
         seconds = float(value)
+    except OverflowError:  # an int (or Fraction) of 2**1024 and up: no float holds it
+        seconds = float("inf")
     except (TypeError, ValueError):
         raise TypeError(
             f"{name} must be a number of seconds or None, got {type(value).__name__} {value!r}"
@@ -191,3 +197,26 @@ def check_on_hang(value: object, name: str = "on_hang") -> str:
     if type(value) is not str or value not in ON_HANG:
         raise ValueError(f"{name} must be 'abort' or 'revoke', got {value!r}")
     return value
+
+
+# -- bools --------------------------------------------------------------------------------
+
+
+def is_bool(value: object) -> bool:
+    """True for a ``bool`` or a numpy bool (``numpy.True_``; told by its type's name, so
+    numpy is not imported): neither is an integer, a number of seconds nor a handle here,
+    though both convert to 0 and 1."""
+    if isinstance(value, bool):
+        return True
+    cls = type(value)
+    return cls.__module__ == "numpy" and cls.__name__ in ("bool", "bool_")
+
+
+def check_flag(value: Any, name: str) -> bool:
+    """A yes/no option: a ``bool`` or a numpy bool (as a ``bool``); an int, even 0 or 1, is
+    refused (``TypeError`` naming ``name``)."""
+    if value is True or value is False:
+        return bool(value)
+    if is_bool(value):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")

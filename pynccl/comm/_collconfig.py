@@ -12,7 +12,7 @@ from __future__ import annotations
 from ctypes import byref
 
 from .._capi.structs import COLL_CONFIG_FIELD_RELEASE, make_coll_config
-from .._limits import C_INT_MAX, check_c_int, index_int
+from .._limits import C_INT_MAX, check_c_int, check_flag, index_int
 from ..errors import NotSupportedError
 
 __all__ = ["COLL_CONFIG_SINCE", "CollConfig"]
@@ -142,11 +142,8 @@ class CollConfig:
             c["algSelection"] = alg_selection.encode()
         values["alg_selection"] = alg_selection
         if force_alg_selection is not None:
-            if type(force_alg_selection) is not bool:
-                raise TypeError(
-                    f"force_alg_selection must be a bool, got "
-                    f"{type(force_alg_selection).__name__} {force_alg_selection!r}"
-                )
+            # The rule of Config's bool fields too: a bool (numpy's included), never an int.
+            force_alg_selection = check_flag(force_alg_selection, "force_alg_selection")
             c["forceAlgSelection"] = int(force_alg_selection)
         values["force_alg_selection"] = force_alg_selection
         if user_profiler_tag is not None:

@@ -9,6 +9,7 @@ ctypes layer's own table (``CONFIG_FIELD_RELEASE``) and appear in ``help(Config)
 from __future__ import annotations
 
 from .._capi.structs import CONFIG_FIELD_RELEASE, make_config, ncclConfig_t
+from .._limits import C_INT_MAX, C_INT_MIN, check_c_int, check_flag
 
 __all__ = ["Config"]
 
@@ -45,6 +46,29 @@ FIELDS: tuple[tuple[str, str, str, str], ...] = (
     ("nvls_host_mode", "nvlsHostMode", "int", "NVLS host mode"),
 )
 _NAMES = tuple(f[0] for f in FIELDS)
+_KINDS = {f[0]: (f[1], f[2]) for f in FIELDS}
+
+
+def check_field(name: str, value: Any) -> Any:
+    """``value`` for field ``name`` (None: unset), by the rules :class:`~pynccl.CollConfig`
+    applies too: an int field takes an ``int`` or ``__index__`` integer (numpy's) that
+    fits the C ``int``, never a bool or float; a bool field a bool (numpy's too), never
+    an int; a str field a str without NUL."""
+    if value is None:
+        return None
+    c_name, kind = _KINDS[name]
+    if kind == "int":
+        what = f"(ncclConfig_t.{c_name}, a 32-bit int)"
+        return check_c_int(value, name, C_INT_MIN, C_INT_MAX, what)
+    if kind == "bool":
+        return check_flag(value, name)
+    if type(value) is not str:
+        raise TypeError(
+            f"{name} (ncclConfig_t.{c_name}) must be a str, got {type(value).__name__} {value!r}"
+        )
+    if "\0" in value:
+        raise ValueError(f"{name} must not contain NUL: {value!r}")
+    return value
 
 
 def _release(c_name: str) -> Release:
@@ -126,29 +150,9 @@ class Config:
         host_cft_mode: int | None = None,
         nvls_host_mode: int | None = None,
     ) -> None:
-        self.blocking = blocking
-        self.cga_cluster_size = cga_cluster_size
-        self.min_ctas = min_ctas
-        self.max_ctas = max_ctas
-        self.net_name = net_name
-        self.split_share = split_share
-        self.traffic_class = traffic_class
-        self.comm_name = comm_name
-        self.collnet_enable = collnet_enable
-        self.cta_policy = cta_policy
-        self.shrink_share = shrink_share
-        self.nvls_ctas = nvls_ctas
-        self.n_channels_per_net_peer = n_channels_per_net_peer
-        self.nvlink_centric_sched = nvlink_centric_sched
-        self.graph_usage_mode = graph_usage_mode
-        self.num_rma_ctx = num_rma_ctx
-        self.max_p2p_peers = max_p2p_peers
-        self.graph_stream_ordering = graph_stream_ordering
-        self.launch_order_implicit = launch_order_implicit
-        self.num_rma_sig = num_rma_sig
-        self.rma_eager_init = rma_eager_init
-        self.host_cft_mode = host_cft_mode
-        self.nvls_host_mode = nvls_host_mode
+        given = locals()  # every keyword, by its field's name
+        for name in _NAMES:
+            setattr(self, name, check_field(name, given[name]))
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not Config:
@@ -164,10 +168,11 @@ class Config:
         return f"Config({set_})"
 
     def c_fields(self) -> dict[str, Any]:
-        """The fields that are set, by their ``ncclConfig_t`` names."""
+        """The fields that are set, by their ``ncclConfig_t`` names (checked again: the
+        object is mutable)."""
         out: dict[str, Any] = {}
         for name in _NAMES:
-            value = getattr(self, name)
+            value = check_field(name, getattr(self, name))
             if value is not None:
                 out[self.C_NAMES[name]] = int(value) if isinstance(value, bool) else value
         return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from .._limits import index_int
+from .._limits import index_int, is_bool
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
 if TYPE_CHECKING:
@@ -88,7 +88,15 @@ def _stream_from_ptr(obj: Any) -> int:
 def _stream_from_dunder_int(obj: Any) -> int:
     # cuda-python's cudaStream_t / CUstream: int() is the handle. Their getPtr() is
     # the address where the handle is stored, not the handle, so it is never used.
-    return _checked_handle(int(obj), obj, "int()")
+    try:
+        handle = int(obj)
+    except Exception as exc:  # a broken __int__/__index__ is a bad argument, not our crash
+        kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        raise TypeError(
+            f"stream must be {_STREAM_FORMS}; got {kind}, whose int() raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    return _checked_handle(handle, obj, "int()")
 
 
 def _is_number(obj: Any) -> bool:
@@ -105,7 +113,7 @@ def _stream_from_pynccl(obj: Any) -> int:
 def _pick(cls: type, obj: Any) -> StreamHandler:
     """The handler for ``obj`` (of type ``cls``); ``TypeError`` if none fits."""
     stream_module = sys.modules.get(__package__ + "._stream")  # loaded with pynccl.cuda
-    if issubclass(cls, bool):
+    if issubclass(cls, bool) or is_bool(obj):  # numpy bools too: int() of them is 0 or 1
         raise _stream_error(obj)
     if issubclass(cls, int):
         return _stream_from_int
