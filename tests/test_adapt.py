@@ -962,9 +962,24 @@ def test_cai_pointer_range_refused() -> None:
         ("shape", (True,), TypeError, r"shape \(True,\) is not a tuple of ints"),
         ("strides", 4, TypeError, r"strides 4 are neither None nor a tuple of ints"),
         ("strides", ("a",), TypeError, r"strides \('a',\) are neither None nor"),
-        ("strides", (4, 4), ValueError, r"strided/non-contiguous"),
+        ("strides", (4, 4), ValueError, r"strides \(4, 4\) have 2 entries for the 1-D shape"),
+        ("strides", (8,), ValueError, r"strided/non-contiguous"),
         ("typestr", 5, TypeError, r"typestr 5 is not a str"),
+        ("typestr", "f4", TypeError, r"typestr 'f4' has no byte order; expected '<'"),
+        ("typestr", "c8", TypeError, r"typestr 'c8' has no byte order"),
         ("data", (1,), TypeError, r"malformed __cuda_array_interface__"),
+        ("version", -1, ValueError, r"version=-1 is out of range; pynccl reads versions 0 to 3"),
+        ("version", 4, ValueError, r"version=4 is out of range"),
+        ("version", "3", TypeError, r"version '3' is not an int \(str\); expected 0, 1, 2 or 3"),
+        ("version", 3.0, TypeError, r"version 3.0 is not an int \(float\)"),
+        ("version", True, TypeError, r"version True is not an int \(bool\)"),
+        ("version", None, TypeError, r"version None is not an int \(NoneType\)"),
+        ("stream", 0, ValueError, r"stream=0 is disallowed by the protocol"),
+        ("stream", -5, ValueError, r"stream=-5 is out of range"),
+        ("stream", 1 << 64, ValueError, r"stream=18446744073709551616 is out of range"),
+        ("stream", True, TypeError, r"stream True is not an int \(bool\)"),
+        ("stream", 1.0, TypeError, r"stream 1.0 is not an int \(float\)"),
+        ("stream", "1", TypeError, r"stream '1' is not an int \(str\)"),
     ],
 )
 def test_cai_malformed_fields(key: str, value: Any, exc: type, words: str) -> None:
@@ -973,6 +988,21 @@ def test_cai_malformed_fields(key: str, value: Any, exc: type, words: str) -> No
     with pytest.raises(exc, match=words) as info:
         as_buffer(cai, name="recvbuf")
     assert "recvbuf" in str(info.value)
+    empty = P.CAIArray(np.zeros(0, np.float32))  # malformed even when nothing is addressed
+    empty.__cuda_array_interface__[key] = value
+    if key != "shape" and value != (8,):  # a 0-element array may have any strides
+        with pytest.raises(exc, match=words):
+            as_buffer(empty, name="recvbuf")
+
+
+def test_cai_version_may_be_absent_and_stream_none() -> None:
+    a = np.zeros(4, np.float32)
+    cai = P.CAIArray(a, stream=None)
+    del cai.__cuda_array_interface__["version"]
+    assert as_buffer(cai) == (addr(a), 4, DataType.FLOAT32, None)
+    for version in (0, 1, 2, 3):
+        cai.__cuda_array_interface__["version"] = version
+        assert as_buffer(cai) == (addr(a), 4, DataType.FLOAT32, None)
 
 
 def test_cai_not_a_dict() -> None:

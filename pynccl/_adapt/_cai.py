@@ -103,6 +103,51 @@ def _cai_datatype(obj: Any, typestr: Any, name: str) -> DataType:
     return dt
 
 
+def _cai_version(cai: dict[str, Any], name: str) -> None:
+    """Refuse a ``version`` that is not an int from 0 to 3 (absent is tolerated: older
+    producers omit it; every version pynccl reads has the same fields but ``stream``)."""
+    if "version" not in cai:
+        return
+    version = cai["version"]
+    if type(version) is not int:
+        raise TypeError(
+            f"{name}: __cuda_array_interface__ version {version!r} is not an int "
+            f"({type(version).__name__}); expected 0, 1, 2 or 3"
+        )
+    if not 0 <= version <= 3:
+        raise ValueError(
+            f"{name}: __cuda_array_interface__ version={version} is out of range; pynccl "
+            "reads versions 0 to 3"
+        )
+
+
+def _cai_stream(cai: dict[str, Any], name: str) -> int | None:
+    """The producer's stream of a v3 interface (None: absent or None, no order asked).
+    1 is the legacy default stream, 2 the per-thread one; 0 is refused (the protocol
+    forbids it: it could mean either default stream)."""
+    producer = cai.get("stream")
+    if producer is None:
+        return None
+    if type(producer) is not int:
+        raise TypeError(
+            f"{name}: __cuda_array_interface__ stream {producer!r} is not an int "
+            f"({type(producer).__name__}); expected None, 1 (legacy default stream), 2 "
+            "(per-thread default stream) or a cudaStream_t handle"
+        )
+    if producer == 0:
+        raise ValueError(
+            f"{name}: __cuda_array_interface__ stream=0 is disallowed by the protocol (it "
+            "could mean either default stream); expected None, 1 (legacy), 2 (per-thread) "
+            "or a cudaStream_t handle"
+        )
+    if not 0 < producer < 1 << 64:
+        raise ValueError(
+            f"{name}: __cuda_array_interface__ stream={producer} is out of range; expected a "
+            "cudaStream_t handle in [1, 2**64)"
+        )
+    return producer
+
+
 def _from_cai(
     obj: Any,
     cai: Any,
@@ -111,7 +156,10 @@ def _from_cai(
     name: str,
     writable: bool,
     device_of: DeviceGetter,
+    stream: int | None = None,
 ) -> BufferInfo:
+    """Read ``cai`` in full; with a ``stream`` entry, the consumer's ``stream`` (None: the
+    legacy default stream, as for DLPack) is made to wait for the producer's."""
     try:
         if type(cai) is not dict:
             raise TypeError
@@ -123,8 +171,14 @@ def _from_cai(
             f"{name} has a malformed __cuda_array_interface__ {cai!r}: expected a dict "
             "with 'shape', 'typestr' and 'data': (ptr, readonly)"
         ) from None
+    _cai_version(cai, name)
     if not isinstance(ptr, int) or isinstance(ptr, bool):
         raise TypeError(f"{name}: __cuda_array_interface__ data pointer {ptr!r} is not an int")
+    if type(typestr) is str and typestr[:1] not in ("<", ">", "|"):
+        raise TypeError(
+            f"{name}: __cuda_array_interface__ typestr {typestr!r} has no byte order; expected "
+            "'<' (little-endian), '>' or '|' (not relevant) first, as in '<f4'"
+        )
     dt = _TYPESTR_CACHE.get(typestr) if type(typestr) is str else None
     lanes = 1
     if dt is None:
@@ -150,6 +204,11 @@ def _from_cai(
                 f"{name}: __cuda_array_interface__ strides {strides!r} are neither None "
                 "nor a tuple of ints"
             )
+        if len(strides) != len(shape):  # malformed even when no element is addressed
+            raise ValueError(
+                f"{name}: __cuda_array_interface__ strides {tuple(strides)} have "
+                f"{len(strides)} entries for the {len(shape)}-D shape {tuple(shape)}"
+            )
         if n and not _is_c_contiguous(shape, strides, dt.itemsize * lanes):
             raise _strided_error(name, shape, strides, "bytes")
     if cai.get("mask") is not None:
@@ -159,11 +218,17 @@ def _from_cai(
             f"{name} is read-only (__cuda_array_interface__ data=({ptr:#x}, True)); "
             "NCCL writes the result into it"
         )
+    producer = _cai_stream(cai, name)
     ptr = check_pointer(ptr, f"{name}'s data pointer", nbytes)
     n *= lanes
     if count is not None or dtype is not None:
         n, dt = _override(n, dt, count, dtype, name, lanes)
-    return ptr, n, dt, None if device_of is _no_device else device_of(obj, name)
+    device = None if device_of is _no_device else device_of(obj, name)
+    if producer is not None and producer != (stream or 1):
+        from ..cuda._stream import wait_stream
+
+        wait_stream(stream or 0, producer, device)
+    return ptr, n, dt, device
 
 
 def common_case(
@@ -173,18 +238,23 @@ def common_case(
     ok: list[str],
     ptr_checked: bool = True,
     parts: tuple[str, str, str] = ("shape", "data", "typestr"),
+    stream: str = "(stream or 1)",
 ) -> list[str]:
     """Source lines reading ``obj``'s ``__cuda_array_interface__`` in its common case — a
     dict describing a 1-D, C-contiguous, unmasked array of fewer than 2**30 elements of a
     typestr seen before, whose data pointer is an int (in [1, 2**63) unless
-    ``ptr_checked`` is False: then ``ok`` must check it) and which is writable if
-    ``writable`` (a source expression, or the constants ``"True"``/``"False"``) — into
-    the names ``out`` (pointer, element count, DataType), then the lines ``ok``; in any
-    other case ``cai`` is None and nothing else is bound (the full reading,
-    :func:`_from_cai` through the type's handler, says what is wrong).
+    ``ptr_checked`` is False: then ``ok`` must check it), which is writable if
+    ``writable`` (a source expression, or the constants ``"True"``/``"False"``), whose
+    version (if given) is an int from 0 to 3 and whose producer stream (if given) is the
+    consumer's, the expression ``stream`` (canonical: 1 for the legacy default stream, so
+    nothing is to be ordered) — into the names ``out`` (pointer, element count, DataType),
+    then the lines ``ok``; in any other case ``cai`` is None and nothing else is bound (the
+    full reading, :func:`_from_cai` through the type's handler, says what is wrong, or
+    makes the consumer's stream wait for the producer's).
 
     The dict's own ``shape``, ``data`` and ``typestr`` objects are bound to the names
-    ``parts``: the result depends on nothing else of the dict (see :func:`same_case`).
+    ``parts``: with the version and stream checks (which :func:`same_case` repeats) the
+    result depends on nothing else of the dict.
 
     The one definition of the common case: the handlers run it (:func:`_make_cai_handler`)
     and the Communicator's generated methods inline it, in the namespace of
@@ -192,6 +262,7 @@ def common_case(
     """
     ptr, n, dt = out
     shape, data, typestr = parts
+    version, pstream = f"v_{ptr}", f"ps_{ptr}"
     # Items are at most 8 bytes (complex typestrs take the full reading): with fewer than
     # 2**30 of them, [ptr, ptr + n items) ends below 2**64. The bound is a one-digit int,
     # which the interpreter compares with a specialised instruction.
@@ -203,13 +274,18 @@ def common_case(
         conds.append("not readonly")
     elif writable != "False":
         conds.append(f"not (readonly and {writable})")
-    conds += ["cai.get('strides') is None", "'mask' not in cai"]
+    conds += ["cai.get('strides') is None", "'mask' not in cai",
+              f"type({version}) is int and 0 <= {version} <= 3",
+              f"({pstream} is None or type({pstream}) is int and {pstream} == {stream})",
+              ]  # fmt: skip
     return [
         "try:  # a missing key or an odd value: the full reading",
         f"    cai = {obj}.__cuda_array_interface__",
         f"    ({n},) = {shape} = cai['shape']",
         f"    {ptr}, readonly = {data} = cai['data']",
         f"    {dt} = _CAI_TYPESTRS[{typestr} := cai['typestr']]",
+        f"    {version} = cai.get('version', 3)",
+        f"    {pstream} = cai.get('stream')",
         "except Exception:",
         "    cai = None",
         "if " + " and ".join(conds) + ":",
@@ -219,17 +295,21 @@ def common_case(
     ]
 
 
-def same_case(cai: str, parts: tuple[str, str, str]) -> str:
+def same_case(cai: str, parts: tuple[str, str, str], stream: str) -> str:
     """A source condition: the dict ``cai`` is in the common case whose ``shape``,
     ``data`` and ``typestr`` objects were ``parts`` (names bound by :func:`common_case`,
-    remembered since). Those objects being the very same ones (tuples of ints and a str:
-    immutable), and strides and mask still absent, :func:`common_case` would read the same
-    result again, for any object of the same array type."""
+    remembered since), for the consumer stream ``stream`` (canonical: 1 for the legacy
+    default stream). Those objects being the very same ones (tuples of ints and a str:
+    immutable), strides and mask still absent, and the version and the producer's stream
+    still passing :func:`common_case`'s checks, it would read the same result again, for
+    any object of the same array type."""
     shape, data, typestr = parts
     return (
         f"type({cai}) is dict and {cai}['data'] is {data} and {cai}['shape'] is {shape} and "
         f"{cai}['typestr'] is {typestr} and {cai}.get('strides') is None and "
-        f"'mask' not in {cai}"
+        f"'mask' not in {cai} and type(mv := {cai}.get('version', 3)) is int and "
+        f"0 <= mv <= 3 and ((mps := {cai}.get('stream')) is None or type(mps) is int and "
+        f"mps == {stream})"
     )
 
 
@@ -301,7 +381,7 @@ def _make_cai_handler(cls: type, obj: Any) -> tuple[BufferHandler, DeviceGetter 
             if hasattr(type(obj), "__cuda_array_interface__"):
                 raise  # the producer's own reason
             raise _not_a_buffer(obj, name) from None
-        return _from_cai(obj, cai, count, dtype, name, writable, device_of)
+        return _from_cai(obj, cai, count, dtype, name, writable, device_of, stream)
 
     if _HANDLER_CODE is None:
         _HANDLER_CODE = _handler_code()

@@ -268,7 +268,7 @@ def _method_source(spec: CollSpec) -> str:
             f"        k_{p} = 0",
         ]
         parts = (f"sh_{p}", f"d_{p}", f"ts_{p}")
-        cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, False, parts)
+        cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, False, parts, "(s or 1)")
         lines += [
             f"            if type({b}) is _DeviceBuffer and (t := {b}._arg) is not None:",
             f"                {p}, {nvar}, dt_{p}, dev_{p} = t",

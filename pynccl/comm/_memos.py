@@ -141,7 +141,8 @@ def cai_memo_hit(
     """The interface memo, ``cm = memo[INTERFACES + i]``: a call of ``__cuda_array_interface__``
     arrays (parameters ``names``) of the types the row's last such call had, whose
     interfaces hold that call's very shape, data and typestr objects (tuples of ints and
-    a str: immutable) with no strides or mask (:func:`~pynccl._adapt._cai.same_case`) —
+    a str: immutable) with no strides or mask, a valid version and a producer stream that
+    needs no order on the communicator's stream (:func:`~pynccl._adapt._cai.same_case`) —
     ``cm`` holds, per buffer, its type and those three, then ``extra``'s objects and
     the tuple of :data:`TAIL` — reuses the C arguments. The common case would read
     the same again, for any array of those types; the array itself is not kept alive.
@@ -154,7 +155,8 @@ def cai_memo_hit(
     key += [f"{k} is cm[{4 * len(names) + j}]" for j, k in enumerate(extra)] + ["stream is None"]
     body: list[str] = []
     for j, b in enumerate(names):
-        found = same_case("cai", (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]"))
+        parts = (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]")
+        found = same_case("cai", parts, "(self._stream or 1)")
         pad = "    " * j
         body += [f"{pad}cai = {b}.__cuda_array_interface__"]
         body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]

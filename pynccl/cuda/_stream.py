@@ -1,12 +1,16 @@
-"""CUDA streams: :class:`Stream` (owned or borrowed), capture state."""
+"""CUDA streams: :class:`Stream` (owned or borrowed), capture state, and the two stream
+orderings the layers above need: one stream waiting for another (:func:`wait_stream`, for
+``__cuda_array_interface__`` v3's ``stream``), and objects kept alive until the work queued
+so far on some streams has run (:func:`keep_until_done`)."""
 
 from __future__ import annotations
 
+import threading
 from ctypes import byref, c_int, c_void_p
 
 from .._closable import Closable
 from . import _runtime
-from ._device import _DeviceScope
+from ._device import _DeviceScope, get_device
 from ._event import Event
 from ._runtime import _ERR_CAPTURE_IMPLICIT, _ERR_NOT_READY
 from ._streamlike import as_stream
@@ -123,6 +127,8 @@ class Stream(Closable):
     def synchronize(self) -> None:
         """Wait until all work queued on this stream has finished."""
         _runtime._rt().cudaStreamSynchronize(self.handle)
+        if _KEPT:
+            release_done()
 
     def query(self) -> bool:
         """True if all work queued on this stream has finished (never blocks)."""
@@ -159,8 +165,6 @@ class Stream(Closable):
         if owned and handle:
             _runtime._rt().cudaStreamDestroy(handle)
 
-
-
     def _held(self) -> bool:
         return bool(getattr(self, "_owned", False))
 
@@ -192,3 +196,108 @@ def _capture_blocks(handle: int) -> bool:
     status = c_int(0)
     rc = _runtime._rt().raw("cudaStreamIsCapturing")(handle, byref(status))
     return rc == _ERR_CAPTURE_IMPLICIT or (rc == 0 and status.value != 0)
+
+
+# -- one stream waiting for another ---------------------------------------------------------
+
+# Each thread's event per device for wait_stream: recorded, waited on at once, reused (a
+# wait takes the event's state when it is issued, so reuse is safe within one thread; two
+# threads sharing one could make a stream wait for the other thread's producer instead).
+_WAIT_EVENTS = threading.local()
+
+
+def wait_stream(consumer: int, producer: int, device: int | None = None) -> None:
+    """Make work queued later on stream ``consumer`` wait for the work queued so far on
+    stream ``producer`` (handles; 0 and 1 are the legacy default stream, 2 the per-thread
+    one): an event recorded on ``producer``, ``cudaStreamWaitEvent`` on ``consumer``. Nothing
+    is done when both name the same stream. ``device``: where ``producer`` lives (default:
+    the current device; the special handles mean that device's streams).
+
+    Inside a CUDA-graph capture the order is a capture's own: when both streams are being
+    captured the wait joins them in the graph; when only one is, nothing is done (a wait
+    on work outside the capture would invalidate it, and the graph runs when replayed)."""
+    if (consumer or 1) == (producer or 1):
+        return
+    rt = _runtime._rt()
+    with _DeviceScope(device) as dev:
+        captured = _capture_blocks(consumer)
+        if captured != _capture_blocks(producer):
+            return
+        events = getattr(_WAIT_EVENTS, "events", None)
+        if events is None:
+            events = _WAIT_EVENTS.events = {}
+        if dev < 0:
+            dev = get_device()
+        event = events.get(dev)
+        if event is None:
+            event = events[dev] = Event(timing=False)
+        rt.cudaEventRecord(event._live(), producer)
+        rt.cudaStreamWaitEvent(consumer, event._live(), 0)
+
+
+# -- keeping objects until streams have passed ------------------------------------------------
+
+# (events, objects): released once every event has completed. Objects whose stream was
+# being captured are never released (a graph may replay that work at any time).
+_KEPT: list[tuple[list[Event], object]] = []
+_KEPT_FOREVER: list[object] = []
+_KEPT_LOCK = threading.Lock()
+
+
+def keep_until_done(objs: object, streams: object, device: int | None = None) -> None:
+    """Keep ``objs`` referenced until the work queued so far on every stream of ``streams``
+    (an iterable of handles) has finished, without waiting for it here: an event is
+    recorded on each, and ``objs`` dropped by a later :func:`release_done` (each call of
+    this function, and :meth:`Stream.synchronize`, makes one) once all have completed.
+
+    What a stream-ordered caching allocator (torch's, CuPy's, cuda.core's) needs of a
+    buffer handed to queued work: it reuses a freed block at once. A stream that cannot
+    take a record (destroyed, or broken) has nothing left to wait for; one being captured
+    into a CUDA graph keeps ``objs`` for good (the graph may replay the work at any time).
+    ``device``: the device of the streams (their events must be made there)."""
+    rt = _runtime._rt()
+    record = rt.raw("cudaEventRecord")
+    events: list[Event] = []
+    forever = False
+    with _DeviceScope(device):
+        for handle in dict.fromkeys(streams):  # type: ignore[call-overload]
+            if _capture_blocks(handle):
+                forever = True
+                continue
+            event = Event(timing=False)
+            if record(event._live(), handle):
+                event.close()  # a stream gone or broken: nothing of it left to wait for
+                rt.raw("cudaGetLastError")()
+            else:
+                events.append(event)
+    with _KEPT_LOCK:
+        if forever:
+            _KEPT_FOREVER.append(objs)
+        elif events:
+            _KEPT.append((events, objs))
+    release_done()
+
+
+def release_done() -> int:
+    """Drop what :func:`keep_until_done` keeps whose streams have passed; how many sets
+    of objects are still kept. Polls nothing while a CUDA-graph capture forbids this
+    thread to query events (it would invalidate the capture)."""
+    from ._graph import _unsafe_calls_prohibited
+
+    if not _KEPT or _unsafe_calls_prohibited():
+        return len(_KEPT)
+    query = _runtime._rt().raw("cudaEventQuery")
+    done: list[tuple[list[Event], object]] = []
+    with _KEPT_LOCK:
+        for item in list(_KEPT):
+            # Not ready (600) keeps waiting; any other answer (success, or an error that
+            # leaves nothing to run) releases.
+            if all(query(e._live()) != _ERR_NOT_READY for e in item[0]):
+                _KEPT.remove(item)
+                done.append(item)
+        left = len(_KEPT)
+    for events, _objs in done:  # outside the lock: dropping objects may free memory
+        for event in events:
+            event.close()
+    done.clear()
+    return left
