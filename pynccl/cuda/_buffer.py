@@ -100,6 +100,13 @@ class DeviceBuffer(Closable):
 
     The allocation is freed by :meth:`close` (alias :meth:`free`), at the end of
     a ``with`` block, or quietly when the object is garbage-collected.
+
+    Ordering: :meth:`from_numpy`, :meth:`to_numpy` and :meth:`copy_from` run their copy on
+    ``stream`` (default: the legacy default stream, which on a GPU also waits for the work
+    queued before on the device's blocking streams) and return once it has finished, so
+    the data is in place for work on any stream. :meth:`fill_zero` without a stream does
+    the same; with one it is only queued there (stream-ordered: later work on that stream
+    sees zeros, work on other streams must wait for it).
     """
 
     __slots__ = (
@@ -247,9 +254,9 @@ class DeviceBuffer(Closable):
     ) -> DeviceBuffer:
         """A new buffer holding a copy of ``array`` (any array-like numpy accepts).
 
-        With ``stream`` the copy is queued on it and the stream is synchronized
-        before returning, so ``array`` may be modified right away. ``allocator`` as
-        for the constructor.
+        The copy runs on ``stream`` (default: the legacy default stream) and has finished
+        when this returns: the buffer may be used on any stream, and ``array`` modified,
+        right away. ``allocator`` as for the constructor.
         """
         import numpy as np
 
@@ -265,8 +272,8 @@ class DeviceBuffer(Closable):
     def to_numpy(self, stream: StreamLike = None) -> np.ndarray:
         """A host copy as a numpy array of :attr:`shape` (ml_dtypes for bf16/FP8).
 
-        With ``stream`` the copy is ordered after the work queued on it;
-        this returns once the copy has finished.
+        The copy runs on ``stream`` (default: the legacy default stream), ordered after the
+        work queued there before; this returns once the copy has finished.
         """
         import numpy as np
 
@@ -283,7 +290,10 @@ class DeviceBuffer(Closable):
         """Overwrite the contents from a host array or another :class:`DeviceBuffer`.
 
         ``source`` must have the same element type and number of elements
-        (its shape may differ). Returns once the copy has finished.
+        (its shape may differ). The copy runs on ``stream`` (default: the legacy default
+        stream), ordered after the work queued there before, and has finished when this
+        returns (for a device-to-device copy too, which CUDA would otherwise leave
+        running).
         """
         self._check_open()
         if isinstance(source, DeviceBuffer):
@@ -307,26 +317,31 @@ class DeviceBuffer(Closable):
             raise ValueError(f"source has {size} elements; the buffer holds {self.size}")
 
     def _copy(self, dst: int, src: int, kind: int, stream: StreamLike) -> None:
+        """Copy :attr:`nbytes` on ``stream`` (None: the legacy default stream) and wait for
+        it. Never cudaMemcpy: on a GPU it returns before a device-to-device copy (and the
+        DMA of a pageable host-to-device one) has finished."""
+        if not self._nbytes:
+            return
+        rt = _runtime._rt()
+        handle = 0 if stream is None else stream_handle(stream)
+        rt.cudaMemcpyAsync(dst, src, self._nbytes, kind, handle)
+        # Waiting also lets the caller reuse or free pageable host memory at once.
+        rt.cudaStreamSynchronize(handle)
+
+    def fill_zero(self, stream: StreamLike = None) -> None:
+        """Set every byte to 0. With ``stream`` it is queued there and not waited for
+        (stream-ordered: later work on ``stream`` sees zeros); without, it runs on the
+        legacy default stream and has finished when this returns (cudaMemset alone
+        would return first on a GPU)."""
+        self._check_open()
         if not self._nbytes:
             return
         rt = _runtime._rt()
         if stream is None:
-            rt.cudaMemcpy(dst, src, self._nbytes, kind)
-            return
-        # Pageable host memory: wait, so the caller may reuse the host array at once.
-        handle = stream_handle(stream)
-        rt.cudaMemcpyAsync(dst, src, self._nbytes, kind, handle)
-        rt.cudaStreamSynchronize(handle)
-
-    def fill_zero(self, stream: StreamLike = None) -> None:
-        """Set every byte to 0; queued on ``stream`` when one is given (not waited for)."""
-        self._check_open()
-        if not self._nbytes:
-            return
-        if stream is None:
-            _runtime._rt().cudaMemset(self._ptr, 0, self._nbytes)
+            rt.cudaMemsetAsync(self._ptr, 0, self._nbytes, 0)
+            rt.cudaStreamSynchronize(0)
         else:
-            _runtime._rt().cudaMemsetAsync(self._ptr, 0, self._nbytes, stream_handle(stream))
+            rt.cudaMemsetAsync(self._ptr, 0, self._nbytes, stream_handle(stream))
 
     # -- lifetime
 
@@ -342,8 +357,6 @@ class DeviceBuffer(Closable):
             _runtime._rt().cudaFree(ptr)
 
     free = close
-
-
 
     def _held(self) -> bool:
         return bool(getattr(self, "_ptr", 0))
