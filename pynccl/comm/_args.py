@@ -293,6 +293,8 @@ def prepare(
     cop: object = None
     if spec.has_op:
         cop = resolve_op(op, comm, (sendbuf, recvbuf))
+        if type(cop) is int:  # a custom op: its device scalar must outlive this work
+            comm._note_op_use(cop, s)
     cn = size_arg(n)
     return _args_for(comm, spec, sp, rp, cn, n, dt, code, cop, w), s, cfg
 

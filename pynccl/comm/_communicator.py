@@ -78,7 +78,10 @@ class Communicator(
     Buffers are raw device pointers (``int`` or a cuda.bindings ``CUdeviceptr``, with
     ``count=`` and ``dtype=``), a cuda.core ``Buffer`` (bytes, typed by ``dtype=``), or
     objects exposing ``__cuda_array_interface__`` or DLPack on a CUDA device.
-    ``count`` is NCCL's: elements per rank. ``stream=None`` uses :attr:`stream`.
+    ``count`` is NCCL's: elements per rank. ``stream=None`` uses :attr:`stream` (the
+    ``stream`` given here, kept referenced; default: the legacy default stream). An
+    array's producer stream (``__cuda_array_interface__`` v3's ``stream``, DLPack's
+    ``__dlpack__(stream=...)``) is ordered before the call's stream.
 
     Use it as a context manager (destroy on normal exit, abort on an exception)
     or call :meth:`destroy` / :meth:`abort`; afterwards every call raises
@@ -98,6 +101,7 @@ class Communicator(
         "_ops",
         "_regs",
         "_rma",
+        "_stream_ref",
         "_wargs",
         "_wins",
     )
@@ -164,8 +168,8 @@ class Communicator(
         self._size = size
         self._device = device
         self._blocking = config is None or config.blocking is None or bool(config.blocking)
-        self._use_stream(as_stream(stream) if stream is not None else 0)
-        self._custom_ops: set[int] = set()
+        self._keep_stream(stream)
+        self._custom_ops: dict[int, tuple[object, set[int]]] = {}
         self._config = None
         self._regs = {}
         self._wins = {}
@@ -224,7 +228,8 @@ class Communicator(
         L = self._lib
         child = Communicator._wrap(
             L, handle, self._rank, self._size, self._device, blocking=blocking,
-            stream=self._stream or None, pending=not blocking,
+            stream=self._stream if self._stream_ref is None else self._stream_ref,
+            pending=not blocking,
         )  # fmt: skip
         child._config = cfg  # NCCL keeps the commName pointer
         child._rma = self._rma if cfg is None else rma_limits(L.version, cfg)
@@ -306,12 +311,24 @@ class Communicator(
 
     @property
     def stream(self) -> int:
-        """The default stream handle for this communicator's calls (0 = legacy default)."""
+        """The default stream handle for this communicator's calls (0 = legacy default).
+
+        Set it to any stream-like (``None``: the legacy default stream). A stream object
+        (a :class:`~pynccl.cuda.Stream`, or any object owning its stream: a
+        ``__cuda_stream__`` provider, a torch or CuPy stream) is kept referenced while it
+        is the default, so the stream is not destroyed underneath the communicator; a
+        child made by :meth:`split` keeps it too."""
         return self._stream
 
     @stream.setter
     def stream(self, value: StreamLike) -> None:
+        self._keep_stream(value)
+
+    def _keep_stream(self, value: StreamLike) -> None:
+        """Make ``value`` the default stream, keeping the object that owns it (an int
+        handle owns nothing: its stream is the caller's to keep)."""
         self._use_stream(0 if value is None else as_stream(value))
+        self._stream_ref = None if value is None or type(value) is int else value
 
     @property
     def state(self) -> State:

@@ -26,6 +26,7 @@ from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
 from ._args import prepare
+from ._handle import TERMINAL, State
 from ._recorder import RING_MASK as _MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -71,6 +72,12 @@ class PersistentOp(Closable):
     revoked raises :class:`~pynccl.NcclInvalidUsage` like any call, and one after
     :meth:`close`, or after a ``DeviceBuffer`` it uses was closed, raises too (before
     anything reaches NCCL). Usable as a context manager (closed on exit).
+
+    The stream it issues on (``stream=`` of ``<method>_init``, else the communicator's
+    default stream when it was made) is kept referenced as long as the buffers. The
+    arrays' producer streams (``__cuda_array_interface__`` v3, DLPack) are ordered before
+    it once, when the operation is made; order later writes to its buffers yourself (on
+    the same stream, or with :meth:`pynccl.cuda.Stream.wait`).
     """
 
     __slots__ = (
@@ -90,6 +97,8 @@ class PersistentOp(Closable):
         "_row",
         "_slot",
         "_stream",
+        "_stream_ref",
+        "_streams",
     )
 
     def __init__(
@@ -101,6 +110,7 @@ class PersistentOp(Closable):
         cfg: object,
         config: object,
         keep: tuple[object, ...],
+        stream_ref: object = None,
     ) -> None:
         from ..cuda import DeviceBuffer
 
@@ -108,6 +118,11 @@ class PersistentOp(Closable):
         self._row = spec.index
         self._plan = plan
         self._stream = s
+        # The object owning stream s (a Stream, a __cuda_stream__ provider...): kept, so
+        # the handle every call passes is never a destroyed stream's.
+        self._stream_ref = stream_ref
+        # Every stream it may have issued on: close() keeps the buffers until they passed.
+        self._streams = {s}
         self._cfg = cfg
         self._config = config
         self._keep: tuple[object, ...] | None = keep
@@ -210,6 +225,9 @@ class PersistentOp(Closable):
             return False
         s = self._stream if stream is None else as_stream(stream)
         comm._live()
+        self._streams.add(s)
+        if self._custom is not None:
+            comm._note_op_use(self._custom, s)
         _groups.keep_alive(self)
         comm._run(self._plan, s, self._cfg, self._config)
         return True
@@ -217,20 +235,41 @@ class PersistentOp(Closable):
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drop the buffers and config (inside a group they stay alive until it ends);
-        calls afterwards raise :class:`~pynccl.NcclInvalidUsage`."""
+        """Release the buffers, stream and config; calls afterwards raise
+        :class:`~pynccl.NcclInvalidUsage`.
+
+        Work issued from this operation may still be queued or running: the objects stay
+        referenced until every stream it issued on has passed this point (an event
+        recorded on each; see :func:`pynccl.cuda._stream.keep_until_done`), and inside a
+        group until the group ends. Nothing waits here: a stream-ordered allocator cannot
+        hand the memory out while NCCL still reads or writes it."""
         if self._keep is None:
             return
-        _groups.keep_alive((*self._keep, self._config))
+        kept = (*self._keep, self._config, self._stream_ref)
+        streams = tuple(self._streams)
         self._keep = None
         self._config = None
+        self._stream_ref = None
         self._devbufs = ()
         self._checks = True
         self._plain = False
         self._args = ()
         self._h = None
+        if _groups.keep_alive(kept):
+            return  # queued in the open group: issued at its end (which keeps them)
+        comm = self._comm
+        if comm._state is State.INITIALIZING:
+            # A non-blocking call may not be on its stream yet: an event recorded now
+            # could complete before it.
+            try:
+                comm.wait_ready()
+            except Exception:  # failed: its work will not run
+                return
+        if comm._state in TERMINAL:
+            return  # destroyed (its work finished) or aborted (its work stopped)
+        from ..cuda._stream import keep_until_done
 
-
+        keep_until_done(kept, streams, comm._device)
 
     @property
     def method(self) -> str:
@@ -269,4 +308,7 @@ def persistent(
     """``comm.<spec.method>_init(...)``: check the call once and prebuild it."""
     comm._live()
     plan, s, cfg = prepare(comm, spec, sendbuf, recvbuf, op, where, count, dtype, stream, config)
-    return PersistentOp(comm, spec, plan, s, cfg, config, (sendbuf, recvbuf))
+    # The object owning the stream it issues on: the one given, or the communicator's
+    # default stream's (which a later ``comm.stream = ...`` would otherwise drop).
+    owner = comm._stream_ref if stream is None else None if type(stream) is int else stream
+    return PersistentOp(comm, spec, plan, s, cfg, config, (sendbuf, recvbuf), owner)
