@@ -80,6 +80,13 @@ def _same(text: str) -> str:
 RANKED = [row.method for row in COLLECTIVES if row.where]
 
 
+class BrokenIndex:
+    """An integer-like whose ``__index__`` raises (its error is chained, not leaked)."""
+
+    def __index__(self) -> int:
+        raise RuntimeError("index is broken")
+
+
 MISTAKES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "float count": ({"count": 1.5}, TypeError, "count must be a non-negative int, got float 1.5"),
     "bool count": ({"count": True}, TypeError, "count must be a non-negative int, got bool True"),
@@ -104,6 +111,12 @@ MISTAKES: dict[str, tuple[dict[str, Any], type[Exception], str]] = {
     "bad stream": ({"stream": "s"}, TypeError, "stream"),
     "float stream": ({"stream": 1.5}, TypeError, "stream must be None, an int"),
     "bool stream": ({"stream": True}, TypeError, "got builtins.bool True"),
+    "numpy bool stream": ({"stream": np.True_}, TypeError, "got numpy.bool np.True_"),
+    "stream whose __index__ raises": (
+        {"stream": BrokenIndex()},
+        TypeError,
+        "got test_arg_policy.BrokenIndex, whose int() raised RuntimeError: index is broken",
+    ),
     "negative stream": ({"stream": -1}, ValueError, "stream handle -1 is out of range"),
     "stream of 2**64": ({"stream": 1 << 64}, ValueError, "stream handle 18446744073709551616"),
     # The stream is checked before everything but config, whichever path the call takes.
