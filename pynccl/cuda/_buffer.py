@@ -318,12 +318,18 @@ class DeviceBuffer(Closable):
 
     def _copy(self, dst: int, src: int, kind: int, stream: StreamLike) -> None:
         """Copy :attr:`nbytes` on ``stream`` (None: the legacy default stream) and wait for
-        it. Never cudaMemcpy: on a GPU it returns before a device-to-device copy (and the
-        DMA of a pageable host-to-device one) has finished."""
+        it: cudaMemcpy alone returns before a device-to-device copy (and the DMA of a
+        pageable host-to-device one) has finished on a GPU."""
         if not self._nbytes:
             return
         rt = _runtime._rt()
-        handle = 0 if stream is None else stream_handle(stream)
+        if stream is None:
+            # The synchronous call (refused, as CUDA refuses it, inside a global-mode
+            # capture), then the wait it leaves out.
+            rt.cudaMemcpy(dst, src, self._nbytes, kind)
+            rt.cudaStreamSynchronize(0)
+            return
+        handle = stream_handle(stream)
         rt.cudaMemcpyAsync(dst, src, self._nbytes, kind, handle)
         # Waiting also lets the caller reuse or free pageable host memory at once.
         rt.cudaStreamSynchronize(handle)
@@ -338,7 +344,7 @@ class DeviceBuffer(Closable):
             return
         rt = _runtime._rt()
         if stream is None:
-            rt.cudaMemsetAsync(self._ptr, 0, self._nbytes, 0)
+            rt.cudaMemset(self._ptr, 0, self._nbytes)
             rt.cudaStreamSynchronize(0)
         else:
             rt.cudaMemsetAsync(self._ptr, 0, self._nbytes, stream_handle(stream))
