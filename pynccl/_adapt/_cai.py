@@ -238,7 +238,7 @@ def common_case(
     ok: list[str],
     ptr_checked: bool = True,
     parts: tuple[str, str, str] = ("shape", "data", "typestr"),
-    stream: str = "(stream or 1)",
+    stream: str = "stream",
 ) -> list[str]:
     """Source lines reading ``obj``'s ``__cuda_array_interface__`` in its common case — a
     dict describing a 1-D, C-contiguous, unmasked array of fewer than 2**30 elements of a
@@ -246,15 +246,16 @@ def common_case(
     ``ptr_checked`` is False: then ``ok`` must check it), which is writable if
     ``writable`` (a source expression, or the constants ``"True"``/``"False"``), whose
     version (if given) is an int from 0 to 3 and whose producer stream (if given) is the
-    consumer's, the expression ``stream`` (canonical: 1 for the legacy default stream, so
-    nothing is to be ordered) — into the names ``out`` (pointer, element count, DataType),
-    then the lines ``ok``; in any other case ``cai`` is None and nothing else is bound (the
-    full reading, :func:`_from_cai` through the type's handler, says what is wrong, or
-    makes the consumer's stream wait for the producer's).
+    consumer's, the expression ``stream`` (a handle; None, 0 and 1 are the legacy default
+    stream), so that nothing is to be ordered — into the names ``out`` (pointer, element
+    count, DataType), then the lines ``ok``; in any other case ``cai`` is None and nothing
+    else is bound (the full reading, :func:`_from_cai` through the type's handler, says
+    what is wrong, or makes the consumer's stream wait for the producer's).
 
     The dict's own ``shape``, ``data`` and ``typestr`` objects are bound to the names
-    ``parts``: with the version and stream checks (which :func:`same_case` repeats) the
-    result depends on nothing else of the dict.
+    ``parts``, its version (3 when absent) and stream objects to ``v_<ptr>`` and
+    ``ps_<ptr>`` (``<ptr>`` the first name of ``out``): the result depends on nothing else
+    of the dict but the consumer's stream (see :func:`same_case`).
 
     The one definition of the common case: the handlers run it (:func:`_make_cai_handler`)
     and the Communicator's generated methods inline it, in the namespace of
@@ -275,9 +276,7 @@ def common_case(
     elif writable != "False":
         conds.append(f"not (readonly and {writable})")
     conds += ["cai.get('strides') is None", "'mask' not in cai",
-              f"type({version}) is int and 0 <= {version} <= 3",
-              f"({pstream} is None or type({pstream}) is int and {pstream} == {stream})",
-              ]  # fmt: skip
+              _version_ok(version), _stream_ok(pstream, stream)]  # fmt: skip
     return [
         "try:  # a missing key or an odd value: the full reading",
         f"    cai = {obj}.__cuda_array_interface__",
@@ -295,27 +294,51 @@ def common_case(
     ]
 
 
-def same_case(cai: str, parts: tuple[str, str, str], stream: str) -> str:
+def _version_ok(version: str) -> str:
+    """The source test that the version bound to ``version`` is an int from 0 to 3; the
+    common ones (3: CuPy, Numba; 2: PyTorch) by identity first, a few times cheaper than
+    the type test (CPython's small ints are single objects; anything else, an int
+    subclass included, takes the exact test)."""
+    return (f"({version} is _CAI_V3 or {version} is _CAI_V2 or type({version}) is int and "
+            f"0 <= {version} <= 3)")  # fmt: skip
+
+
+def _stream_ok(pstream: str, stream: str) -> str:
+    """The source test that the producer's stream bound to ``pstream`` asks for no order
+    on the consumer's, whose handle is the expression ``stream`` (None, 0 and 1 all
+    legacy): none given, or the same stream (the legacy one's 1 against 0 by identity
+    first)."""
+    return (f"({pstream} is None or {pstream} is _CAI_V1 and not {stream} or "
+            f"type({pstream}) is int and {pstream} == ({stream} or 1))")  # fmt: skip
+
+
+def same_case(cai: str, parts: tuple[str, str, str, str]) -> str:
     """A source condition: the dict ``cai`` is in the common case whose ``shape``,
-    ``data`` and ``typestr`` objects were ``parts`` (names bound by :func:`common_case`,
-    remembered since), for the consumer stream ``stream`` (canonical: 1 for the legacy
-    default stream). Those objects being the very same ones (tuples of ints and a str:
-    immutable), strides and mask still absent, and the version and the producer's stream
-    still passing :func:`common_case`'s checks, it would read the same result again, for
-    any object of the same array type."""
-    shape, data, typestr = parts
+    ``data``, ``typestr`` and producer's stream objects were ``parts`` (bound by
+    :func:`common_case`: the first three to its ``parts``, the stream to ``ps_<ptr>``;
+    remembered since, for the same consumer stream). Those objects being the very same
+    ones (tuples of ints, a str, an int or None: immutable), and strides and mask still
+    absent, :func:`common_case` would read the same result again, for any object of the
+    same array type. (The version, which changes no result, is not read again: a kept
+    interface keeps its format.)"""
+    shape, data, typestr, pstream = parts
     return (
         f"type({cai}) is dict and {cai}['data'] is {data} and {cai}['shape'] is {shape} and "
         f"{cai}['typestr'] is {typestr} and {cai}.get('strides') is None and "
-        f"'mask' not in {cai} and type(mv := {cai}.get('version', 3)) is int and "
-        f"0 <= mv <= 3 and ((mps := {cai}.get('stream')) is None or type(mps) is int and "
-        f"mps == {stream})"
+        f"'mask' not in {cai} and {cai}.get('stream') is {pstream}"
     )
 
 
 def common_case_globals() -> dict[str, object]:
     """The names :func:`common_case`'s lines use."""
-    return {"_CAI_TYPESTRS": _TYPESTR_CACHE, "_CAI_N": 1 << 30, "_CAI_P63": 1 << 63}
+    return {
+        "_CAI_TYPESTRS": _TYPESTR_CACHE,
+        "_CAI_N": 1 << 30,
+        "_CAI_P63": 1 << 63,
+        "_CAI_V1": 1,
+        "_CAI_V2": 2,
+        "_CAI_V3": 3,
+    }
 
 
 #: The types read through a ``__cuda_array_interface__`` handler: each one's device

@@ -268,7 +268,7 @@ def _method_source(spec: CollSpec) -> str:
             f"        k_{p} = 0",
         ]
         parts = (f"sh_{p}", f"d_{p}", f"ts_{p}")
-        cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, False, parts, "(s or 1)")
+        cai = common_case(b, writable, (p, nvar, f"dt_{p}"), ok, False, parts, "s")
         lines += [
             f"            if type({b}) is _DeviceBuffer and (t := {b}._arg) is not None:",
             f"                {p}, {nvar}, dt_{p}, dev_{p} = t",
@@ -329,7 +329,8 @@ def _method_source(spec: CollSpec) -> str:
     # when every buffer was a DeviceBuffer.
     interfaces = " and ".join([f"{k} is False" for k in tokens] + ["stream is None"])
     remembered = [f"type({b}), sh_{p}, d_{p}, ts_{p}" for b, p, _, _ in names]
-    cmemo = (str(INTERFACES + i), interfaces, ", ".join([*remembered, *extra, f"({TAIL})"]))
+    remembered += extra + [f"ps_{p}" for _, p, _, _ in names]  # see cai_memo_hit
+    cmemo = (str(INTERFACES + i), interfaces, ", ".join([*remembered, f"({TAIL})"]))
     amemo = (str(ARRAYS + i), " and ".join([*tokens, "stream is None"]),
              ", ".join([*tokens, *extra, TAIL]))  # fmt: skip
     cargs = [p for _, p, _, _ in names] + tail

@@ -140,12 +140,14 @@ def cai_memo_hit(
 ) -> list[str]:
     """The interface memo, ``cm = memo[INTERFACES + i]``: a call of ``__cuda_array_interface__``
     arrays (parameters ``names``) of the types the row's last such call had, whose
-    interfaces hold that call's very shape, data and typestr objects (tuples of ints and
-    a str: immutable) with no strides or mask, a valid version and a producer stream that
-    needs no order on the communicator's stream (:func:`~pynccl._adapt._cai.same_case`) —
-    ``cm`` holds, per buffer, its type and those three, then ``extra``'s objects and
-    the tuple of :data:`TAIL` — reuses the C arguments. The common case would read
-    the same again, for any array of those types; the array itself is not kept alive.
+    interfaces hold that call's very shape, data, typestr and stream objects (tuples of
+    ints, a str, an int or None: immutable) with no strides or mask
+    (:func:`~pynccl._adapt._cai.same_case`; the memo is forgotten when the communicator's
+    stream changes, so the producers' streams still need no order) — ``cm`` holds, per
+    buffer, its type and its first three, then ``extra``'s objects, then each buffer's
+    stream, then the tuple of :data:`TAIL` — reuses the C arguments. The
+    common case would read the same again, for any array of those types; the array
+    itself is not kept alive.
 
     Only types whose arrays tell no device and keep their interface (the same dict at
     every read: ``CAI_TYPES`` holds None for them) are remembered; most producers (CuPy,
@@ -153,10 +155,11 @@ def cai_memo_hit(
     misses reads a kept interface again in the checks (the same dict)."""
     key = [f"type({b}) is cm[{4 * j}]" for j, b in enumerate(names)]
     key += [f"{k} is cm[{4 * len(names) + j}]" for j, k in enumerate(extra)] + ["stream is None"]
+    tail = 4 * len(names) + len(extra)  # where the streams start
     body: list[str] = []
     for j, b in enumerate(names):
-        parts = (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]")
-        found = same_case("cai", parts, "(self._stream or 1)")
+        parts = (f"cm[{4 * j + 1}]", f"cm[{4 * j + 2}]", f"cm[{4 * j + 3}]", f"cm[{tail + j}]")
+        found = same_case("cai", parts)
         pad = "    " * j
         body += [f"{pad}cai = {b}.__cuda_array_interface__"]
         body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]
@@ -196,7 +199,7 @@ def empty_memos() -> list[tuple[object, ...]]:
     if not _EMPTY:
         nothing = object()
         tail = len(TAIL.split(", "))
-        for per_buffer in (0, 1, 4):
+        for per_buffer in (0, 1, 5):  # interface memos: 4 a buffer, then its stream
             _EMPTY.extend(
                 (nothing,)
                 * (len(memo_key(spec)) if per_buffer == 0 else
