@@ -160,6 +160,37 @@ def test_the_call_waits_for_the_producers_stream(
     side.close()
 
 
+def test_a_remembered_interface_whose_stream_changes_in_place_is_ordered(
+    comm: Communicator,
+) -> None:
+    # An interface kept as one dict is remembered by the interface memo; its stream entry
+    # changed in place must still order the call after the new producer's work.
+    from pynccl.comm._memos import INTERFACES
+
+    src, dst = DeviceBuffer(N, F32, device=0), DeviceBuffer(N, F32, device=0)
+    src.fill_zero()
+    cls = type("Kept", (), {})
+    kept, out = cls(), cls()
+    for obj, buf in ((kept, src), (out, dst)):
+        obj.__cuda_array_interface__ = {
+            "shape": (N,), "typestr": "<f4", "data": (buf.ptr, False), "version": 3,
+            "stream": None,
+        }  # fmt: skip
+    for _ in range(3):
+        comm.all_reduce(kept, out)
+    assert comm._memo[INTERFACES][0] is cls  # remembered
+    side = Stream(non_blocking=True, device=0)
+    want = np.arange(N, dtype=np.float32) + 7
+    with Hold(side.handle) as hold:
+        _produce(side.handle, src, want)
+        kept.__cuda_array_interface__["stream"] = side.handle
+        comm.all_reduce(kept, out)
+        hold.release()
+        comm.synchronize(timeout=30)
+    np.testing.assert_array_equal(dst.to_numpy(), want)
+    side.close()
+
+
 def test_no_order_is_made_when_the_streams_are_the_same(
     comm: Communicator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
