@@ -24,6 +24,7 @@ PUBLIC_MODULES = (
     "pynccl.bootstrap",
     "pynccl.typing",
     "pynccl.testing.loopback",
+    "pynccl.testing.allocator",
 )
 
 _DIRECTIVE = re.compile(

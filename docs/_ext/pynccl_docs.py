@@ -38,6 +38,7 @@ PUBLIC_MODULES = (
     "pynccl.bootstrap",
     "pynccl.typing",
     "pynccl.testing.loopback",
+    "pynccl.testing.allocator",
 )
 
 #: The oldest libnccl pynccl serves (the README's range): what this has needs no note.
