@@ -26,7 +26,7 @@ TORCHRUN = {
     "WORLD_SIZE": "8",
     "LOCAL_RANK": "1",
     "LOCAL_WORLD_SIZE": "2",
-    "MASTER_ADDR": "10.1.2.3",
+    "MASTER_ADDR": "169.254.1.3",
     "MASTER_PORT": "29500",
     "TORCHELASTIC_RUN_ID": "abc",
 }
@@ -53,7 +53,7 @@ SLURM = {
 
 def test_torchrun():
     env = detect_launch_env(TORCHRUN)
-    assert env == LaunchEnv("torchrun", 3, 8, 1, 2, "10.1.2.3", 29500, "abc")
+    assert env == LaunchEnv("torchrun", 3, 8, 1, 2, "169.254.1.3", 29500, "abc")
 
 
 def test_pynccl_launch_convention():

@@ -362,7 +362,7 @@ def test_multinode_ranks_and_key(monkeypatch, key):
     else:
         monkeypatch.setenv("PYNCCL_RENDEZVOUS_KEY", key)
     opts = launch._parser().parse_args(["--nnodes", "3", "--node_rank", "2", "-n", "2"])
-    env, warnings = launch._child_envs(opts, None, "10.1.2.3", 29500)
+    env, warnings = launch._child_envs(opts, None, "169.254.1.3", 29500)
     got = [
         (e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"])
         for e in env
@@ -372,8 +372,8 @@ def test_multinode_ranks_and_key(monkeypatch, key):
     assert [
         (d.rank, d.world_size, d.local_rank, d.master_addr, d.master_port) for d in detected
     ] == [
-        (4, 6, 0, "10.1.2.3", 29500),
-        (5, 6, 1, "10.1.2.3", 29500),
+        (4, 6, 0, "169.254.1.3", 29500),
+        (5, 6, 1, "169.254.1.3", 29500),
     ]
     if key is None:  # no secret the nodes could share: unauthenticated, and said so
         assert all("PYNCCL_RENDEZVOUS_KEY" not in e for e in env)

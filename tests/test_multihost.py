@@ -1,15 +1,17 @@
 """A job whose ranks live on two hosts: two network namespaces joined by a veth pair.
 
-Host A is ``10.123.0.1``, host B ``10.123.0.2`` (a private /30 that exists only between
-the two namespaces). Two ranks run in each; the rendezvous crosses the veth link, with
-``MASTER_ADDR`` the other namespace's address for host B's ranks. Three ways to start
-the job: ``python -m pynccl launch --nnodes 2`` (one launcher per host), and processes
-started with Slurm's and torchrun's variables. Every collective is checked against
-numpy on every rank (``workers/multihost.py``).
+Host A is ``169.254.123.1``, host B ``169.254.123.2``: a link-local /30 that exists only
+between the two namespaces (never a private 10.x, 172.16-31.x or 192.168.x range). Two
+ranks run in each; the rendezvous crosses the veth link, with ``MASTER_ADDR`` the other
+namespace's address for host B's ranks. Three ways to start the job: ``python -m pynccl
+launch --nnodes 2`` (one launcher per host), and processes started with Slurm's and
+torchrun's variables. Every collective is checked against numpy on every rank
+(``workers/multihost.py``).
 
-The loopback libnccl's ranks still meet through ``/dev/shm`` (namespaces share the
-file system): what this tests is pynccl's launcher and rendezvous over a real network.
-Needs root and ``ip``; skipped, saying why, where namespaces cannot be made.
+The loopback libnccl's ranks still meet on this machine (through a socket file in
+``PYNCCL_LOOPBACK_RENDEZVOUS_DIR``; the namespaces share the file system): what this tests
+is pynccl's launcher and rendezvous over a real network. Needs root and ``ip``; skipped,
+saying why, where namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 from workers import _harness as h
 
-ADDRS = ("10.123.0.1", "10.123.0.2")
+ADDRS = ("169.254.123.1", "169.254.123.2")
 NPROC, NNODES = 2, 2
 SIZE = NPROC * NNODES
 CHECKS = {
