@@ -55,6 +55,8 @@ class Collectives(Observed):
         if type(sendbuf) is not int or type(recvbuf) is not int or config is not None:
             _groups.keep_alive((sendbuf, recvbuf, config))
         self._run(plan, s, cfg, config)
+        if self._captures:  # a Graph capture under way: it keeps what it captured alive
+            self._note_capture(s, (sendbuf, recvbuf, config))
 
     def _run(
         self,

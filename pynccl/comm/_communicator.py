@@ -5,6 +5,7 @@ their one slow path is :meth:`._collectives.Collectives._slow`, a base of the cl
 
 from __future__ import annotations
 
+import time
 from _warnings import warn as _warn  # warnings.warn itself; `warnings` costs ~1 ms
 from collections.abc import Sequence
 from ctypes import byref, c_int, c_void_p
@@ -367,19 +368,38 @@ class Communicator(
         self._mark_pending()
 
     def finalize(self, timeout: float | None = None) -> None:
-        """``ncclCommFinalize`` (NCCL >= 2.14): flush pending work; :meth:`destroy` after."""
+        """``ncclCommFinalize`` (NCCL >= 2.14): flush pending work; :meth:`destroy` after.
+
+        ``timeout`` bounds the waits of a non-blocking communicator (a call still in
+        progress before, and the finalize itself): :class:`~pynccl.NcclTimeoutError`
+        after that many seconds in all. A blocking communicator's ncclCommFinalize waits
+        inside NCCL for the outstanding work (a watchdog aborts it if that hangs)."""
         if self._state is State.FINALIZED:
             return
-        check_timeout(timeout)
-        rc = self._call_locked("ncclCommFinalize", HANDLE)
+        seconds = check_timeout(timeout)
+        deadline = None if seconds is None else time.monotonic() + seconds
+        rc = self._call_locked("ncclCommFinalize", HANDLE, timeout=seconds)
         if rc == Result.IN_PROGRESS:
             self._mark_pending()
-            self.wait_ready(timeout)
+            self.wait_ready(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
         if self._state not in TERMINAL:
             self._set_state(State.FINALIZED)
 
     def destroy(self) -> None:
-        """``ncclCommDestroy``; a second call does nothing. Borrowed handles are only dropped."""
+        """``ncclCommDestroy``; a second call does nothing. Borrowed handles are only dropped.
+
+        ``ncclCommDestroy`` first waits for the work issued on the communicator. With a
+        watchdog running, that wait is bounded: each operation it watches is waited for
+        until the watchdog's timeout after its issue, and one still incomplete then makes
+        destroy abort instead (a :class:`RuntimeWarning` names the operation; the state
+        becomes ``"aborted"`` and :attr:`error` holds the
+        :class:`~pynccl.NcclTimeoutError`). Without a watchdog it waits as long as NCCL
+        does — for ever if a peer never comes: use :meth:`abort` then, or a watchdog.
+        After ``shrink(..., abort=True)`` it aborts (state ``"aborted"``): NCCL >= 2.31.2
+        would wait in a barrier for the ranks that aborted. A live
+        :class:`pynccl.cuda.Graph` that captured calls of this communicator makes it
+        raise :class:`~pynccl.NcclInvalidUsage` naming the graph (NCCL's destroy would
+        wait for the graph to be destroyed): close the graph first, or :meth:`abort`."""
         if self._state in TERMINAL:
             return
         if _groups.group_depth() > 0:
@@ -388,10 +408,11 @@ class Communicator(
                 "ncclCommDestroy",
                 "cannot destroy a communicator inside a group; end the group first",
             )
+        kind, reason = self._destroy_kind()
         try:
-            self._close_resources(abort=False)
+            self._close_resources(abort=kind != "destroy")
         finally:
-            self._teardown("destroy")
+            self._teardown(kind, reason)
 
     def abort(self) -> None:
         """``ncclCommAbort``: stop pending work and free the communicator (also when hung)."""

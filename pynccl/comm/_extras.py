@@ -12,7 +12,7 @@ from .._limits import C_INT_MAX, check_c_int, index_int, is_bool
 from ..dtypes import as_datatype
 from ..enums import DataType, Result, ScalarResidence
 from ..errors import NotSupportedError
-from ._handle import HANDLE
+from ._handle import HANDLE, State
 from ._observe import Observed
 
 __all__ = ["Extras"]
@@ -55,8 +55,12 @@ class Extras(Observed):
     ) -> Communicator | None:
         """``ncclCommSplit`` (NCCL >= 2.18): every rank calls it; ranks with the same
         ``color`` form a new communicator, ordered by ``key`` (default: this rank).
-        ``color=None`` (``NCCL_SPLIT_NOCOLOR``) takes no part and returns ``None``."""
-        self._live()
+        ``color=None`` (``NCCL_SPLIT_NOCOLOR``) takes no part and returns ``None``.
+        A revoked communicator may be split (NCCL: "safe for destroy, split, and
+        shrink")."""
+        revoked = self._state is State.REVOKED
+        if not revoked:
+            self._live()
         if color is None:
             color = NCCL_SPLIT_NOCOLOR
         elif type(color) is int and color == NCCL_SPLIT_NOCOLOR:
@@ -70,7 +74,7 @@ class Extras(Observed):
                 ) from None
         key = self._rank if key is None else check_c_int(key, "key")
         self._refuse_if_capturing("ncclCommSplit")
-        return self._new_comm("ncclCommSplit", (HANDLE, color, key), (), config)
+        return self._new_comm("ncclCommSplit", (HANDLE, color, key), (), config, ready=not revoked)
 
     def _new_comm(
         self,

@@ -9,15 +9,25 @@
 * The *gate* is held around every C call that passes the handle, and by the teardown
   while it retires the handle: a communicator destroyed or aborted by another thread
   mid-call never hands a destroyed handle to C, and two threads issuing on one
-  communicator are serialized. It is a one-token list (``[True]``): ``pop()`` takes the
-  token, ``append(True)`` gives it back — each one C call, atomic under the GIL (and
-  under the per-object lock of a free-threaded build), about a third of what
-  ``Lock.acquire(False)``/``release()`` cost. A call that finds the token gone waits in
-  :meth:`CommHandle._wait_gate` (polling, bounded: after :attr:`CommHandle.GATE_TIMEOUT`
-  it raises :class:`~pynccl.NcclInvalidUsage` instead of waiting silently).
+  communicator are serialized. Uncontended, it is a one-token list (``[True]``):
+  ``pop()`` takes the token, ``append(True)`` gives it back — each one C call, atomic
+  under the GIL (and under the per-object lock of a free-threaded build), about a third
+  of what ``Lock.acquire(False)``/``release()`` cost. A call that finds the token gone
+  queues in :meth:`CommHandle._wait_gate`, first come first served: while anyone
+  queues, ``_gate`` is a :class:`_Queued` stand-in whose ``pop()`` finds nothing, so
+  every new call queues too instead of snatching the token as it comes back (a thread
+  calling in a loop would otherwise starve the others); the queue's head takes the token
+  from the list, and the list is the gate again once the queue is empty. A wait is
+  bounded: after :attr:`CommHandle.GATE_TIMEOUT` it raises
+  :class:`~pynccl.NcclInvalidUsage` instead of waiting silently.
 * A teardown first marks the communicator *closing* (``_h`` becomes None), then waits
   for the token: calls that start after the mark refuse without taking the token, so
   a thread calling in a tight loop cannot starve a destroy or abort from another one.
+* ``ncclCommGetAsyncError`` may be called from any thread at any time (NCCL's own
+  watchdog pattern): :meth:`CommHandle._async_result` reads it without the gate, under a
+  small lock (``_life``) that the teardown also takes to retire the handle, just before
+  the C call that frees it — so a watchdog never waits behind a call blocked inside NCCL
+  (a finalize, a first collective, a full work queue) and never uses a freed handle.
 * :meth:`CommHandle._teardown` is the one teardown: ``destroy``, ``abort``, ``close`` and
   the watchdog all go through it.
 """
@@ -25,6 +35,8 @@
 from __future__ import annotations
 
 import time
+import weakref
+from _thread import allocate_lock
 from ctypes import byref, c_int, c_void_p
 from enum import Enum
 
@@ -69,6 +81,26 @@ _GONE_TAILS = {
 _POLL_FIRST = 0.0005
 _POLL_MAX = 0.01
 _GATE_POLL_MAX = 0.001
+#: Every communicator that adopted a handle and still exists (the capture hook of
+#: :mod:`._observe` walks them when a CUDA-graph capture begins or ends).
+LIVE: weakref.WeakSet[CommHandle] = weakref.WeakSet()
+
+
+class _Queued:
+    """The gate while threads queue for it (see the module doc): ``pop()`` finds no token
+    (the generated calls' ``except IndexError`` then queues them), ``append()`` gives the
+    token back to the list, where the queue's head takes it."""
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, tokens: list[bool]) -> None:
+        self._tokens = tokens
+
+    def pop(self) -> bool:
+        raise IndexError("the gate is queued for")
+
+    def append(self, token: bool) -> None:
+        self._tokens.append(token)
 
 
 class CommHandle:
@@ -83,10 +115,16 @@ class CommHandle:
         "_handle",
         "_harg",
         "_lib",
+        "_life",
         "_owner",
+        "_qlock",
+        "_queue",
+        "_queued",
         "_rank",
+        "_shrunk",
         "_size",
         "_state",
+        "_tokens",
         "_watch",
     )
 
@@ -109,10 +147,18 @@ class CommHandle:
         self._handle = None
         self._harg = None
         self._state = State.INITIALIZING
-        self._gate: list[bool] = [True]
+        self._tokens: list[bool] = [True]
+        #: What calls take the token from: ``_tokens``, or ``_queued`` while threads queue.
+        self._gate: list[bool] | _Queued = self._tokens
+        self._queued = _Queued(self._tokens)
+        self._queue: list[object] = []  # the waiting calls' tickets, first come first
+        self._qlock = allocate_lock()
+        self._life = allocate_lock()  # retiring the handle vs. a gate-free async-error read
         self._closing: str | None = None
         self._error: BaseException | None = None
         self._watch = None
+        #: Shrunk with NCCL_SHRINK_ABORT: its destroy() aborts (see Observed._destroy_kind).
+        self._shrunk = False
 
     # -- the one place that changes state --------------------------------------------------
 
@@ -132,6 +178,15 @@ class CommHandle:
         self._handle = handle
         self._harg = c_void_p(handle)
         self._set_state(State.INITIALIZING if pending else State.READY)
+        LIVE.add(self)
+        self._adopted()
+
+    def _adopted(self) -> None:
+        """Called once a handle is adopted (:class:`~._observe.Observed` installs its
+        call slots for a CUDA-graph capture under way)."""
+
+    def _forget_memos(self) -> None:
+        """Forget what the generated calls remember (:class:`~._observe.Observed`)."""
 
     def _mark_pending(self) -> None:
         """A non-blocking call returned ncclInProgress: poll before the next call."""
@@ -141,7 +196,7 @@ class CommHandle:
     # -- the gate ------------------------------------------------------------------------
 
     def _wait_gate(self) -> None:
-        """The token is taken (another thread's call, or a teardown): wait for it, bounded."""
+        """The token is taken (another thread's call, or a teardown): queue for it, bounded."""
         if self._take_gate(self.GATE_TIMEOUT):
             return
         raise NcclInvalidUsage(
@@ -153,20 +208,45 @@ class CommHandle:
         )
 
     def _take_gate(self, timeout: float) -> bool:
-        """Take the gate's token, polling for up to ``timeout`` seconds; False if not."""
-        gate = self._gate
+        """Take the gate's token within ``timeout`` seconds, after every call that queued
+        before this one (first come, first served); False if not."""
+        tokens, queue = self._tokens, self._queue
+        ticket = object()
+        with self._qlock:
+            if not queue:
+                try:
+                    tokens.pop()
+                    return True
+                except IndexError:
+                    pass
+            queue.append(ticket)
+            hide = self._gate is tokens
+            if hide:  # calls from now on find no token and queue behind this one
+                self._gate = self._queued
+        if hide:
+            self._forget_memos()  # they hold the token list as their gate
         deadline = time.monotonic() + timeout
         delay = 1e-5
-        while True:
-            try:
-                gate.pop()
-                return True
-            except IndexError:
-                pass
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, _GATE_POLL_MAX)
+        try:
+            while True:
+                if queue[0] is ticket:
+                    try:
+                        tokens.pop()
+                        return True
+                    except IndexError:
+                        pass
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(delay)
+                delay = min(delay * 2, _GATE_POLL_MAX)
+        finally:
+            with self._qlock:
+                queue.remove(ticket)
+                shown = not queue and self._gate is not tokens
+                if shown:
+                    self._gate = tokens
+            if shown:
+                self._forget_memos()  # they hold the stand-in: back to the fast path
 
     def _gone(self) -> NoReturn:
         """Raise why there is no handle to call with."""
@@ -183,13 +263,14 @@ class CommHandle:
             Result.INVALID_USAGE, "", f"communicator rank {self._rank} is {what}; {tail}"
         )
 
-    def _live(self) -> c_void_p:
-        """The handle for a call, waiting for a non-blocking communicator if needed."""
+    def _live(self, timeout: float | None = None) -> c_void_p:
+        """The handle for a call, waiting (up to ``timeout`` seconds, None: as long as it
+        takes) for a non-blocking communicator if needed."""
         h = self._h
         if h is not None:
             return h
         if self._state is State.INITIALIZING and self._error is None:
-            self.wait_ready()
+            self.wait_ready(timeout)
             if self._h is not None:
                 return self._h
         return self._gone()
@@ -213,18 +294,25 @@ class CommHandle:
             gate.append(True)
 
     def _call_locked(
-        self, function: str, *args: object, ready: bool = True, then: State | None = None
+        self,
+        function: str,
+        *args: object,
+        ready: bool = True,
+        then: State | None = None,
+        timeout: float | None = None,
     ) -> int:
         """A C call outside the hot path, checked, under the gate; the handle replaces
         :data:`HANDLE` in ``args``. With ``ready=False`` the
-        raw handle is used in any non-terminal state (async-error queries during init).
+        raw handle is used in any non-terminal state (async-error queries during init);
+        with ``ready=True`` a non-blocking communicator still in progress is waited for,
+        up to ``timeout`` seconds (None: as long as it takes).
         ``then``: the state the communicator enters through this call. A state without a
         handle (suspended, revoked) is entered just before the C call, so that calls
         starting meanwhile refuse and a wait that sees the work stopped sees the new state
         too; it is undone if the call fails. READY is entered once the call succeeded,
         before the gate is given back, so that no other thread's call slips in between."""
         if ready:
-            self._live()
+            self._live(timeout)
         raw = self._lib.raw(function)
 
         def call(h: object) -> int:
@@ -264,6 +352,20 @@ class CommHandle:
             return Result(value.value)
         except ValueError:
             return value.value  # type: ignore[return-value]
+
+    def _async_result(self) -> int | None:
+        """``ncclCommGetAsyncError`` without the gate (NCCL allows it from any thread at
+        any time): the raw result code, or None once the handle is retired. ``_life``
+        keeps the teardown from freeing the handle while the query runs."""
+        value = c_int()
+        with self._life:
+            handle = self._handle
+            if handle is None or self._state in TERMINAL:
+                return None
+            rc = int(self._lib.raw("ncclCommGetAsyncError")(handle, byref(value)))
+        if rc:
+            raise self._lib.make_error(rc, "ncclCommGetAsyncError")
+        return value.value
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Poll ``ncclCommGetAsyncError`` until a non-blocking call completes.
@@ -309,18 +411,22 @@ class CommHandle:
         then the teardown takes the gate's token, so the handle leaves the communicator
         with no call in flight; the C call that frees it runs after. ``abort``/``watchdog``
         proceed without the token if a call on another thread hangs (abort is what
-        releases hung work); ``destroy`` refuses then and the communicator stays usable.
+        releases hung work; the watchdog, which has seen a hang already, waits no longer
+        than its own timeout); ``destroy`` refuses then and the communicator stays usable.
         """
         watch = self._watch
+        wait = self.GATE_TIMEOUT
         if watch is not None and kind != "watchdog":
             self._watch = None
             watch.stop()  # joins the watchdog thread, unless called from it
+        elif watch is not None:
+            wait = min(wait, watch.timeout)
         closing = self._closing
         if closing is None:
             self._closing = kind
             self._h = None
         try:
-            got = self._take_gate(self.GATE_TIMEOUT)
+            got = self._take_gate(wait)
         except BaseException:  # interrupted while waiting: usable again
             if closing is None:
                 self._reopen()
@@ -346,8 +452,9 @@ class CommHandle:
                 final = State.CLOSED
             else:
                 final = State.DESTROYED if kind == "destroy" else State.ABORTED
-            self._handle = self._harg = None
-            self._set_state(final)
+            with self._life:  # no gate-free async-error read is using it now
+                self._handle = self._harg = None
+                self._set_state(final)
         finally:
             if closing is None:
                 self._closing = None

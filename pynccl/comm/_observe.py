@@ -1,18 +1,22 @@
 """The communicator's observation side: the flight recorder, ``synchronize``, the
-watchdog's interface (:class:`~._watchdog.Watched`) and the CUDA-graph capture guard."""
+watchdog's interface (:class:`~._watchdog.Watched`), the CUDA-graph capture guard, and
+what a capture must know (which :class:`pynccl.cuda.Graph` captured this communicator,
+and the buffers its calls use, which the graph keeps alive)."""
 
 from __future__ import annotations
 
 import time
+import weakref
+from _warnings import warn as _warn
 from ctypes import byref, c_int, c_void_p
 
 from .._adapt import as_stream
-from .._limits import check_timeout
+from .._limits import check_count, check_timeout
 from ..enums import Result
 from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
 from ..library import cudart
 from . import _recorder
-from ._handle import HANDLE, TERMINAL, CommHandle, State
+from ._handle import HANDLE, LIVE, TERMINAL, CommHandle, State
 from ._memos import empty_memos as _empty_memos
 
 __all__ = ["Observed"]
@@ -21,6 +25,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from ..cuda import Graph
     from ..typing import StreamLike
     from ._watchdog import Watchdog
 
@@ -35,6 +40,7 @@ class Observed(CommHandle):
         "_cstream",
         "_device",
         "_fn",
+        "_graphs",
         "_memo",
         "_raw_bfn",
         "_raw_fn",
@@ -53,6 +59,10 @@ class Observed(CommHandle):
     _seq: int
     _stream: int
     _cstream: c_void_p  # _stream as the generated calls pass it
+    _graphs: weakref.WeakSet[Graph]  # the Graphs that captured calls of this communicator
+    #: The CUDA-graph captures under way (pynccl.cuda.Graph's registry, bound by the
+    #: first communicator made): the slow path tells the graph what it captured.
+    _captures: dict[int, object] = {}
 
     def abort(self) -> None:
         raise NotImplementedError  # pragma: no cover - Communicator defines it
@@ -79,7 +89,9 @@ class Observed(CommHandle):
         return _recorder.record(self._ring, self._seq)
 
     def format_flight_record(self, last: int = 0) -> str:
-        """The flight record as text (``last`` > 0: only the newest ``last`` entries)."""
+        """The flight record as text (``last`` > 0: only the newest ``last`` entries; a
+        non-negative int)."""
+        last = check_count(last, "last")
         items = self.flight_record()
         marks = _recorder.groups(self._ring, items)
         return _recorder.format_lines(items, self._rank, self._size, last, marks)
@@ -100,6 +112,8 @@ class Observed(CommHandle):
         """``error`` with a short record in its text (the last few operations, readable in
         a terminal) and the whole record as its ``flight_record`` attribute."""
         record = self.flight_record()
+        if not lead and error.message and not error.message.endswith((" ", "\n")):
+            lead = ". "  # a sentence of its own, whatever the message ended with
         error.message += lead + self.format_flight_record(_recorder.SHORT)
         error.flight_record = record  # type: ignore[attr-defined]
         return error
@@ -111,11 +125,13 @@ class Observed(CommHandle):
 
         The communicator's device is made current while waiting (the default streams
         0, legacy and per-thread are per device), then the caller's device is restored.
-        Raises the communicator's asynchronous error as soon as it appears
-        (e.g. :class:`~pynccl.NcclRemoteError` when a peer died). After
-        ``timeout`` seconds — also while a non-blocking init is still in progress — it
-        aborts the communicator and raises :class:`~pynccl.NcclTimeoutError` naming
-        the last operations issued.
+        The calling thread waits in relaxed CUDA-graph capture mode (its own mode is
+        restored after), so waiting never breaks another thread's capture. Raises the
+        communicator's asynchronous error as soon as it appears (e.g.
+        :class:`~pynccl.NcclRemoteError` when a peer died). After ``timeout`` seconds —
+        also while a non-blocking init is still in progress — it aborts the communicator
+        and raises :class:`~pynccl.NcclTimeoutError` naming the last operations issued.
+        A failure of the CUDA query itself raises without touching the communicator.
         """
         s = self._stream if stream is None else as_stream(stream)
         seconds = check_timeout(timeout)
@@ -123,7 +139,8 @@ class Observed(CommHandle):
         if self._state is State.INITIALIZING:
             self.wait_ready(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
         self._live()
-        from ..cuda import _capture_blocks, _unsafe_calls_prohibited
+        from ..cuda import _capture_blocks
+        from ..cuda._graph import _unsafe_calls_prohibited, relaxed_capture_mode
 
         if _capture_blocks(s):
             # cudaStreamQuery would fail and invalidate the capture: nothing captured has
@@ -134,24 +151,28 @@ class Observed(CommHandle):
                 f"stream {s:#x} is being captured into a CUDA graph: its work runs when "
                 "the graph is launched; end the capture, launch the graph, then synchronize",
             )
-        if _unsafe_calls_prohibited():  # waiting on s would invalidate that other capture
-            raise NcclInvalidUsage(
-                Result.INVALID_USAGE,
-                "synchronize",
-                "a CUDA graph capture is in progress on another stream (pynccl.cuda.Graph): "
-                "synchronizing now would invalidate it; synchronize after the capture ends",
-            )
         rt = cudart()
-        current = c_int(-1)
-        rt.raw("cudaGetDevice")(byref(current))
-        device = self.device
-        if current.value != device:
-            rt.cudaSetDevice(device)
-        try:
-            self._wait_stream(rt, s, deadline, seconds)
-        finally:
-            if current.value != device and current.value >= 0:
-                rt.raw("cudaSetDevice")(current.value)
+        with relaxed_capture_mode() as relaxed:
+            if not relaxed and _unsafe_calls_prohibited():
+                # Without cudaThreadExchangeStreamCaptureMode, waiting on s would
+                # invalidate that other capture.
+                raise NcclInvalidUsage(
+                    Result.INVALID_USAGE,
+                    "synchronize",
+                    "a CUDA graph capture is in progress on another stream "
+                    "(pynccl.cuda.Graph): synchronizing now would invalidate it; synchronize "
+                    "after the capture ends",
+                )
+            current = c_int(-1)
+            rt.raw("cudaGetDevice")(byref(current))
+            device = self.device
+            if current.value != device:
+                rt.cudaSetDevice(device)
+            try:
+                self._wait_stream(rt, s, deadline, seconds)
+            finally:
+                if current.value != device and current.value >= 0:
+                    rt.raw("cudaSetDevice")(current.value)
         if self._state is State.REVOKED:  # revoked meanwhile: its work was stopped, not done
             self._gone()
         # An error found after the stream drained gets the same flight record as one
@@ -159,6 +180,8 @@ class Observed(CommHandle):
         self._raise_async_error()
 
     def _wait_stream(self, rt: Any, s: int, deadline: float | None, seconds: float | None) -> None:
+        from ..cuda._graph import is_capture_error
+
         query = rt.raw("cudaStreamQuery")
         delay = 0.0
         while True:
@@ -166,24 +189,40 @@ class Observed(CommHandle):
             if rc == 0:
                 return
             if rc != 600:
-                raise rt.make_error(rc, "cudaStreamQuery")
+                # The query's own failure: never read as the communicator's (and not left
+                # as the thread's last CUDA error).
+                error = rt.make_error(rc, "cudaStreamQuery")
+                rt.raw("cudaGetLastError")()
+                if is_capture_error(rc):
+                    raise NcclInvalidUsage(
+                        Result.INVALID_USAGE,
+                        "synchronize",
+                        f"cudaStreamQuery({s:#x}) was refused because of a CUDA graph "
+                        f"capture ({error}); the communicator is unaffected: synchronize "
+                        "after the capture ends",
+                    ) from error
+                raise error
             self._raise_async_error()
             if deadline is not None and time.monotonic() >= deadline:
                 last = self.last_operation()
-                error = NcclTimeoutError(
+                timeout_error = NcclTimeoutError(
                     Result.TIMEOUT,
                     "synchronize",
                     f"stream {s:#x} did not finish within {seconds:g} s; the communicator "
                     f"was aborted. Last operation issued: {last}. ",
                 )
-                self._with_record(error)
+                self._with_record(timeout_error)
                 self.abort()
-                raise error
+                raise timeout_error
             time.sleep(delay)
             delay = min(delay * 2 or 0.0001, 0.005)
 
     def _raise_async_error(self) -> None:
-        result = self.get_async_error()
+        """Raise the asynchronous error, if any: read without the gate (NCCL allows it from
+        any thread at any time), so a call blocked in another thread never delays it."""
+        result = self._async_result()
+        if result is None:  # torn down meanwhile
+            self._gone()
         if result not in (Result.SUCCESS, Result.IN_PROGRESS):
             raise self._with_record(self._lib.make_error(result, "ncclCommGetAsyncError"), ". ")
 
@@ -200,8 +239,15 @@ class Observed(CommHandle):
         ``on_hang="revoke"`` (``ncclCommRevoke``, NCCL >= 2.28) revokes it instead, for a
         hung operation or an asynchronous error: the hung work stops, the communicator
         becomes ``"revoked"`` and the survivors can :meth:`shrink` it; the next other call
-        raises the recorded error. A non-blocking initialisation that never completes is
-        aborted either way.
+        raises the recorded error. A non-blocking initialisation (or call) still in
+        progress after ``timeout`` is aborted either way.
+
+        ``interval`` (seconds between looks; default a 20th of ``timeout``, between 5 ms
+        and 1 s) and ``timeout`` must be positive, finite numbers. The thread reads the
+        asynchronous error without the communicator's gate and queries in relaxed
+        CUDA-graph capture mode, so neither a call blocked inside NCCL on another thread
+        nor another thread's capture keeps it from watching; it also bounds
+        :meth:`destroy` (see there).
         """
         if self._state in TERMINAL:
             self._gone()
@@ -211,13 +257,9 @@ class Observed(CommHandle):
 
         if on_hang == "revoke":
             self._require("start_watchdog(on_hang='revoke')", "ncclCommRevoke")
-        watch = Watchdog(self, timeout, interval, on_hang)
+        watch = Watchdog(self, timeout, interval, on_hang)  # checks every argument first
         self._watch = watch
-        # Every row's slot gets a wrapper that records a completion event (the hot path
-        # never tests for a watchdog).
-        self._fn = [None if fn is None else _watched(self, fn, watch) for fn in self._raw_fn]
-        self._bfn = [None if fn is None else _watched(self, fn, watch) for fn in self._raw_bfn]
-        self._forget_memos()  # they hold the bare functions
+        self._install_slots()
 
     def stop_watchdog(self) -> None:
         """Stop the watchdog thread, if one runs."""
@@ -229,9 +271,93 @@ class Observed(CommHandle):
 
     def _unwatch(self) -> None:
         """Every row's call slots back to the bare functions (the watchdog's are dropped)."""
-        self._fn = list(self._raw_fn)
-        self._bfn = list(self._raw_bfn)
-        self._forget_memos()  # they hold the watchdog's wrappers
+        self._install_slots()
+
+    def _install_slots(self) -> None:
+        """Each row's call slots for what is watched now: the watchdog's wrappers, which
+        record a completion event (the hot path never tests for a watchdog), or the bare
+        functions. While a CUDA-graph capture begun by :class:`pynccl.cuda.Graph` is under
+        way, the inline paths' slots (``_bfn``) are empty, so every call takes the slow
+        path, which tells the graph what it captured (:meth:`_note_capture`)."""
+        watch = self._watch
+        if watch is None:
+            fn, bfn = list(self._raw_fn), list(self._raw_bfn)
+        else:
+            fn = [None if f is None else _watched(self, f, watch) for f in self._raw_fn]
+            bfn = [None if f is None else _watched(self, f, watch) for f in self._raw_bfn]
+        self._fn = fn
+        self._bfn = [None] * len(bfn) if self._captures else bfn
+        self._forget_memos()  # they hold the previous functions
+
+    def _init_handle(self, lib: Any, owner: bool) -> None:
+        super()._init_handle(lib, owner)
+        self._graphs = weakref.WeakSet()
+
+    def _adopted(self) -> None:
+        if not _HOOKED:
+            _hook_captures()
+        if self._captures:  # a capture began before this communicator existed
+            self._install_slots()
+
+    def _note_capture(self, stream: int, keep: tuple[object, ...] = ()) -> None:
+        """A call of this communicator issued on ``stream`` while a capture begun by
+        :class:`pynccl.cuda.Graph` is under way: if ``stream`` is being captured, the
+        capturing graph(s) keep ``keep`` (the call's buffers) alive until closed, and
+        remember this communicator (which :meth:`destroy` must not destroy under them)."""
+        from ..cuda._graph import capturing_graphs
+
+        for graph in capturing_graphs(stream):
+            graph._captured(self, keep)
+            self._graphs.add(graph)
+
+    def _live_graphs(self) -> list[Graph]:
+        """The live :class:`pynccl.cuda.Graph` objects that captured calls of this one."""
+        return [g for g in list(self._graphs) if g.holds(self)]
+
+    def _destroy_kind(self) -> tuple[str, BaseException | None]:
+        """What ``destroy()`` does: ``("destroy", None)``, or ``("abort", why)``.
+
+        * NCCL's destroy waits until every CUDA graph that captured the communicator is
+          destroyed: with a live :class:`pynccl.cuda.Graph` that did, it would block
+          for ever, so :class:`~pynccl.NcclInvalidUsage` names the graphs instead.
+        * After ``shrink(..., abort=True)`` the parent is aborted: from NCCL 2.31.2 on,
+          its destroy waits in a barrier for ranks that aborted (pytorch#194775).
+        * With a watchdog, the work it watches is waited for, each operation until the
+          watchdog's timeout after its issue; one still incomplete then makes it abort
+          (a RuntimeWarning names it; :attr:`error` holds the NcclTimeoutError), since
+          ``ncclCommDestroy`` would wait for it for ever.
+        """
+        graphs = self._live_graphs()
+        if graphs:
+            names = ", ".join(repr(g) for g in graphs)
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "ncclCommDestroy",
+                f"cannot destroy communicator rank {self._rank}: {len(graphs)} live CUDA "
+                f"graph(s) captured its calls ({names}); NCCL's destroy waits until they "
+                "are destroyed: close them first (Graph.close()), or abort()",
+            )
+        if self._shrunk:
+            return "abort", None
+        watch = self._watch
+        if watch is None or self._state is not State.READY:
+            return "destroy", None
+        self._watch = None
+        self._unwatch()
+        hung = watch.drain()
+        if hung is None:
+            return "destroy", None
+        seq, waited = hung
+        error = NcclTimeoutError(
+            Result.TIMEOUT,
+            self.describe(seq),
+            f"destroy(): operation #{seq} ({self.describe(seq)}) did not complete within "
+            f"the watchdog's {watch.timeout:g} s (waited {waited:.3g} s since it was "
+            "issued), so the communicator was aborted instead of destroyed",
+        )
+        self._with_record(error)
+        _warn(str(error), RuntimeWarning, stacklevel=3)
+        return "abort", error
 
     def _use_stream(self, stream: int) -> None:
         """Make ``stream`` (a handle) the default stream of every call: the generated
@@ -249,23 +375,35 @@ class Observed(CommHandle):
         self._memo = _empty_memos()
 
     def watch_status(self) -> tuple[bool, bool, BaseException | None]:
-        """For the watchdog: ``(alive, ready, asynchronous error or None)``."""
-        if self._state in TERMINAL:
+        """For the watchdog: ``(alive, ready, asynchronous error or None)``, read without
+        the gate (a call blocked inside NCCL on another thread holds it). ``ready``: no
+        non-blocking call in progress; the state itself is left to the issuing thread."""
+        result = self._async_result()
+        if result is None:  # torn down
             return False, False, None
-        try:
-            result = self.get_async_error()
-        except NcclInvalidUsage:  # torn down meanwhile
-            return False, False, None
-        if result in (Result.SUCCESS, Result.IN_PROGRESS):
-            ready = result == Result.SUCCESS and self._state is not State.INITIALIZING
-            if result == Result.SUCCESS and self._state is State.INITIALIZING:
-                self.wait_ready()
-                ready = True
-            return True, ready, None
+        if result == Result.SUCCESS:
+            return True, True, None
+        if result == Result.IN_PROGRESS:
+            return True, False, None
         error = self._lib.make_error(result, "ncclCommGetAsyncError")
         watch = self._watch
         verdict = "the watchdog aborted the communicator" if watch is None else watch.verdict
         return True, True, self._with_record(error, f"; {verdict}. ")
+
+    def watch_device(self) -> int | None:
+        """For the watchdog: the communicator's CUDA device (``ncclCommCuDevice`` once,
+        without the gate, which the calling thread may hold); None once it is gone."""
+        device = self._device
+        if device is None:
+            value = c_int(-1)
+            with self._life:
+                handle = self._handle
+                if handle is None:
+                    return None
+                if self._lib.raw("ncclCommCuDevice")(handle, byref(value)):
+                    return None
+            device = self._device = value.value
+        return device
 
     def watch_trip(self, reason: BaseException, revoke: bool = False) -> None:
         """For the watchdog: abort through the one teardown (or, with ``revoke``, revoke),
@@ -323,6 +461,28 @@ class Observed(CommHandle):
             "",
             f"{what} cannot run while {where} into a CUDA graph; do it before the capture begins",
         )
+
+
+_HOOKED = False
+
+
+def _hook_captures() -> None:
+    """Once, at the first communicator: be told when a :class:`pynccl.cuda.Graph` capture
+    begins and ends (layer 4 cannot import this layer, so it calls back)."""
+    global _HOOKED
+    from ..cuda import _graph
+
+    Observed._captures = _graph._ACTIVE  # type: ignore[assignment]
+    if _on_capture not in _graph.CAPTURE_HOOKS:
+        _graph.CAPTURE_HOOKS.append(_on_capture)
+    _HOOKED = True
+
+
+def _on_capture(begins: bool) -> None:
+    """A capture began or ended: every live communicator's call slots follow."""
+    for comm in list(LIVE):
+        if isinstance(comm, Observed) and comm._state not in TERMINAL:
+            comm._install_slots()
 
 
 def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:

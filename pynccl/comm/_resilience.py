@@ -129,7 +129,10 @@ class Resilience(Extras):
         ``abort=True`` (``NCCL_SHRINK_ABORT``) first terminates this communicator's
         operations (needed when a peer died or after :meth:`revoke`); the default waits
         for them. ``config=None`` inherits this communicator's configuration. This
-        communicator stays to be destroyed or aborted.
+        communicator stays to be destroyed or aborted; after ``abort=True`` its
+        ``destroy()`` aborts it (with NCCL >= 2.31.2 a destroy would wait for ever in a
+        barrier with the ranks that aborted, pytorch#194775). ``exclude`` must not be
+        empty (NCCL refuses an empty exclusion list).
         """
         self._require("shrink", "ncclCommShrink")
         if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Sequence):
@@ -155,10 +158,21 @@ class Resilience(Extras):
             self._live()
         self._refuse_if_capturing("ncclCommShrink")
         _refuse_in_group("ncclCommShrink")
-        array = (c_int * max(len(ranks), 1))(*ranks)
+        if not ranks:  # after the state checks, as every verb reports its state first
+            raise ValueError(
+                "exclude must name at least one rank to remove, got an empty sequence "
+                "(NCCL returns ncclInvalidArgument for an empty exclusion list); "
+                "split() makes a copy of a communicator"
+            )
+        array = (c_int * len(ranks))(*ranks)
         flags = int(ShrinkFlag.ABORT if abort else ShrinkFlag.DEFAULT)
         pre = (HANDLE, array, len(ranks))
-        return self._new_child("ncclCommShrink", pre, (flags,), config, ready=not revoked)
+        child = self._new_child("ncclCommShrink", pre, (flags,), config, ready=not revoked)
+        if abort:
+            # Its operations were terminated; from NCCL 2.31.2 on, its destroy would wait
+            # in a barrier for the ranks that aborted (pytorch#194775): destroy() aborts.
+            self._shrunk = True
+        return child
 
     # -- grow ----------------------------------------------------------------------------
 

@@ -1,14 +1,31 @@
 """The watchdog of a communicator: a daemon thread that aborts it when work hangs.
 
-After each operation it has a CUDA event recorded on the operation's stream; when the
-oldest event stays incomplete past the timeout, when the communicator reports an
-asynchronous error, or when a non-blocking initialisation is still not done after the
-timeout, it aborts the communicator (``ncclCommAbort`` releases work blocked on the GPU)
-through the communicator's one teardown, recording why, so that the next call raises
-that error. With ``on_hang="revoke"`` it revokes instead (``ncclCommRevoke``: the hung
-work stops, the communicator stays for ``shrink``) — for a hang or an asynchronous
-error; an initialisation that never completes is still aborted (there is nothing to
-shrink yet). It talks to the communicator only through :class:`Watched`.
+After each operation it has a CUDA event recorded on the operation's stream (with the
+communicator's device current: an event belongs to the device it was made on, and
+stream 0 means that device's default stream); when the oldest event stays incomplete
+past the timeout, when the communicator reports an asynchronous error, or when a
+non-blocking call stays in progress past the timeout, it aborts the communicator
+(``ncclCommAbort`` releases work blocked on the GPU) through the communicator's one
+teardown, recording why, so that the next call raises that error. With
+``on_hang="revoke"`` it revokes instead (``ncclCommRevoke``: the hung work stops, the
+communicator stays for ``shrink``) — for a hang or an asynchronous error; an
+initialisation that never completes is still aborted (there is nothing to shrink yet).
+It talks to the communicator only through :class:`Watched`.
+
+Two rules keep it from doing harm, as PyTorch's watchdog learned:
+
+* its thread switches itself to ``cudaStreamCaptureModeRelaxed``
+  (``cudaThreadExchangeStreamCaptureMode``) before any query, so that its
+  ``cudaEventQuery`` never breaks another thread's global-mode CUDA-graph capture
+  (torch.cuda.graph's default); where libcudart lacks that call it skips its queries
+  while a :class:`pynccl.cuda.Graph` global capture is under way, and an error of the
+  capture family from a query is never read as the communicator's failure;
+* it reads ``ncclCommGetAsyncError`` without the communicator's gate (NCCL allows it from
+  any thread at any time), so a call blocked inside NCCL — a finalize, a first
+  collective, a full work queue — never keeps it from seeing a hang.
+
+An unexpected exception in its thread is reported (a :class:`RuntimeWarning`, and
+:attr:`Watchdog.failure`) and the thread goes on watching: it never dies silently.
 """
 
 from __future__ import annotations
@@ -18,6 +35,7 @@ import collections
 import threading
 import time
 import weakref
+from _warnings import warn as _warn
 from ctypes import byref, c_int, c_void_p
 
 from .._limits import ON_HANG, check_on_hang, check_timeout
@@ -28,7 +46,7 @@ __all__ = ["ON_HANG", "Watchdog", "Watched", "check_on_hang"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Protocol
+    from typing import Any, Protocol
 
     class Watched(Protocol):
         """What the watchdog needs from a communicator."""
@@ -37,20 +55,26 @@ if TYPE_CHECKING:
         def rank(self) -> int: ...
 
         def watch_status(self) -> tuple[bool, bool, BaseException | None]:
-            """``(alive, ready, asynchronous error or None)``."""
+            """``(alive, ready, asynchronous error or None)``, without the gate."""
+
+        def watch_device(self) -> int | None:
+            """The communicator's CUDA device (None once it is gone)."""
 
         def describe(self, seq: int) -> str: ...
 
-        def format_flight_record(self) -> str: ...
+        def format_flight_record(self, last: int = 0) -> str: ...
 
         def watch_trip(self, reason: BaseException, revoke: bool = False) -> None: ...
 else:
     Watched = object
 
-#: What the watchdog may do to a hung communicator.
-
 _EVENT_DISABLE_TIMING = 0x2
 _NOT_READY = 600
+
+
+def default_interval(timeout: float) -> float:
+    """How often the watchdog looks when not told: a 20th of the timeout, in [5 ms, 1 s]."""
+    return min(max(timeout / 20, 0.005), 1.0)
 
 
 class Watchdog:
@@ -66,22 +90,29 @@ class Watchdog:
         seconds = check_timeout(timeout, "watchdog timeout")
         if seconds is None:
             raise ValueError("watchdog timeout must be a number of seconds, got None")
+        # The same rule as every timeout: a positive, finite number of seconds (0, a
+        # negative or nan one would spin; inf, a str or an object killed the thread).
+        every = check_timeout(interval, "interval")
         #: ``"abort"`` or ``"revoke"``: what a hang or an asynchronous error makes it do.
         self.on_hang = check_on_hang(on_hang)
         from ..library import cudart
 
         self._rt = cudart()
         self._is_capturing = self._rt.raw("cudaStreamIsCapturing")
+        self._get_device = self._rt.raw("cudaGetDevice")
+        self._set_device = self._rt.raw("cudaSetDevice")
         self._comm = weakref.ref(comm)
         self.timeout = seconds
-        self.interval = min(max(self.timeout / 20, 0.005), 1.0) if interval is None else interval
-        self._started = time.monotonic()
+        self.interval = default_interval(seconds) if every is None else every
         #: Guards the pending events between the issuing thread and the watchdog thread.
         self.lock = threading.Lock()
         self._pending: collections.deque[tuple[int, int, float]] = collections.deque()
         self._pool: list[int] = []
         self._stop = threading.Event()
         self.reason: BaseException | None = None
+        #: The last unexpected exception of the thread (reported, never fatal), if any.
+        self.failure: BaseException | None = None
+        self._unready_since: float | None = time.monotonic()
         self._thread = threading.Thread(
             target=self._run, name=f"pynccl-watchdog-rank{comm.rank}", daemon=True
         )
@@ -89,37 +120,78 @@ class Watchdog:
         atexit.register(self._stop.set)
         self._thread.start()
 
-    # -- called by the communicator (the issuing thread, holding its gate) ---------------
+    # -- called by the communicator (the issuing thread) --------------------------------
 
     def enqueued(self, seq: int, stream: int) -> None:
-        """Record a completion event for operation ``seq`` on ``stream``.
+        """Record a completion event for operation ``seq`` on ``stream``, with the
+        communicator's device current (the caller's is restored).
 
         Not while ``stream`` is being captured into a CUDA graph: the operation then
         runs only when the graph is replayed, and an event recorded now would
-        become part of the graph.
+        become part of the graph. Never raises: the operation is already issued (an
+        exception would invite issuing it again); an event that cannot be recorded
+        leaves the operation unwatched, with a :class:`RuntimeWarning` saying so.
         """
-        capturing = c_int(0)
-        rc = self._is_capturing(stream, byref(capturing))
-        if rc or capturing.value:
-            # An error too (cudaErrorStreamCaptureImplicit: the legacy stream while
-            # another stream captures): recording there would invalidate the capture.
+        comm = self._comm()
+        device = None if comm is None else comm.watch_device()
+        if device is None:
             return
-        with self.lock:
-            if self._pool:
-                event = self._pool.pop()
-            else:
-                handle = c_void_p()
-                self._rt.cudaEventCreateWithFlags(byref(handle), _EVENT_DISABLE_TIMING)
-                event = int(handle.value or 0)
-            self._rt.cudaEventRecord(event, stream)
-            self._pending.append((seq, event, time.monotonic()))
+        rt = self._rt
+        current = c_int(-1)
+        self._get_device(byref(current))
+        switch = current.value != device
+        if switch and self._set_device(device):
+            rt.raw("cudaGetLastError")()
+            return self._unwatched(seq, "cudaSetDevice", device)
+        try:
+            capturing = c_int(0)
+            if self._is_capturing(stream, byref(capturing)):
+                # cudaErrorStreamCaptureImplicit (the legacy stream while a blocking
+                # stream captures): recording there would invalidate the capture. The
+                # error stays the thread's last CUDA error unless read: clear it.
+                rt.raw("cudaGetLastError")()
+                return None
+            if capturing.value:
+                return None
+            with self.lock:
+                if self._pool:
+                    event = self._pool.pop()
+                else:
+                    handle = c_void_p()
+                    if rt.raw("cudaEventCreateWithFlags")(byref(handle), _EVENT_DISABLE_TIMING):
+                        rt.raw("cudaGetLastError")()
+                        return self._unwatched(seq, "cudaEventCreateWithFlags", device)
+                    event = int(handle.value or 0)
+                if rt.raw("cudaEventRecord")(event, stream):
+                    rt.raw("cudaGetLastError")()
+                    self._pool.append(event)
+                    return self._unwatched(seq, "cudaEventRecord", device)
+                self._pending.append((seq, event, time.monotonic()))
+        finally:
+            if switch and current.value >= 0:
+                self._set_device(current.value)
+        return None
+
+    def _unwatched(self, seq: int, function: str, device: int) -> None:
+        _warn(
+            f"pynccl watchdog: operation #{seq} was issued but is not watched: {function} "
+            f"failed on device {device}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def stop(self) -> None:
         """Stop the thread (joins it unless called from it) and free its events."""
+        self._halt()
+        self._free_events()
+
+    def _halt(self) -> None:
         self._stop.set()
         atexit.unregister(self._stop.set)
         if threading.current_thread() is not self._thread:
             self._thread.join()
+
+    def _free_events(self) -> None:
         with self.lock:
             events = [ev for _, ev, _ in self._pending] + self._pool
             self._pending.clear()
@@ -127,6 +199,40 @@ class Watchdog:
         destroy = self._rt.raw("cudaEventDestroy")
         for event in events:
             destroy(event)
+
+    def drain(self) -> tuple[int, float] | None:
+        """Stop the thread, then wait for the operations it watches to complete, each at
+        most until its own deadline (issued + timeout). Returns ``(seq, seconds waited
+        past its issue)`` of the first one still incomplete at its deadline, or None when
+        all completed. Frees the events either way. For a bounded ``destroy()``."""
+        from ..cuda._graph import CaptureMode, exchange_capture_mode
+
+        self._halt()
+        previous = exchange_capture_mode(CaptureMode.RELAXED)
+        try:
+            query = self._rt.raw("cudaEventQuery")
+            delay = 1e-4
+            while True:
+                with self.lock:
+                    if not self._pending:
+                        return None
+                    seq, event, issued = self._pending[0]
+                    rc = query(event)
+                    if rc == 0 or rc != _NOT_READY:  # done, or not knowable: not hung
+                        if rc:
+                            self._rt.raw("cudaGetLastError")()
+                        self._pending.popleft()
+                        self._pool.append(event)
+                        continue
+                now = time.monotonic()
+                if now - issued > self.timeout:
+                    return seq, now - issued
+                time.sleep(min(delay, max(issued + self.timeout - now, 0.0)))
+                delay = min(delay * 2, 0.01)
+        finally:
+            if previous is not None:
+                exchange_capture_mode(previous)
+            self._free_events()
 
     @property
     def running(self) -> bool:
@@ -136,47 +242,89 @@ class Watchdog:
     # -- the thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        from ..cuda._graph import CaptureMode, exchange_capture_mode
+
+        try:
+            # Before any query: this thread's queries never break another thread's capture.
+            relaxed = exchange_capture_mode(CaptureMode.RELAXED) is not None
+        except Exception as exc:  # reported; the fallback below still protects captures
+            self._report(exc)
+            relaxed = False
         query = self._rt.raw("cudaEventQuery")
         while not self._stop.wait(self.interval):
-            comm = self._comm()
-            if comm is None:
-                return
-            alive, ready, error = comm.watch_status()
-            if not alive:
-                return
-            if error is not None:
-                self._trip(comm, error)
-                return
-            now = time.monotonic()
-            if not ready:
-                if now - self._started > self.timeout:
-                    self._trip(
-                        comm,
-                        NcclTimeoutError(
-                            Result.TIMEOUT,
-                            "ncclCommGetAsyncError",
-                            f"communicator rank {comm.rank} was not ready within "
-                            f"{self.timeout:g} s; the watchdog aborted it",
-                        ),
-                        revoke=False,
-                    )
+            try:
+                if self._poll(query, relaxed):
                     return
-                continue
-            hung = self._oldest_hung(comm, query, now)
-            if hung is not None:
-                self._trip(comm, hung)
-                return
+            except Exception as exc:  # never die silently: say so, and go on watching
+                self._report(exc)
 
-    def _oldest_hung(self, comm: Watched, query: object, now: float) -> BaseException | None:
+    def _report(self, exc: BaseException) -> None:
+        self.failure = exc
+        comm = self._comm()
+        rank = "?" if comm is None else comm.rank
+        _warn(
+            f"pynccl watchdog of rank {rank}: unexpected {type(exc).__name__}: {exc} "
+            "(it goes on watching)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _poll(self, query: Any, relaxed: bool) -> bool:
+        """One look; True when the watchdog is done (tripped, or nothing left to watch)."""
+        comm = self._comm()
+        if comm is None:
+            return True
+        alive, ready, error = comm.watch_status()
+        if not alive:
+            return True
+        if error is not None:
+            self._trip(comm, error)
+            return True
+        now = time.monotonic()
+        if not ready:  # a non-blocking init or call still in progress: bounded too
+            since = self._unready_since
+            if since is None:
+                self._unready_since = now
+            elif now - since > self.timeout:
+                self._trip(
+                    comm,
+                    NcclTimeoutError(
+                        Result.TIMEOUT,
+                        "ncclCommGetAsyncError",
+                        f"communicator rank {comm.rank} was not ready within "
+                        f"{self.timeout:g} s; the watchdog aborted it",
+                    ),
+                    revoke=False,
+                )
+                return True
+            return False
+        self._unready_since = None
+        if not relaxed:
+            from ..cuda._graph import _unsafe_calls_prohibited
+
+            if _unsafe_calls_prohibited():  # a query now would break that capture
+                return False
+        hung = self._oldest_hung(comm, query, now)
+        if hung is not None:
+            self._trip(comm, hung)
+            return True
+        return False
+
+    def _oldest_hung(self, comm: Watched, query: Any, now: float) -> BaseException | None:
+        from ..cuda._graph import is_capture_error
+
         with self.lock:
             while self._pending:
                 seq, event, issued = self._pending[0]
-                rc = query(event)  # type: ignore[operator]
+                rc = query(event)
                 if rc == 0:
                     self._pending.popleft()
                     self._pool.append(event)
                     continue
                 if rc != _NOT_READY:
+                    self._rt.raw("cudaGetLastError")()
+                    if is_capture_error(rc):  # about a capture, not about this work
+                        return None
                     return self._rt.make_error(rc, "cudaEventQuery")
                 if now - issued > self.timeout:
                     return NcclTimeoutError(

@@ -6,12 +6,13 @@ from ctypes import byref, c_float, c_void_p
 
 from .._closable import Closable
 from . import _runtime
+from ._device import _DeviceScope, get_device
 from ._runtime import _ERR_NOT_READY
 from ._streamlike import as_stream as stream_handle
 
 TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
 if TYPE_CHECKING:
-    from ..typing import StreamLike
+    from ..typing import DeviceLike, StreamLike
 
 # cudaEventBlockingSync, cudaEventDisableTiming.
 _EVENT_BLOCKING_SYNC = 0x1
@@ -23,19 +24,33 @@ class Event(Closable):
 
     ``timing=False`` makes a lighter event that cannot be used with
     :meth:`elapsed_time`; ``blocking=True`` makes :meth:`synchronize` sleep
-    rather than spin.
+    rather than spin. ``device`` (default: the current one) is the device the event
+    belongs to: it can be recorded only on that device's streams (CUDA's rule), and any
+    device's stream may wait for it. The calling thread's current device is restored.
     """
 
-    __slots__ = ("__weakref__", "_handle")
+    __slots__ = ("__weakref__", "_device", "_handle")
 
     _handle: int
+    _device: int
 
-    def __init__(self, *, timing: bool = True, blocking: bool = False) -> None:
+    def __init__(
+        self, *, timing: bool = True, blocking: bool = False, device: DeviceLike | None = None
+    ) -> None:
         self._handle = 0
         flags = (0 if timing else _EVENT_DISABLE_TIMING) | (_EVENT_BLOCKING_SYNC if blocking else 0)
         out = c_void_p()
-        _runtime._rt().cudaEventCreateWithFlags(byref(out), flags)
+        with _DeviceScope(device) as used:
+            _runtime._rt().cudaEventCreateWithFlags(byref(out), flags)
+            if used < 0:
+                used = get_device()
         self._handle = out.value or 0
+        self._device = used
+
+    @property
+    def device(self) -> int:
+        """The device this event belongs to."""
+        return self._device
 
     @property
     def handle(self) -> int:
@@ -73,8 +88,6 @@ class Event(Closable):
         handle, self._handle = self._handle, 0
         if handle:
             _runtime._rt().cudaEventDestroy(handle)
-
-
 
     def _held(self) -> bool:
         return bool(getattr(self, "_handle", 0))

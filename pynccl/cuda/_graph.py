@@ -1,19 +1,24 @@
-"""CUDA graphs: capture the work issued on a stream, replay it as one launch."""
+"""CUDA graphs: capture the work issued on a stream, replay it as one launch; and the
+calling thread's capture interaction mode (``cudaThreadExchangeStreamCaptureMode``)."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterator
-from ctypes import byref, c_void_p
+from ctypes import byref, c_int, c_void_p
 from enum import IntEnum
 
 from .._closable import Closable
+from ..errors import NotSupportedError
 from . import _runtime
 from ._stream import _STREAM_LEGACY, Stream, stream_handle
 
 TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..typing import StreamLike
 
 
@@ -26,10 +31,79 @@ class CaptureMode(IntEnum):
     RELAXED = 2
 
 
-# Captures begun through Graph.capture and not yet ended: stream handle -> (mode, thread).
-# CUDA cannot be asked whether *some* stream is capturing, only about a given one; this
-# registry lets the object API refuse work that would invalidate a capture on a side stream.
-_ACTIVE: dict[int, tuple[CaptureMode, int]] = {}
+# Captures begun through Graph.capture and not yet ended: stream handle -> (mode, thread,
+# graph). CUDA cannot be asked whether *some* stream is capturing, only about a given one;
+# this registry lets the object API refuse work that would invalidate a capture on a side
+# stream, and tell which Graph captured a communicator's call.
+_ACTIVE: dict[int, tuple[CaptureMode, int, Graph]] = {}
+#: Called with True just before a capture begins and with False once it ended (or failed
+#: to begin): the communicators (a layer above, which registers here) track what is
+#: captured meanwhile. Exceptions from a hook propagate.
+CAPTURE_HOOKS: list[Callable[[bool], None]] = []
+
+#: cudaStreamCaptureStatusActive
+_CAPTURE_ACTIVE = 1
+#: cudaErrorStreamCaptureUnsupported (900) .. cudaErrorStreamCaptureWrongThread (908):
+#: errors about a capture, not about the work queried.
+_CAPTURE_ERRORS = range(900, 909)
+_EXCHANGE = "cudaThreadExchangeStreamCaptureMode"
+
+
+def is_capture_error(code: int) -> bool:
+    """True for the cudaError_t codes of the stream-capture family (900-908)."""
+    return code in _CAPTURE_ERRORS
+
+
+def exchange_capture_mode(mode: CaptureMode) -> CaptureMode | None:
+    """``cudaThreadExchangeStreamCaptureMode``: make ``mode`` the calling thread's capture
+    interaction mode and return the previous one; None (and nothing changed) where the
+    loaded libcudart lacks the call. In ``RELAXED`` mode the thread's queries,
+    synchronisations and allocations never invalidate another thread's capture."""
+    rt = _runtime._rt()
+    try:
+        fn = rt.raw(_EXCHANGE)
+    except (KeyError, NotSupportedError):  # pynccl's table or the library lack it
+        return None
+    value = c_int(int(mode))
+    rc = int(fn(byref(value)))
+    if rc:
+        rt.raw("cudaGetLastError")()
+        raise rt.make_error(rc, _EXCHANGE)
+    return CaptureMode(value.value)
+
+
+@contextlib.contextmanager
+def relaxed_capture_mode() -> Iterator[bool]:
+    """The calling thread in relaxed capture mode inside the block, its own mode restored
+    after (what PyTorch's watchdog does before querying). Yields False where libcudart
+    lacks ``cudaThreadExchangeStreamCaptureMode`` (then nothing changed)."""
+    previous = exchange_capture_mode(CaptureMode.RELAXED)
+    try:
+        yield previous is not None
+    finally:
+        if previous is not None:
+            exchange_capture_mode(previous)
+
+
+def capturing_graphs(stream: int) -> list[Graph]:
+    """The :class:`Graph` objects whose capture records work issued on ``stream`` now:
+    the one capturing from ``stream`` itself, else — ``stream`` joined a capture through
+    an event, or is not capturing — every capture begun through :meth:`Graph.capture` and
+    under way (which of them CUDA cannot tell without a capture id: all of them, to be
+    safe). Empty when ``stream`` is not being captured."""
+    if not _ACTIVE:
+        return []
+    status = c_int(0)
+    rt = _runtime._rt()
+    if rt.raw("cudaStreamIsCapturing")(stream, byref(status)):
+        rt.raw("cudaGetLastError")()  # e.g. 906 for the legacy stream: not left behind
+        return []
+    if status.value != _CAPTURE_ACTIVE:
+        return []
+    own = _ACTIVE.get(stream)
+    if own is not None:
+        return [own[2]]
+    return [graph for _, _, graph in list(_ACTIVE.values())]
 
 
 def _unsafe_calls_prohibited() -> bool:
@@ -40,7 +114,7 @@ def _unsafe_calls_prohibited() -> bool:
     me = threading.get_ident()
     return any(
         mode is not CaptureMode.RELAXED and (tid == me or mode is CaptureMode.GLOBAL)
-        for mode, tid in list(_ACTIVE.values())
+        for mode, tid, _ in list(_ACTIVE.values())
     )
 
 
@@ -59,18 +133,45 @@ class Graph(Closable):
     instantiated). Capturing again replaces it. Usable as a context manager, which
     closes it on exit. Collectives of several ranks must be captured, and replayed,
     by every rank.
+
+    The graph keeps the buffers of the pynccl calls captured into it alive until it is
+    closed (a replay reads them as they are then), and the communicators know it
+    captured them: NCCL does not destroy a communicator while a graph that captured it
+    exists, so ``destroy()`` of such a communicator refuses, naming the graph —
+    close the graph first (``abort()`` proceeds).
     """
 
-    __slots__ = ("__weakref__", "_capturing", "_exec", "_stream")
+    __slots__ = ("__weakref__", "_capturing", "_comms", "_exec", "_keep", "_next", "_stream")
 
     _exec: int
     _stream: Stream | None
     _capturing: bool
+    #: What the calls captured into the executable graph use: kept until close().
+    _keep: list[object]
+    #: The communicators whose calls the executable graph holds.
+    _comms: weakref.WeakSet[object]
+    #: The same two for the capture under way (they replace the others once it succeeds).
+    _next: tuple[list[object], weakref.WeakSet[object]] | None
 
     def __init__(self) -> None:
         self._exec = 0
         self._stream = None
         self._capturing = False
+        self._keep = []
+        self._comms = weakref.WeakSet()
+        self._next = None
+
+    def _captured(self, comm: object, keep: tuple[object, ...] = ()) -> None:
+        """A call of ``comm`` (using ``keep``) was captured by the capture under way."""
+        pending = self._next
+        if pending is not None:
+            pending[0].extend(keep)
+            pending[1].add(comm)
+
+    def holds(self, comm: object) -> bool:
+        """True while this graph is live (captured, not closed) and holds calls of
+        ``comm`` (a communicator)."""
+        return bool(self._exec) and comm in self._comms
 
     @contextlib.contextmanager
     def capture(
@@ -103,10 +204,18 @@ class Graph(Closable):
                 "(or another stream you created)"
             )
         rt = _runtime._rt()
-        rt.cudaStreamBeginCapture(handle, int(mode))
-        self._capturing = True
-        _ACTIVE[handle] = (mode, threading.get_ident())
+        # Registered (and the hooks told) before the capture begins, so that no call
+        # captured is missed; undone below if it fails to begin.
+        _ACTIVE[handle] = (mode, threading.get_ident(), self)
+        self._next = ([], weakref.WeakSet())
         graph = c_void_p()
+        try:
+            _hooks(True)
+            rt.cudaStreamBeginCapture(handle, int(mode))
+        except BaseException:
+            self._ended(handle)
+            raise
+        self._capturing = True
         try:
             yield self
         except BaseException:
@@ -117,7 +226,8 @@ class Graph(Closable):
             raise
         finally:
             self._capturing = False
-            _ACTIVE.pop(handle, None)
+            captured = self._next
+            self._ended(handle)
         rt.cudaStreamEndCapture(handle, byref(graph))
         try:
             exe = c_void_p()
@@ -127,6 +237,14 @@ class Graph(Closable):
         self.close()
         self._exec = exe.value or 0
         self._stream = wrapped
+        if captured is not None:
+            self._keep, self._comms = captured
+
+    def _ended(self, handle: int) -> None:
+        """The capture from ``handle`` ended (or never began): unregistered, hooks told."""
+        self._next = None
+        _ACTIVE.pop(handle, None)
+        _hooks(False)
 
     def replay(self, stream: StreamLike = None) -> None:
         """Launch the graph on ``stream`` (default: the stream it was captured from)."""
@@ -141,17 +259,23 @@ class Graph(Closable):
         return bool(self._exec)
 
     def close(self) -> None:
-        """Destroy the executable graph (idempotent)."""
+        """Destroy the executable graph (idempotent); the buffers it kept are let go."""
         exe, self._exec = self._exec, 0
         self._stream = None
         if exe:
             _runtime._rt().cudaGraphExecDestroy(exe)
-
-
+        self._keep = []
+        self._comms = weakref.WeakSet()
 
     def _held(self) -> bool:
         return bool(getattr(self, "_exec", 0))
 
     def __repr__(self) -> str:
         state = "capturing" if self._capturing else "captured" if self._exec else "empty"
-        return f"<pynccl.cuda.Graph ({state})>"
+        where = f" from stream {self._stream.handle:#x}" if self._stream is not None else ""
+        return f"<pynccl.cuda.Graph at {id(self):#x} ({state}{where})>"
+
+
+def _hooks(begins: bool) -> None:
+    for hook in list(CAPTURE_HOOKS):
+        hook(begins)

@@ -46,12 +46,13 @@ class Stream(Closable):
     Usable as a context manager, which closes an owned stream on exit.
     """
 
-    __slots__ = ("__weakref__", "_closed", "_handle", "_owned", "_owner")
+    __slots__ = ("__weakref__", "_closed", "_device", "_handle", "_owned", "_owner")
 
     _handle: int
     _closed: bool
     _owned: bool
     _owner: object
+    _device: int | None  # the device it was created on; None: borrowed (not known)
 
     def __init__(self, *, non_blocking: bool = False, device: DeviceLike | None = None) -> None:
         """Create a stream on ``device`` (default: the current one).
@@ -63,10 +64,12 @@ class Stream(Closable):
         self._closed = False
         self._owned = False
         self._owner = None
+        self._device = None
         out = c_void_p()
         flags = _STREAM_NON_BLOCKING if non_blocking else 0
-        with _DeviceScope(device):
+        with _DeviceScope(device) as used:
             _runtime._rt().cudaStreamCreateWithFlags(byref(out), flags)
+            self._device = used if used >= 0 else get_device()
         self._handle = out.value or 0
         self._owned = True
 
@@ -77,6 +80,7 @@ class Stream(Closable):
         self._closed = False
         self._owned = False
         self._owner = owner
+        self._device = None
         return self
 
     @classmethod
@@ -141,8 +145,11 @@ class Stream(Closable):
         _runtime._rt().cudaStreamWaitEvent(self.handle, event._live(), 0)
 
     def wait(self, other: StreamLike) -> None:
-        """Make later work on this stream wait for the work queued so far on ``other``."""
-        with Event(timing=False) as e:
+        """Make later work on this stream wait for the work queued so far on ``other``
+        (which may be on another device: the event is made on ``other``'s device when it
+        is a :class:`Stream` created here, else on the current device)."""
+        device = other._device if isinstance(other, Stream) else None
+        with Event(timing=False, device=device) as e:
             e.record(other)
             self.wait_event(e)
 
@@ -194,7 +201,10 @@ def _capture_blocks(handle: int) -> bool:
     stream while a blocking stream of its device is capturing (CUDA then answers
     ``cudaErrorStreamCaptureImplicit``). Never raises, never disturbs a capture."""
     status = c_int(0)
-    rc = _runtime._rt().raw("cudaStreamIsCapturing")(handle, byref(status))
+    rt = _runtime._rt()
+    rc = rt.raw("cudaStreamIsCapturing")(handle, byref(status))
+    if rc:  # e.g. 906 for the legacy stream: not left as the thread's last CUDA error
+        rt.raw("cudaGetLastError")()
     return rc == _ERR_CAPTURE_IMPLICIT or (rc == 0 and status.value != 0)
 
 
