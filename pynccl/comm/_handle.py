@@ -89,18 +89,29 @@ LIVE: weakref.WeakSet[CommHandle] = weakref.WeakSet()
 class _Queued:
     """The gate while threads queue for it (see the module doc): ``pop()`` finds no token
     (the generated calls' ``except IndexError`` then queues them), ``append()`` gives the
-    token back to the list, where the queue's head takes it."""
+    token back to the list and wakes the queue's head, which takes it."""
 
-    __slots__ = ("_tokens",)
+    __slots__ = ("_lock", "_queue", "_tokens")
 
-    def __init__(self, tokens: list[bool]) -> None:
+    def __init__(self, tokens: list[bool], queue: list[Any], lock: Any) -> None:
         self._tokens = tokens
+        self._queue = queue
+        self._lock = lock
 
     def pop(self) -> bool:
         raise IndexError("the gate is queued for")
 
     def append(self, token: bool) -> None:
         self._tokens.append(token)
+        with self._lock:
+            _wake(self._queue)
+
+
+def _wake(queue: list[Any]) -> None:
+    """Wake the queue's head (its ticket is a lock it waits on); under the queue's lock,
+    the only place tickets are released."""
+    if queue and queue[0].locked():
+        queue[0].release()
 
 
 class CommHandle:
@@ -150,9 +161,9 @@ class CommHandle:
         self._tokens: list[bool] = [True]
         #: What calls take the token from: ``_tokens``, or ``_queued`` while threads queue.
         self._gate: list[bool] | _Queued = self._tokens
-        self._queued = _Queued(self._tokens)
-        self._queue: list[object] = []  # the waiting calls' tickets, first come first
+        self._queue: list[Any] = []  # the waiting calls' tickets (locks), first come first
         self._qlock = allocate_lock()
+        self._queued = _Queued(self._tokens, self._queue, self._qlock)
         self._life = allocate_lock()  # retiring the handle vs. a gate-free async-error read
         self._closing: str | None = None
         self._error: BaseException | None = None
@@ -211,7 +222,8 @@ class CommHandle:
         """Take the gate's token within ``timeout`` seconds, after every call that queued
         before this one (first come, first served); False if not."""
         tokens, queue = self._tokens, self._queue
-        ticket = object()
+        ticket = allocate_lock()
+        ticket.acquire()  # released (under _qlock) to wake this call when it is the head
         with self._qlock:
             if not queue:
                 try:
@@ -226,7 +238,6 @@ class CommHandle:
         if hide:
             self._forget_memos()  # they hold the token list as their gate
         deadline = time.monotonic() + timeout
-        delay = 1e-5
         try:
             while True:
                 if queue[0] is ticket:
@@ -235,13 +246,16 @@ class CommHandle:
                         return True
                     except IndexError:
                         pass
-                if time.monotonic() >= deadline:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     return False
-                time.sleep(delay)
-                delay = min(delay * 2, _GATE_POLL_MAX)
+                # Woken when the token comes back through the stand-in; a call that bound
+                # the list before the queue formed gives it back unseen: look again soon.
+                ticket.acquire(True, min(remaining, _GATE_POLL_MAX))
         finally:
             with self._qlock:
                 queue.remove(ticket)
+                _wake(queue)  # the next head (the token may be waiting already)
                 shown = not queue and self._gate is not tokens
                 if shown:
                     self._gate = tokens
