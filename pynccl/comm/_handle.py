@@ -35,7 +35,6 @@
 from __future__ import annotations
 
 import time
-import weakref
 from _thread import allocate_lock
 from ctypes import byref, c_int, c_void_p
 from enum import Enum
@@ -43,7 +42,7 @@ from enum import Enum
 from ..enums import Result
 from ..errors import NcclInvalidUsage, NcclTimeoutError
 
-__all__ = ["HANDLE", "TERMINAL", "CommHandle", "State"]
+__all__ = ["HANDLE", "TERMINAL", "CommHandle", "State", "live_handles"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -82,8 +81,14 @@ _POLL_FIRST = 0.0005
 _POLL_MAX = 0.01
 _GATE_POLL_MAX = 0.001
 #: Every communicator that adopted a handle and still exists (the capture hook of
-#: :mod:`._observe` walks them when a CUDA-graph capture begins or ends).
-LIVE: weakref.WeakSet[CommHandle] = weakref.WeakSet()
+#: :mod:`._observe` walks them when a CUDA-graph capture begins or ends): a WeakSet, made
+#: at the first adoption (``weakref`` is not imported with the object API).
+_LIVE: list[Any] = []
+
+
+def live_handles() -> list[CommHandle]:
+    """The communicators alive now that adopted a handle."""
+    return list(_LIVE[0]) if _LIVE else []
 
 
 class _Queued:
@@ -189,7 +194,11 @@ class CommHandle:
         self._handle = handle
         self._harg = c_void_p(handle)
         self._set_state(State.INITIALIZING if pending else State.READY)
-        LIVE.add(self)
+        if not _LIVE:
+            import weakref
+
+            _LIVE.append(weakref.WeakSet())
+        _LIVE[0].add(self)
         self._adopted()
 
     def _adopted(self) -> None:

@@ -6,7 +6,6 @@ and the buffers its calls use, which the graph keeps alive)."""
 from __future__ import annotations
 
 import time
-import weakref
 from _warnings import warn as _warn
 from ctypes import byref, c_int, c_void_p
 
@@ -16,13 +15,14 @@ from ..enums import Result
 from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
 from ..library import cudart
 from . import _recorder
-from ._handle import HANDLE, LIVE, TERMINAL, CommHandle, State
+from ._handle import HANDLE, TERMINAL, CommHandle, State, live_handles
 from ._memos import empty_memos as _empty_memos
 
 __all__ = ["Observed"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import weakref
     from typing import Any
 
     from ..cuda import Graph
@@ -59,7 +59,8 @@ class Observed(CommHandle):
     _seq: int
     _stream: int
     _cstream: c_void_p  # _stream as the generated calls pass it
-    _graphs: weakref.WeakSet[Graph]  # the Graphs that captured calls of this communicator
+    #: The Graphs that captured calls of this communicator (a WeakSet, from the first one).
+    _graphs: weakref.WeakSet[Graph] | None
     #: The CUDA-graph captures under way (pynccl.cuda.Graph's registry, bound by the
     #: first communicator made): the slow path tells the graph what it captured.
     _captures: dict[int, object] = {}
@@ -291,7 +292,7 @@ class Observed(CommHandle):
 
     def _init_handle(self, lib: Any, owner: bool) -> None:
         super()._init_handle(lib, owner)
-        self._graphs = weakref.WeakSet()
+        self._graphs = None
 
     def _adopted(self) -> None:
         if not _HOOKED:
@@ -308,11 +309,16 @@ class Observed(CommHandle):
 
         for graph in capturing_graphs(stream):
             graph._captured(self, keep)
+            if self._graphs is None:
+                import weakref
+
+                self._graphs = weakref.WeakSet()
             self._graphs.add(graph)
 
     def _live_graphs(self) -> list[Graph]:
         """The live :class:`pynccl.cuda.Graph` objects that captured calls of this one."""
-        return [g for g in list(self._graphs) if g.holds(self)]
+        graphs = self._graphs
+        return [] if graphs is None else [g for g in list(graphs) if g.holds(self)]
 
     def _destroy_kind(self) -> tuple[str, BaseException | None]:
         """What ``destroy()`` does: ``("destroy", None)``, or ``("abort", why)``.
@@ -480,7 +486,7 @@ def _hook_captures() -> None:
 
 def _on_capture(begins: bool) -> None:
     """A capture began or ended: every live communicator's call slots follow."""
-    for comm in list(LIVE):
+    for comm in live_handles():
         if isinstance(comm, Observed) and comm._state not in TERMINAL:
             comm._install_slots()
 
