@@ -67,14 +67,17 @@ def _watchdog_threads() -> list[threading.Thread]:
 @pytest.fixture
 def hung(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Communicator, DeviceBuffer]]:
     """A one-rank communicator on device 0 whose first operation never ends (until an
-    abort), and a buffer; aborted afterwards."""
+    abort), and a buffer; aborted afterwards. Its stream is non-blocking: a hung operation
+    on the legacy stream would hold every blocking stream of the device too."""
     monkeypatch.setenv("PYNCCL_LOOPBACK_HANG", "1")
-    comm = Communicator(1, UniqueId(), 0, device=0)
+    stream = Stream(non_blocking=True, device=0)
+    comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
     monkeypatch.delenv("PYNCCL_LOOPBACK_HANG")
     buf = DeviceBuffer(N, "float32", device=0)
     yield comm, buf
     comm.abort()
     buf.close()
+    stream.close()
 
 
 # ---- bug 1: captures of other threads -----------------------------------------------------------
@@ -82,13 +85,15 @@ def hung(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Communicator, Device
 
 def _capture_in_another_thread(seconds: float) -> tuple[bool, BaseException | None]:
     """Thread B captures on a stream of its own in global mode (torch.cuda.graph's default)
-    for ``seconds``, with one captured copy; returns (captured, what the capture raised)."""
+    for ``seconds``, with one captured copy; returns (captured, what the capture raised).
+    On device 1: global mode forbids unsafe calls to every thread whatever its device, and
+    cudaFree on device 0 would wait for the hung operation there."""
     out: dict[str, Any] = {}
 
     def capture() -> None:
+        set_device(1)
         side = Stream(non_blocking=True)
-        a = DeviceBuffer.from_numpy(np.arange(N, dtype=np.float32))
-        b = DeviceBuffer(N, "float32")
+        a, b = DeviceBuffer(N, "float32"), DeviceBuffer(N, "float32")
         g = Graph()
         try:
             with g.capture(side, "global"):
