@@ -172,7 +172,7 @@ def test_revoke_stops_a_hung_recv_then_the_survivors_shrink(world4: ThreadWorld)
         assert state == "revoked"
         for name, text in errors.items():
             assert text == (
-                f"communicator rank {r} is revoked; only shrink(), destroy() or abort() "
+                f"communicator rank {r} is revoked; only split(), shrink(), destroy() or abort() "
                 "are possible"
             ), name
 
@@ -226,7 +226,8 @@ def test_revoke_from_another_thread_ends_a_waiting_synchronize() -> None:
 
         text = w.run(run)[0]
         assert text == (
-            "communicator rank 0 is revoked; only shrink(), destroy() or abort() are possible"
+            "communicator rank 0 is revoked; only split(), shrink(), destroy() or abort() "
+            "are possible"
         )
         w.run(lambda r, c: c.destroy())  # destroy works from the revoked state
         assert all(c.state == "destroyed" for c in w.comms.values())

@@ -60,7 +60,7 @@ class State(str, Enum):
     READY = "ready"
     FINALIZED = "finalized"  #: ncclCommFinalize done; only destroy is left
     SUSPENDED = "suspended"  #: ncclCommSuspend done; resume() makes it ready again
-    REVOKED = "revoked"  #: ncclCommRevoke done; only shrink, destroy or abort are left
+    REVOKED = "revoked"  #: ncclCommRevoke done; only split, shrink, destroy or abort are left
     DESTROYED = "destroyed"
     ABORTED = "aborted"
     CLOSED = "closed"  #: a borrowed handle, forgotten
@@ -75,7 +75,7 @@ HANDLE = object()
 #: What a communicator in a non-terminal state without a usable handle still allows.
 _GONE_TAILS = {
     State.SUSPENDED: "call resume() first",
-    State.REVOKED: "only shrink(), destroy() or abort() are possible",
+    State.REVOKED: "only split(), shrink(), destroy() or abort() are possible",
 }
 _POLL_FIRST = 0.0005
 _POLL_MAX = 0.01

@@ -2,10 +2,12 @@
 
 * :meth:`Resilience.revoke` (``ncclCommRevoke``, NCCL >= 2.28) stops the in-flight
   operations; the communicator becomes ``"revoked"`` and only :meth:`~Resilience.shrink`,
-  ``destroy()`` and ``abort()`` remain.
+  ``split()``, ``destroy()`` and ``abort()`` remain.
 * :meth:`Resilience.shrink` (``ncclCommShrink``, NCCL >= 2.27) makes a child of the ranks
   not excluded, renumbered in order; ``abort=True`` (``NCCL_SHRINK_ABORT``) first
-  terminates the parent's operations, which is what works after a peer died.
+  terminates the parent's operations, which is what works after a peer died; the
+  parent's ``destroy()`` then aborts it (NCCL >= 2.31.2's destroy would wait for the
+  ranks that aborted).
 * :meth:`Resilience.grow_id` / :meth:`Resilience.grow` on the existing ranks and
   :meth:`Resilience.join` on the new ones (``ncclCommGetUniqueId`` / ``ncclCommGrow``,
   NCCL >= 2.29) make a larger communicator in which the existing ranks keep their numbers.
@@ -103,7 +105,8 @@ class Resilience(Extras):
 
         The communicator is then ``"revoked"``: collectives and most verbs raise
         :class:`~pynccl.NcclInvalidUsage` saying so; :meth:`shrink` (every surviving
-        rank, usually with ``abort=True``), ``destroy()`` and ``abort()`` remain.
+        rank, usually with ``abort=True``), ``split()``, ``destroy()`` and ``abort()``
+        remain (NCCL: "safe for destroy, split, and shrink").
         A second call does nothing.
         """
         self._require("revoke", "ncclCommRevoke")
