@@ -333,6 +333,8 @@ class Observed(CommHandle):
           (a RuntimeWarning names it; :attr:`error` holds the NcclTimeoutError), since
           ``ncclCommDestroy`` would wait for it for ever.
         """
+        if not self._owner:  # a borrowed handle is only forgotten: nothing waits
+            return "destroy", None
         graphs = self._live_graphs()
         if graphs:
             names = ", ".join(repr(g) for g in graphs)
