@@ -135,6 +135,11 @@ def _watchdog_capture(torch: Any) -> Result:
         raise Fail(f"communicator {comm.state} after the capture: {comm.error}")
     if not watchdog_alive():
         raise Fail("the watchdog thread is gone")
+    # NCCL's destroy waits while a graph that captured the communicator lives
+    if torch is not None:
+        graph.reset()
+    else:
+        graph.close()
     comm.destroy()
     return {"hold": how}
 

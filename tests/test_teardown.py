@@ -307,3 +307,26 @@ def test_shrink_with_an_empty_exclusion_list_is_refused(solo_comm: Communicator)
         with pytest.raises(ValueError, match="exclude must name at least one rank"):
             solo_comm.shrink(empty)  # type: ignore[arg-type]
     assert solo_comm.state == "ready"  # refused before any C call
+
+
+def test_a_graph_tracks_and_keeps_a_persistent_operation() -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    stream = Stream(non_blocking=True)
+    x = DeviceBuffer.from_numpy(data(0))
+    y = DeviceBuffer(N, "float32")
+    op = comm.all_reduce_init(x, y, stream=stream)
+    g = Graph()
+    with g.capture(stream):
+        op()  # the prebuilt call: it tells the graph too
+    op.close()  # while the graph lives, what it replays stays alive
+    del x
+    gc.collect()
+    with pytest.raises(NcclInvalidUsage, match="live CUDA graph"):
+        comm.destroy()
+    g.replay()
+    comm.synchronize(stream, timeout=30)
+    np.testing.assert_array_equal(y.to_numpy(), data(0))
+    g.close()
+    comm.destroy()
+    y.close()
+    stream.close()

@@ -195,6 +195,8 @@ class PersistentOp(Closable):
             comm._failed(self._row, rc, self._cfg is not None)
         elif comm._watch is not None:
             comm._watch.enqueued(seq, self._stream)
+        if comm._captures and not rc:  # a Graph capturing it keeps what it uses alive
+            comm._note_capture(self._stream, (self, self._keep, self._config))
 
     def _general(self, stream: StreamLike) -> bool:
         """The checks a call needs beyond the plain prebuilt one (closed, a closed
@@ -230,6 +232,8 @@ class PersistentOp(Closable):
             comm._note_op_use(self._custom, s)
         _groups.keep_alive(self)
         comm._run(self._plan, s, self._cfg, self._config)
+        if comm._captures:  # a Graph capturing it keeps what it uses alive
+            comm._note_capture(s, (self, self._keep, self._config))
         return True
 
     # -- lifetime ---------------------------------------------------------------------------
