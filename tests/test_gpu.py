@@ -242,8 +242,18 @@ def test_cupy_arrays_and_streams(ngpus: int) -> None:
     assert all(all(v) for v in out.values()), out
 
 
+def _torch_cuda_build() -> None:
+    """Skip unless torch is installed as a CUDA build (the CPU wheel has no CUDA API to
+    drive, on a GPU or on the loopback)."""
+    if not _has("torch"):
+        pytest.skip("torch is not installed")
+    cuda = run_child("import json, torch; print(json.dumps(torch.version.cuda))")
+    if cuda is None:
+        pytest.skip("torch is a CPU build (torch.version.cuda is None)")
+
+
 def test_torch_tensors_including_bfloat16_via_dlpack(ngpus: int) -> None:
-    pytest.importorskip("torch")
+    _torch_cuda_build()
     out = run_child(
         """
         import json
