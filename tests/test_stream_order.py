@@ -419,13 +419,10 @@ def test_a_closed_persistent_op_keeps_its_buffers_until_its_stream_passed(
         z = pool.empty(N, "float32")  # a new owner for x's block, were it free
         z.copy_from(np.full(N, -1, np.float32))
         hold.release()
+        before = pool.poisoned
         comm.synchronize(timeout=30)
     np.testing.assert_array_equal(y.to_numpy(), want)
-    from pynccl.cuda._stream import release_done
-
-    before = pool.poisoned
-    release_done()  # its stream passed: x is released now
-    assert pool.poisoned == before + 1
+    assert pool.poisoned == before + 1  # its stream passed: synchronize() released x
 
 
 def test_a_device_premul_scalar_lives_as_long_as_its_op(

@@ -174,6 +174,11 @@ class Observed(CommHandle):
             finally:
                 if current.value != device and current.value >= 0:
                     rt.raw("cudaSetDevice")(current.value)
+            # The stream passed: what closed operations and ops kept for it can go now
+            # (as Stream.synchronize() lets them go), not only at the next keep.
+            from ..cuda._stream import release_done
+
+            release_done()
         if self._state is State.REVOKED:  # revoked meanwhile: its work was stopped, not done
             self._gone()
         # An error found after the stream drained gets the same flight record as one
