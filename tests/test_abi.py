@@ -197,7 +197,8 @@ _CTYPES_CODES = {
     "c": "char",
 }
 # Typedefs of cuda_runtime_api.h that nccl.h / our cudart table use.
-_CUDA_HANDLES = {"cudaStream_t", "cudaEvent_t", "cudaGraph_t", "cudaGraphExec_t"}
+# cudaHostFn_t is a function pointer: opaque, like the handles.
+_CUDA_HANDLES = {"cudaStream_t", "cudaEvent_t", "cudaGraph_t", "cudaGraphExec_t", "cudaHostFn_t"}
 _CUDA_ENUMS = {"cudaError_t", "cudaMemcpyKind", "cudaStreamCaptureStatus", "cudaStreamCaptureMode"}
 
 Shape = tuple[Any, int]  # (base, pointer depth)

@@ -387,7 +387,11 @@ def read(rt: ctypes.CDLL, ptr: int, n: int) -> np.ndarray:
 
 
 def write(rt: ctypes.CDLL, ptr: int, data: np.ndarray) -> None:
+    """A host-to-device copy that has landed on return: cudaMemcpy from pageable memory
+    returns once the source is staged, so wait for the legacy stream (work on another,
+    non-blocking stream is not ordered after it)."""
     ok(rt, rt.cudaMemcpy(ptr, data.ctypes.data, data.nbytes, H2D))
+    ok(rt, rt.cudaStreamSynchronize(None))
 
 
 def test_capture_records_instead_of_running_and_replays(rt: ctypes.CDLL) -> None:
@@ -918,6 +922,7 @@ def test_relaxed_mode_allows_host_pointers(cudart_path: str) -> None:
         dst = (ctypes.c_char * 8)()
         lib.cudaMemcpy.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int]
         rc = lib.cudaMemcpy(ctypes.addressof(dst), ctypes.addressof(src), 8, 1)
+        lib.cudaStreamSynchronize(None)  # host to device returns before the copy lands
         print(rc, dst.raw.decode())
         """
     )

@@ -5,6 +5,11 @@ captured on a stream are recorded, not run; every replay of the graph runs them 
 reading the inputs as they are at replay time; results are checked against numpy.
 Worlds: one rank, 2..4 ranks as threads (each capturing its own stream, and one thread
 capturing every rank's stream inside one group), and two processes.
+
+Inputs are written on the stream the graph runs on (``copy_from(..., stream)``,
+``fill_zero(stream)``): as on a GPU, the default-stream forms only enqueue on the legacy
+stream (a host-to-device copy returns once staged, a memset at once), which a
+non-blocking stream does not wait for.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def inputs(rank: int, k: float) -> np.ndarray:
 
 def test_single_rank_capture_and_replay(stream: Stream) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
-    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32), stream=stream)
     y, z = DeviceBuffer(N, "float32"), DeviceBuffer(N, "float32")
     op = comm.create_premul_sum(3.0, "float32")
     g = Graph()
@@ -60,15 +65,15 @@ def test_single_rank_capture_and_replay(stream: Stream) -> None:
         comm.all_gather(y, z, stream=stream)
     assert not stream.is_capturing() and g.captured
     for k in (1.0, 2.0, 5.0):
-        x.copy_from(inputs(0, k))
-        y.fill_zero()
-        z.fill_zero()
+        x.copy_from(inputs(0, k), stream)
+        y.fill_zero(stream)
+        z.fill_zero(stream)
         g.replay()
         stream.synchronize()
         assert np.array_equal(y.to_numpy(), inputs(0, k) * 3)
         assert np.array_equal(z.to_numpy(), inputs(0, k) * 3)
     # replays back to back, without synchronizing in between
-    y.fill_zero()
+    y.fill_zero(stream)
     for _ in range(4):
         g.replay()
     comm.synchronize(stream, timeout=30)
@@ -85,7 +90,7 @@ def _rank_replays(comm: Communicator, barrier: threading.Barrier, mode: int) -> 
     r, n = comm.rank, comm.size
     cuda.set_device(comm.device)
     s = Stream(non_blocking=True)
-    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32), stream=s)
     y = DeviceBuffer(N, "float32")
     z = DeviceBuffer(N * n, "float32")
     barrier.wait()  # nobody allocates while a global-mode capture is under way
@@ -96,8 +101,8 @@ def _rank_replays(comm: Communicator, barrier: threading.Barrier, mode: int) -> 
     barrier.wait()
     ok = []
     for k in (1.0, 4.0, 9.0):
-        x.copy_from(inputs(r, k))
-        y.fill_zero()
+        x.copy_from(inputs(r, k), s)
+        y.fill_zero(s)
         g.replay()
         g.replay()  # twice: same inputs, same results
         comm.synchronize(s, timeout=60)
@@ -164,7 +169,7 @@ def test_one_thread_captures_every_ranks_stream_in_a_group() -> None:
                 c.all_reduce(b, stream=s)  # in place
     for k in (1.0, 2.0):
         for r, b in enumerate(bufs):
-            b.copy_from(inputs(r, k))
+            b.copy_from(inputs(r, k), streams[r])
         for g in graphs:
             g.replay()
         for c, s in zip(comms, streams):
@@ -220,7 +225,7 @@ def test_init_split_register_are_refused_while_capturing(stream: Stream) -> None
         with pytest.raises(NcclInvalidUsage, match="ncclCommRegister cannot run while"):
             comm.register(x)
         comm.all_reduce(x)
-    x.copy_from(np.full(N, 2, np.float32))
+    x.copy_from(np.full(N, 2, np.float32), stream)
     g.replay()
     stream.synchronize()
     assert (x.to_numpy() == 2).all()
@@ -233,7 +238,7 @@ def test_watchdog_records_nothing_under_capture(stream: Stream) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0, stream=stream, watchdog_timeout=60)
     watch = comm._watch
     assert watch is not None
-    x = DeviceBuffer.from_numpy(np.arange(N, dtype=np.float32))
+    x = DeviceBuffer.from_numpy(np.arange(N, dtype=np.float32), stream=stream)
     y = DeviceBuffer(N, "float32")
     g = Graph()
     with g.capture(stream, "global"):
@@ -274,8 +279,8 @@ def test_graph_outlives_its_communicator(stream: Stream) -> None:
     # destroy() with a live graph that captured the communicator is refused (NCCL's
     # destroy would wait for the graph: tests/test_teardown.py); abort() proceeds.
     comm = Communicator(1, UniqueId(), 0, device=0)
-    x = DeviceBuffer.from_numpy(np.ones(N, np.float32))
-    y = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    x = DeviceBuffer.from_numpy(np.ones(N, np.float32), stream=stream)
+    y = DeviceBuffer.from_numpy(np.zeros(N, np.float32), stream=stream)
     g = Graph()
     with g.capture(stream, "thread_local"):
         comm.all_reduce(x, y, stream=stream)
@@ -318,7 +323,7 @@ _PROCESS_RANK = textwrap.dedent(
     rt = library.cudart()
     s = Stream(non_blocking=True)
     N = 512
-    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+    x = DeviceBuffer.from_numpy(np.zeros(N, np.float32), stream=s)
     y, z = DeviceBuffer(N, "float32"), DeviceBuffer(N * n, "float32")
     graph, exe = c_void_p(), c_void_p()
     rt.cudaStreamBeginCapture(s.handle, 0)
@@ -330,7 +335,7 @@ _PROCESS_RANK = textwrap.dedent(
     ok = []
     for k in (1.0, 3.0):
         mine = lambda r: (np.arange(N, dtype=np.float32) + k) * (r + 1)
-        x.copy_from(mine(rank))
+        x.copy_from(mine(rank), s)
         rt.cudaGraphLaunch(exe, s.handle)
         comm.synchronize(s, timeout=60)
         ok.append(bool(np.array_equal(y.to_numpy(), sum(mine(r) for r in range(n))))
@@ -364,7 +369,7 @@ def test_two_processes_capture_and_replay(lb_env: dict[str, str]) -> None:
 
 def test_synchronize_refuses_a_capturing_stream_without_invalidating(stream: Stream) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
-    x = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    x = DeviceBuffer.from_numpy(np.ones(N, np.float32), stream=stream)
     g = Graph()
     with g.capture(stream, "global"):  # would raise on exit had the capture been invalidated
         comm.all_reduce(x)
@@ -397,7 +402,7 @@ def test_init_refused_while_another_stream_of_the_device_captures() -> None:
 
 def test_graph_object_lifecycle_and_misuse(stream: Stream) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
-    x = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    x = DeviceBuffer.from_numpy(np.ones(N, np.float32), stream=stream)
     g = Graph()
     assert not g.captured and "empty" in repr(g)
     with pytest.raises(ValueError, match="nothing to replay"):

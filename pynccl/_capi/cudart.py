@@ -24,6 +24,9 @@ cudaStream_t = c_void_p
 cudaEvent_t = c_void_p
 cudaGraph_t = c_void_p
 cudaGraphExec_t = c_void_p
+#: ``void (*cudaHostFn_t)(void *userData)``: pass a ``ctypes.CFUNCTYPE(None, c_void_p)``
+#: object (kept alive until the function has run) or its address.
+cudaHostFn_t = c_void_p
 
 #: cudaErrorNotReady: not an error for the Query functions.
 cudaErrorNotReady = 600
@@ -71,6 +74,14 @@ CUDART_PROTOTYPES: dict[str, Prototype] = {
     # cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph);
     "cudaStreamEndCapture": _P(
         _R, cudaError_t, (("stream", cudaStream_t), ("pGraph", POINTER(cudaGraph_t)))
+    ),
+    # cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode);
+    "cudaThreadExchangeStreamCaptureMode": _P(_R, cudaError_t, (("mode", _I),)),
+    # cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData);
+    "cudaLaunchHostFunc": _P(
+        _R,
+        cudaError_t,
+        (("stream", cudaStream_t), ("fn", cudaHostFn_t), ("userData", c_void_p)),
     ),
     # cudaError_t cudaGraphInstantiate(cudaGraphExec_t *pGraphExec, cudaGraph_t graph, unsigned long long flags);
     "cudaGraphInstantiate": _P(

@@ -110,7 +110,9 @@ static cudaError_t stream_wait_targets(cudaStream_t stream, const char *fn, lb_s
     if (err) return err;
     struct CUstream_st *s;
     if ((err = lb_stream_get(stream, fn, &s))) return err;
-    if ((err = lb_capture_sync(s, fn))) {
+    /* A capturing stream (or the legacy stream it would implicitly join) can never be
+     * waited for; any other stream cannot where the capture modes forbid it. */
+    if ((err = lb_capture_sync(s, fn)) || (err = lb_capture_unsafe(fn))) {
         lb_stream_put(s);
         return err;
     }
@@ -150,6 +152,50 @@ cudaError_t cudaDeviceSynchronize(void) {
     if (n < 0) return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
     lb_wait_snaps(snaps, n);
     lb_mem_reap();
+    return cudaSuccess;
+}
+
+/* cudaLaunchHostFunc: fn(userData) as a task of the stream, run by its worker after
+ * the work queued before it, holding back the work queued after it; on a capturing
+ * stream it becomes a graph node (every launch calls fn again). */
+typedef struct {
+    cudaHostFn_t fn;
+    void *user_data;
+} lb_host_fn;
+
+static void host_fn_run(void *arg) {
+    const lb_host_fn *h = arg;
+    lb_set_in_host_fn(true);
+    h->fn(h->user_data);
+    lb_set_in_host_fn(false);
+}
+
+static void *host_fn_clone(void *arg, int launch) {
+    (void)launch;
+    lb_host_fn *copy = malloc(sizeof *copy);
+    if (copy != NULL) *copy = *(const lb_host_fn *)arg;
+    return copy;
+}
+
+cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (fn == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "fn is NULL");
+    struct CUstream_st *s;
+    if ((err = lb_stream_get(stream, __func__, &s))) return err;
+    lb_host_fn *h = malloc(sizeof *h);
+    if (h == NULL) {
+        lb_stream_put(s);
+        return lb_fail(cudaErrorMemoryAllocation, __func__, "out of host memory");
+    }
+    h->fn = fn;
+    h->user_data = userData;
+    err = lb_stream_push(s, host_fn_run, free, host_fn_clone, h, NULL, -1);
+    lb_stream_put(s);
+    if (err) {
+        free(h);
+        return lb_push_fail(err, __func__, (void *)stream);
+    }
     return cudaSuccess;
 }
 

@@ -16,11 +16,15 @@
  * or query of a capturing stream, work on the legacy stream while a blocking stream of
  * its device captures, uncaptured dependencies, task kinds that cannot be copied, and
  * the "potentially unsafe" calls (cudaMalloc, cudaFree, cudaMemcpy, cudaMemset,
- * cudaDeviceSynchronize) where the capture mode forbids them. The calling thread's
- * own interaction mode is always cudaStreamCaptureModeGlobal (the default; the
- * loopback has no cudaThreadExchangeStreamCaptureMode): a thread may not make unsafe
- * calls while it has a non-relaxed capture under way, or while any thread has a
- * global-mode capture under way.
+ * cudaDeviceSynchronize, cudaStreamSynchronize / cudaStreamQuery and cudaEventQuery /
+ * cudaEventSynchronize of anything) where the capture modes forbid them.
+ *
+ * CUDA's rule (cudaThreadExchangeStreamCaptureMode), by the calling thread's own
+ * interaction mode: global (every thread's default) forbids unsafe calls while the
+ * thread has a capture of its own under way that was not begun relaxed, or while any
+ * other thread has a capture begun in global mode under way; thread-local only the
+ * former; relaxed never. A relaxed thread is still refused what necessarily
+ * conflicts with a capture (sync or query of a capturing stream, a captured event).
  */
 #define _GNU_SOURCE
 #include <stdarg.h>
@@ -213,13 +217,16 @@ LB_HIDDEN enum lb_cap_action lb_capture_task(struct CUstream_st *s, lb_task_fn r
 
 LB_HIDDEN cudaError_t lb_capture_unsafe(const char *fn) {
     if (atomic_load_explicit(&g_ncaptures, memory_order_relaxed) == 0) return cudaSuccess;
+    enum cudaStreamCaptureMode tmode = lb_thread_capture_mode();
+    if (tmode == cudaStreamCaptureModeRelaxed) return cudaSuccess;
     pthread_t self = pthread_self();
     struct lb_capture *culprit = NULL;
     pthread_mutex_lock(&g_cap_mu);
     for (struct lb_capture *c = g_captures; c != NULL; c = c->next) {
         bool mine = pthread_equal(c->thread, self);
         if ((mine && c->mode != cudaStreamCaptureModeRelaxed) ||
-            c->mode == cudaStreamCaptureModeGlobal) {
+            (!mine && tmode == cudaStreamCaptureModeGlobal &&
+             c->mode == cudaStreamCaptureModeGlobal)) {
             invalidate(c, "%s was called during the capture (%s)", fn, mode_name(c->mode));
             if (culprit == NULL) culprit = c;
         }
@@ -227,11 +234,12 @@ LB_HIDDEN cudaError_t lb_capture_unsafe(const char *fn) {
     cudaError_t err = cudaSuccess;
     if (culprit != NULL)
         err = lb_fail(cudaErrorStreamCaptureUnsupported, fn,
-                      "not permitted while stream %p is being captured by %s in %s (capture-"
-                      "unsafe call); the capture is invalidated",
+                      "not permitted while stream %p is being captured by %s in %s (a "
+                      "capture-unsafe call from a thread in %s: see "
+                      "cudaThreadExchangeStreamCaptureMode); the capture is invalidated",
                       (void *)culprit->origin,
                       pthread_equal(culprit->thread, self) ? "this thread" : "another thread",
-                      mode_name(culprit->mode));
+                      mode_name(culprit->mode), mode_name(tmode));
     pthread_mutex_unlock(&g_cap_mu);
     return err;
 }
@@ -415,6 +423,20 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMo
     atomic_fetch_add(&g_ncaptures, 1);
     pthread_mutex_unlock(&g_cap_mu);
     lb_stream_put(s); /* the capture holds its own reference */
+    return cudaSuccess;
+}
+
+cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode) {
+    cudaError_t err = lb_check_usable(__func__);
+    if (err) return err;
+    if (mode == NULL) return lb_fail(cudaErrorInvalidValue, __func__, "mode is NULL");
+    if ((int)*mode < (int)cudaStreamCaptureModeGlobal ||
+        (int)*mode > (int)cudaStreamCaptureModeRelaxed)
+        return lb_fail(cudaErrorInvalidValue, __func__,
+                       "*mode=%d is not a cudaStreamCaptureMode", (int)*mode);
+    enum cudaStreamCaptureMode old = lb_thread_capture_mode();
+    lb_set_thread_capture_mode(*mode);
+    *mode = old;
     return cudaSuccess;
 }
 

@@ -43,6 +43,10 @@ static atomic_int g_env_warned;
 static _Thread_local int tls_device;
 static _Thread_local cudaError_t tls_last_error;
 static _Thread_local char tls_detail[384];
+/* The thread's stream capture interaction mode (cudaThreadExchangeStreamCaptureMode);
+ * zero is cudaStreamCaptureModeGlobal, CUDA's default for every thread. */
+static _Thread_local int tls_capture_mode;
+static _Thread_local bool tls_in_host_fn; /* running a cudaLaunchHostFunc function */
 
 /* ---- configuration -------------------------------------------------------- */
 
@@ -130,6 +134,12 @@ LB_HIDDEN cudaError_t lb_check_usable(const char *fn) {
     }
     if (atomic_load_explicit(&g_shutdown, memory_order_relaxed))
         return lb_fail(cudaErrorCudartUnloading, fn, "the loopback cudart is being unloaded");
+    /* CUDA: "the host function must not make any CUDA API calls. Attempting to use a
+     * CUDA API may result in cudaErrorNotPermitted"; here it always does. */
+    if (tls_in_host_fn)
+        return lb_fail(cudaErrorNotPermitted, fn,
+                       "called from a host function (cudaLaunchHostFunc), which must not make "
+                       "CUDA API calls");
     return cudaSuccess;
 }
 
@@ -149,6 +159,16 @@ LB_HIDDEN cudaError_t lb_bad_device(const char *fn, int device) {
 LB_HIDDEN int lb_current_device(void) { return tls_device; }
 
 LB_HIDDEN void lb_set_thread_device(int device) { tls_device = device; }
+
+LB_HIDDEN enum cudaStreamCaptureMode lb_thread_capture_mode(void) {
+    return (enum cudaStreamCaptureMode)tls_capture_mode;
+}
+
+LB_HIDDEN void lb_set_thread_capture_mode(enum cudaStreamCaptureMode mode) {
+    tls_capture_mode = (int)mode;
+}
+
+LB_HIDDEN void lb_set_in_host_fn(bool in) { tls_in_host_fn = in; }
 
 LB_HIDDEN double lb_now_ms(void) {
     struct timespec ts;

@@ -32,11 +32,15 @@ static cudaError_t event_get(cudaEvent_t h, const char *fn, struct CUevent_st **
 }
 
 /* event_get for a host-side wait or query: refused (and released) while a capture
- * forbids that (lb_capture_event_check). */
+ * forbids that: always for an event recorded inside a capture under way
+ * (lb_capture_event_check), and as a "potentially unsafe" call where the capture modes
+ * say so (CUDA refuses cudaEventQuery from another thread during a global capture:
+ * PyTorch's watchdog hit it). */
 static cudaError_t event_get_host(cudaEvent_t h, const char *fn, struct CUevent_st **out) {
     cudaError_t err = event_get(h, fn, out);
     if (err) return err;
-    if ((err = lb_capture_event_check(*out, fn))) event_put(*out);
+    if ((err = lb_capture_event_check(*out, fn)) || (err = lb_capture_unsafe(fn)))
+        event_put(*out);
     return err;
 }
 

@@ -131,6 +131,11 @@ LB_HIDDEN cudaError_t lb_no_device(const char *fn);
 LB_HIDDEN cudaError_t lb_bad_device(const char *fn, int device);
 LB_HIDDEN int lb_current_device(void);
 LB_HIDDEN void lb_set_thread_device(int device);
+/* The calling thread's stream capture interaction mode (default: global). */
+LB_HIDDEN enum cudaStreamCaptureMode lb_thread_capture_mode(void);
+LB_HIDDEN void lb_set_thread_capture_mode(enum cudaStreamCaptureMode mode);
+/* Set while the thread runs a host function: every API call then fails (800). */
+LB_HIDDEN void lb_set_in_host_fn(bool in);
 LB_HIDDEN double lb_now_ms(void);
 LB_HIDDEN bool ptrset_has(const lb_ptrset *set, const void *p);
 LB_HIDDEN bool ptrset_add(lb_ptrset *set, void *p);

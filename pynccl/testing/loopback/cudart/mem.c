@@ -12,6 +12,17 @@
  * every task pushed before the free has finished: work of another device that still
  * touches it (a peer's collective), or ncclMemFree (pynccl_lb_free, which does not
  * synchronize), never sees it freed.
+ *
+ * Host synchronization as CUDA documents it ("API synchronization behavior"): the
+ * synchronous cudaMemset and a device-to-device cudaMemcpy only enqueue on the legacy
+ * default stream and return; a host-to-device cudaMemcpy (all host memory here is
+ * pageable) waits for the work queued on the legacy stream, stages the source (the
+ * caller may reuse it at once) and returns before the copy lands; device-to-host and host-to-host copies
+ * return once done. The Async variants are ordered on their stream and read their
+ * source when they run.
+ *
+ * Peer mappings (pynccl_lb_register_foreign_range, lb_internal.h) sit in the registry
+ * beside the allocations: device memory to every check, but never freed here.
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -26,6 +37,7 @@ typedef struct {
     uintptr_t base;
     size_t size;
     int device;
+    bool foreign; /* a registered peer mapping, not an allocation */
 } lb_alloc;
 
 static pthread_rwlock_t g_allocs_lock = PTHREAD_RWLOCK_INITIALIZER;
@@ -101,6 +113,22 @@ LB_HIDDEN void lb_mem_reap(void) {
     }
 }
 
+/* Insert a into the sorted registry (write lock held); false when out of memory. */
+static bool alloc_insert_locked(lb_alloc a) {
+    if (g_nallocs == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 64;
+        lb_alloc *grown = realloc(g_allocs, cap * sizeof *grown);
+        if (grown == NULL) return false;
+        g_allocs = grown;
+        g_cap = cap;
+    }
+    size_t i = alloc_upper(a.base);
+    memmove(g_allocs + i + 1, g_allocs + i, (g_nallocs - i) * sizeof *g_allocs);
+    g_allocs[i] = a;
+    g_nallocs++;
+    return true;
+}
+
 static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device) {
     cudaError_t err = lb_check_usable(fn);
     if (err) return err;
@@ -117,22 +145,7 @@ static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device
     if (posix_memalign(&p, LB_ALIGNMENT, size) != 0)
         return lb_fail(cudaErrorMemoryAllocation, fn, "cannot allocate %zu bytes", size);
     pthread_rwlock_wrlock(&g_allocs_lock);
-    bool ok = true;
-    if (g_nallocs == g_cap) {
-        size_t cap = g_cap ? g_cap * 2 : 64;
-        lb_alloc *grown = realloc(g_allocs, cap * sizeof *grown);
-        ok = grown != NULL;
-        if (ok) {
-            g_allocs = grown;
-            g_cap = cap;
-        }
-    }
-    if (ok) {
-        size_t i = alloc_upper((uintptr_t)p);
-        memmove(g_allocs + i + 1, g_allocs + i, (g_nallocs - i) * sizeof *g_allocs);
-        g_allocs[i] = (lb_alloc){(uintptr_t)p, size, device};
-        g_nallocs++;
-    }
+    bool ok = alloc_insert_locked((lb_alloc){(uintptr_t)p, size, device, false});
     pthread_rwlock_unlock(&g_allocs_lock);
     if (!ok) {
         free(p);
@@ -147,7 +160,9 @@ static cudaError_t lb_malloc(const char *fn, void **ptr, size_t size, int device
 static void sync_alloc_device(const void *ptr) {
     pthread_rwlock_rdlock(&g_allocs_lock);
     size_t i = alloc_upper((uintptr_t)ptr);
-    int device = i > 0 && g_allocs[i - 1].base == (uintptr_t)ptr ? g_allocs[i - 1].device : -1;
+    int device = i > 0 && g_allocs[i - 1].base == (uintptr_t)ptr && !g_allocs[i - 1].foreign
+                     ? g_allocs[i - 1].device
+                     : -1;
     pthread_rwlock_unlock(&g_allocs_lock);
     if (device < 0) return;
     lb_snap *snaps;
@@ -166,11 +181,16 @@ static cudaError_t lb_free(const char *fn, void *ptr, bool sync) {
     size_t i = alloc_upper(p);
     bool exact = i > 0 && g_allocs[i - 1].base == p;
     bool inside = !exact && i > 0 && p - g_allocs[i - 1].base < g_allocs[i - 1].size;
-    if (exact) {
+    bool foreign = (exact || inside) && g_allocs[i - 1].foreign;
+    if (exact && !foreign) {
         memmove(g_allocs + i - 1, g_allocs + i, (g_nallocs - i) * sizeof *g_allocs);
         g_nallocs--;
     }
     pthread_rwlock_unlock(&g_allocs_lock);
+    if (foreign)
+        return lb_fail(cudaErrorInvalidValue, fn,
+                       "%p is in a peer mapping registered by libnccl (a window of another "
+                       "process), not an allocation: it cannot be freed", ptr);
     if (inside)
         return lb_fail(cudaErrorInvalidDevicePointer, fn,
                        "%p is inside an allocation but is not its start", ptr);
@@ -200,6 +220,48 @@ int pynccl_lb_malloc(void **ptr, size_t size, int device) {
 }
 
 int pynccl_lb_free(void *ptr) { return lb_free("pynccl_lb_free", ptr, false); }
+
+int pynccl_lb_register_foreign_range(void *ptr, size_t size, int device) {
+    const char *fn = "pynccl_lb_register_foreign_range";
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    uintptr_t p = (uintptr_t)ptr;
+    if (ptr == NULL || size == 0 || p + size < p)
+        return lb_fail(cudaErrorInvalidValue, fn, "[%p, +%zu) is not a range of memory", ptr,
+                       size);
+    if (device == -1) device = lb_current_device();
+    if (device < 0 || device >= g_ndev) return lb_bad_device(fn, device);
+    pthread_rwlock_wrlock(&g_allocs_lock);
+    size_t i = alloc_upper(p);
+    bool overlap = (i > 0 && p - g_allocs[i - 1].base < g_allocs[i - 1].size) ||
+                   (i < g_nallocs && g_allocs[i].base < p + size);
+    bool ok = !overlap && alloc_insert_locked((lb_alloc){p, size, device, true});
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (overlap)
+        return lb_fail(cudaErrorInvalidValue, fn,
+                       "[%p, +%zu) overlaps a live allocation or registered mapping", ptr, size);
+    if (!ok) return lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory for the registry");
+    return cudaSuccess;
+}
+
+int pynccl_lb_unregister_foreign_range(void *ptr) {
+    const char *fn = "pynccl_lb_unregister_foreign_range";
+    cudaError_t err = lb_check_usable(fn);
+    if (err) return err;
+    uintptr_t p = (uintptr_t)ptr;
+    pthread_rwlock_wrlock(&g_allocs_lock);
+    size_t i = alloc_upper(p);
+    bool found = i > 0 && g_allocs[i - 1].base == p && g_allocs[i - 1].foreign;
+    if (found) {
+        memmove(g_allocs + i - 1, g_allocs + i, (g_nallocs - i) * sizeof *g_allocs);
+        g_nallocs--;
+    }
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (!found)
+        return lb_fail(cudaErrorInvalidValue, fn, "%p is not the start of a registered mapping",
+                       ptr);
+    return cudaSuccess;
+}
 
 cudaError_t cudaMalloc(void **devPtr, size_t size) {
     return lb_malloc(__func__, devPtr, size, lb_current_device());
@@ -255,18 +317,44 @@ static void set_run(void *arg) {
     memset(t->dst, t->value, t->count);
 }
 
+/* A staged host-to-device copy: the source bytes, taken at the call. */
+typedef struct {
+    void *dst;
+    size_t count;
+    unsigned char bytes[];
+} lb_staged;
+
+static void staged_run(void *arg) {
+    lb_staged *t = arg;
+    memcpy(t->dst, t->bytes, t->count);
+}
+
+static void *staged_clone(void *arg, int launch) {
+    (void)launch;
+    const lb_staged *t = arg;
+    lb_staged *copy = malloc(sizeof *copy + t->count);
+    if (copy != NULL) memcpy(copy, t, sizeof *copy + t->count);
+    return copy;
+}
+
 static cudaError_t check_device_range(const char *fn, const char *what, const void *ptr,
                                       size_t count) {
     if (!g_strict || pynccl_lb_find_alloc(ptr, count, NULL)) return cudaSuccess;
     return lb_fail(cudaErrorInvalidValue, fn,
-                   "%s [%p, +%zu) is not inside one loopback cudaMalloc allocation "
-                   "(PYNCCL_LOOPBACK_STRICT=0 allows host pointers)", what, ptr, count);
+                   "%s [%p, +%zu) is not inside one loopback allocation or registered peer "
+                   "mapping (PYNCCL_LOOPBACK_STRICT=0 allows host pointers)", what, ptr, count);
 }
 
-/* Enqueue a copy (set == false) or memset on stream; sync: wait for it, as the
- * synchronous calls do on the legacy default stream. */
+/* What the host waits for (CUDA's "API synchronization behavior"). */
+enum mem_sync {
+    MEM_ASYNC,  /* nothing: stream ordered (the Async calls, memset, device to device) */
+    MEM_WAIT,   /* the operation itself (to host memory, host to host) */
+    MEM_STAGED, /* the stream's earlier work, then the source is staged (pageable to device) */
+};
+
+/* Enqueue a copy (set == false) or memset on stream, waiting as `sync` says. */
 static cudaError_t mem_op(const char *fn, bool set, void *dst, const void *src, int value,
-                          size_t count, cudaStream_t stream, bool sync) {
+                          size_t count, cudaStream_t stream, enum mem_sync sync) {
     struct CUstream_st *s;
     cudaError_t err = lb_stream_get(stream, fn, &s);
     if (err) return err;
@@ -274,20 +362,52 @@ static cudaError_t mem_op(const char *fn, bool set, void *dst, const void *src, 
         lb_stream_put(s);
         return cudaSuccess;
     }
-    lb_mem_task *t = malloc(sizeof *t);
-    if (t == NULL) {
-        lb_stream_put(s);
-        return lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory");
+    void *arg;
+    lb_task_fn run;
+    lb_clone_fn clone;
+    if (sync == MEM_STAGED) {
+        /* "A stream sync is performed before the copy is initiated": the work queued on
+         * the stream itself (refused first where waiting on it is: the legacy stream
+         * behind a capturing blocking one). The copy then waits, as any legacy-stream
+         * work does, for the device's blocking streams, but the host does not. */
+        if ((err = lb_capture_sync(s, fn))) {
+            lb_stream_put(s);
+            return err;
+        }
+        pthread_mutex_lock(&s->mu);
+        uint64_t queued = s->enq_seq;
+        pthread_mutex_unlock(&s->mu);
+        lb_stream_wait_seq(s, queued);
+        lb_staged *st = count <= SIZE_MAX - sizeof *st ? malloc(sizeof *st + count) : NULL;
+        if (st == NULL) {
+            lb_stream_put(s);
+            return lb_fail(cudaErrorMemoryAllocation, fn, "cannot stage %zu bytes", count);
+        }
+        st->dst = dst;
+        st->count = count;
+        memcpy(st->bytes, src, count);
+        arg = st;
+        run = staged_run;
+        clone = staged_clone;
+    } else {
+        lb_mem_task *t = malloc(sizeof *t);
+        if (t == NULL) {
+            lb_stream_put(s);
+            return lb_fail(cudaErrorMemoryAllocation, fn, "out of host memory");
+        }
+        *t = (lb_mem_task){dst, src, count, value};
+        arg = t;
+        run = set ? set_run : copy_run;
+        clone = mem_clone;
     }
-    *t = (lb_mem_task){dst, src, count, value};
     uint64_t seq = 0;
-    err = lb_stream_push(s, set ? set_run : copy_run, free, mem_clone, t, &seq, -1);
+    err = lb_stream_push(s, run, free, clone, arg, &seq, -1);
     if (err) {
-        free(t);
+        free(arg);
         lb_stream_put(s);
         return lb_push_fail(err, fn, (void *)stream);
     }
-    if (sync) {
+    if (sync == MEM_WAIT) {
         lb_stream_wait_seq(s, seq);
         lb_mem_reap();
     }
@@ -295,6 +415,16 @@ static cudaError_t mem_op(const char *fn, bool set, void *dst, const void *src, 
     return cudaSuccess;
 }
 
+/* cudaMemcpyDefault resolved as UVA does, by where the pointers are. */
+static enum cudaMemcpyKind resolve_kind(enum cudaMemcpyKind kind, const void *dst,
+                                        const void *src, size_t count) {
+    if (kind != cudaMemcpyDefault) return kind;
+    bool d = pynccl_lb_find_alloc(dst, count, NULL), s = pynccl_lb_find_alloc(src, count, NULL);
+    return s ? (d ? cudaMemcpyDeviceToDevice : cudaMemcpyDeviceToHost)
+             : (d ? cudaMemcpyHostToDevice : cudaMemcpyHostToHost);
+}
+
+/* sync: cudaMemcpy (false: cudaMemcpyAsync, stream ordered). */
 static cudaError_t memcpy_checked(const char *fn, void *dst, const void *src, size_t count,
                                   enum cudaMemcpyKind kind, cudaStream_t stream, bool sync) {
     cudaError_t err = lb_check_usable(fn);
@@ -309,17 +439,26 @@ static cudaError_t memcpy_checked(const char *fn, void *dst, const void *src, si
     if (count > 0 && (kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice) &&
         (err = check_device_range(fn, "src", src, count)))
         return err;
-    return mem_op(fn, false, dst, src, 0, count, stream, sync);
+    enum mem_sync how = MEM_ASYNC;
+    if (sync && count > 0) {
+        enum cudaMemcpyKind k = resolve_kind(kind, dst, src, count);
+        how = k == cudaMemcpyDeviceToDevice ? MEM_ASYNC
+              : k == cudaMemcpyHostToDevice ? MEM_STAGED
+                                            : MEM_WAIT;
+    }
+    return mem_op(fn, false, dst, src, 0, count, stream, how);
 }
 
 static cudaError_t memset_checked(const char *fn, void *devPtr, int value, size_t count,
-                                  cudaStream_t stream, bool sync) {
+                                  cudaStream_t stream) {
     cudaError_t err = lb_check_usable(fn);
     if (err) return err;
     if (count > 0 && devPtr == NULL)
         return lb_fail(cudaErrorInvalidValue, fn, "devPtr is NULL for %zu bytes", count);
     if (count > 0 && (err = check_device_range(fn, "devPtr", devPtr, count))) return err;
-    return mem_op(fn, true, devPtr, NULL, (unsigned char)value, count, stream, sync);
+    /* Asynchronous to the host, synchronous variant or not (no pinned or managed memory
+     * here, where CUDA's cudaMemset would wait). */
+    return mem_op(fn, true, devPtr, NULL, (unsigned char)value, count, stream, MEM_ASYNC);
 }
 
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t count, enum cudaMemcpyKind kind) {
@@ -336,11 +475,11 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t count, enum cudaM
 cudaError_t cudaMemset(void *devPtr, int value, size_t count) {
     cudaError_t err = lb_capture_unsafe(__func__);
     if (err) return err;
-    return memset_checked(__func__, devPtr, value, count, NULL, true);
+    return memset_checked(__func__, devPtr, value, count, NULL);
 }
 
 cudaError_t cudaMemsetAsync(void *devPtr, int value, size_t count, cudaStream_t stream) {
-    return memset_checked(__func__, devPtr, value, count, stream, false);
+    return memset_checked(__func__, devPtr, value, count, stream);
 }
 
 /* ---- fork ---------------------------------------------------------------- */

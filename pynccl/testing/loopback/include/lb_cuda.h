@@ -32,6 +32,7 @@
     X(cudaErrorInvalidResourceHandle, 400, "invalid resource handle")                       \
     X(cudaErrorIllegalState, 401, "the operation cannot be performed in the present state") \
     X(cudaErrorNotReady, 600, "device not ready")                                           \
+    X(cudaErrorNotPermitted, 800, "operation not permitted")                                \
     X(cudaErrorNotSupported, 801, "operation not supported")                               \
     X(cudaErrorStreamCaptureUnsupported, 900,                                               \
       "operation not permitted when stream is capturing")                                   \
@@ -121,6 +122,7 @@ typedef struct CUstream_st *cudaStream_t;
 typedef struct CUevent_st *cudaEvent_t;
 typedef struct CUgraph_st *cudaGraph_t;
 typedef struct CUgraphExec_st *cudaGraphExec_t;
+typedef void (*cudaHostFn_t)(void *userData);
 
 #define cudaStreamLegacy ((cudaStream_t)0x1)
 #define cudaStreamPerThread ((cudaStream_t)0x2)
@@ -149,6 +151,8 @@ LB_API cudaError_t cudaStreamIsCapturing(cudaStream_t stream,
                                          enum cudaStreamCaptureStatus *pCaptureStatus);
 LB_API cudaError_t cudaStreamBeginCapture(cudaStream_t stream, enum cudaStreamCaptureMode mode);
 LB_API cudaError_t cudaStreamEndCapture(cudaStream_t stream, cudaGraph_t *pGraph);
+LB_API cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode);
+LB_API cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void *userData);
 LB_API cudaError_t cudaGraphInstantiate(cudaGraphExec_t *pGraphExec, cudaGraph_t graph,
                                         unsigned long long flags);
 LB_API cudaError_t cudaGraphLaunch(cudaGraphExec_t graphExec, cudaStream_t stream);

@@ -102,6 +102,22 @@ LB_EXPORT int pynccl_lb_device_physical(int device);
 LB_EXPORT int pynccl_lb_malloc(void **ptr, size_t size, int device);
 LB_EXPORT int pynccl_lb_free(void *ptr);
 
+/* Peer mappings. On a GPU a peer's window, mapped into this process (a "peer
+ * pointer"), is an ordinary UVA device address: copies, memsets and collectives take
+ * it. The loopback libnccl maps another process's window memory at an address the
+ * cudart knows nothing of; registering [ptr, ptr + size) makes it device memory of
+ * `device` (-1: the calling thread's current device) for every check here
+ * (cudaMemcpy, cudaMemset, cudaPointerGetAttributes, pynccl_lb_find_alloc), as long as
+ * it stays registered. It is not an allocation: cudaFree / pynccl_lb_free refuse it.
+ * Register after mapping; unregister (by the same ptr) before unmapping, once no
+ * queued work touches it any more. Returns 0 or a cudaError_t value:
+ *   cudaErrorInvalidValue   NULL ptr, size 0, a wrapping range, a range overlapping a
+ *                           live allocation or mapping; unregister: ptr is not the
+ *                           start of a registered mapping;
+ *   cudaErrorInvalidDevice  device is neither -1 nor a visible ordinal. */
+LB_EXPORT int pynccl_lb_register_foreign_range(void *ptr, size_t size, int device);
+LB_EXPORT int pynccl_lb_unregister_foreign_range(void *ptr);
+
 #ifdef __cplusplus
 }
 #endif
