@@ -306,6 +306,7 @@ def _graph_through_pynccl() -> None:
         for k in range(3):
             data = pattern(me, count, k)
             rt.cudaMemcpy(src, data.ctypes.data, count * 4, 1)  # cudaMemcpyHostToDevice
+            rt.cudaStreamSynchronize(None)  # landed (it returns once staged; s is non-blocking)
             g.replay()
             s.synchronize()
             rt.cudaMemcpy(host.ctypes.data, dst, count * 4, 2)  # cudaMemcpyDeviceToHost

@@ -187,9 +187,10 @@ LB_HIDDEN enum lb_cap_action lb_capture_task(struct CUstream_st *s, lb_task_fn r
                                              lb_task_fn release, lb_clone_fn clone, void *arg,
                                              int expect, cudaError_t *err);
 LB_HIDDEN bool lb_capture_active(struct CUstream_st *s);
-/* A "potentially unsafe" call (cudaMalloc, cudaFree, synchronous copies, device
- * synchronize): refused with cudaErrorStreamCaptureUnsupported where the capture modes
- * forbid it, invalidating the captures that forbid it. */
+/* A "potentially unsafe" call (cudaMalloc, cudaFree, synchronous copies and memsets,
+ * stream / event / device synchronizes and queries): refused with
+ * cudaErrorStreamCaptureUnsupported where the captures' modes and the calling thread's
+ * interaction mode forbid it, invalidating the captures that forbid it. */
 LB_HIDDEN cudaError_t lb_capture_unsafe(const char *fn);
 /* cudaStreamSynchronize / cudaStreamQuery of s. */
 LB_HIDDEN cudaError_t lb_capture_sync(struct CUstream_st *s, const char *fn);
