@@ -118,9 +118,13 @@ class Lib:
         assert self.cudart.raw("cudaFree")(ptr) == 0
 
     def upload(self, ptr: int, array: np.ndarray) -> None:
+        """Copy ``array`` to ``ptr`` and wait until it has landed (cudaMemcpy from pageable
+        memory returns once the source is staged; a peer's stream, or another device's,
+        is not ordered after it)."""
         a = np.ascontiguousarray(array)
         if a.nbytes:
             assert self.cudart.raw("cudaMemcpy")(ptr, a.ctypes.data, a.nbytes, H2D) == 0
+            assert self.cudart.raw("cudaStreamSynchronize")(None) == 0
 
     def download(self, ptr: int, dtype: Any, count: int) -> np.ndarray:
         out = np.empty(count, dtype=dtype)
