@@ -261,7 +261,8 @@ class Group:
 
 
 class SimulatedGroup(Group):
-    """A group ended with ``ncclGroupSimulateEnd`` (:func:`group` with ``simulate=True``)."""
+    """A group ended with ``ncclGroupSimulateEnd`` (:func:`group` with ``simulate=True``;
+    NCCL >= 2.22)."""
 
     __slots__ = ("estimated_time",)
 

@@ -16,6 +16,9 @@
 * A check at the end of reading: every name in the ``__all__`` of each public module
   (:data:`PUBLIC_MODULES`) must be documented under that module's name; each one that is
   not is a warning, so ``sphinx-build -W`` fails.
+* Public bases only: a class's private base (a mixin of a private module such as
+  ``pynccl.comm._suspend``, or a name starting with ``_``) is shown as its own bases, so
+  "Bases:" never names a class a reader cannot import.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from sphinx.util.docutils import SphinxDirective
 #: The modules whose ``__all__`` is pynccl's public API.
 PUBLIC_MODULES = (
     "pynccl",
+    "pynccl.comm",
+    "pynccl.enums",
+    "pynccl.groups",
+    "pynccl.watchdog",
     "pynccl.capi",
     "pynccl.cuda",
     "pynccl.bootstrap",
@@ -223,6 +230,44 @@ def _check_release_note(
             )
 
 
+#: Re-exports documented under a second public module -> the entry they repeat. Marked as
+#: aliases, so the inventory has them but an unqualified cross-reference (a signature's
+#: ``StreamLike``) resolves to the original, not to two targets.
+_REEXPORTS = {"pynccl.cuda.StreamLike": "pynccl.typing.StreamLike"}
+
+
+def _mark_reexports(app: Sphinx, env: Any) -> None:
+    objects = env.get_domain("py").objects
+    for alias, original in _REEXPORTS.items():
+        if alias in objects and original in objects:
+            objects[alias] = objects[alias]._replace(aliased=True)
+
+
+def _is_private(cls: Any) -> bool:
+    module = getattr(cls, "__module__", "") or ""
+    if not module.startswith("pynccl"):
+        return False
+    return cls.__name__.startswith("_") or any(p.startswith("_") for p in module.split("."))
+
+
+def _public_bases(app: Any, name: str, obj: Any, options: Any, bases: list[Any]) -> None:
+    """Replace each private base by its own bases (recursively), each class once."""
+    out: list[Any] = []
+
+    def add(cls: Any) -> None:
+        if isinstance(cls, type) and _is_private(cls):
+            for base in cls.__bases__:
+                add(base)
+        elif cls not in out:
+            out.append(cls)
+
+    for base in bases:
+        add(base)
+    if len(out) > 1 and object in out:
+        out.remove(object)
+    bases[:] = out or [object]
+
+
 def setup(app: Sphinx) -> dict[str, Any]:
     app.add_directive("nccl-functions", NcclFunctions)
     app.add_directive("cudart-functions", CudartFunctions)
@@ -233,4 +278,6 @@ def setup(app: Sphinx) -> dict[str, Any]:
     app.connect("autodoc-process-docstring", _restore_attribute_doc, priority=600)
     app.connect("autodoc-process-docstring", _check_release_note)
     app.connect("env-check-consistency", _check_public_names)
+    app.connect("env-check-consistency", _mark_reexports)
+    app.connect("autodoc-process-bases", _public_bases)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

@@ -59,8 +59,8 @@ class State(str, Enum):
     INITIALIZING = "initializing"  #: a non-blocking init/split/finalize still in progress
     READY = "ready"
     FINALIZED = "finalized"  #: ncclCommFinalize done; only destroy is left
-    SUSPENDED = "suspended"  #: ncclCommSuspend done; resume() makes it ready again
-    REVOKED = "revoked"  #: ncclCommRevoke done; only split, shrink, destroy or abort are left
+    SUSPENDED = "suspended"  #: ncclCommSuspend (NCCL >= 2.29) done; resume() readies it
+    REVOKED = "revoked"  #: ncclCommRevoke (NCCL >= 2.28): only split, shrink, destroy, abort left
     DESTROYED = "destroyed"
     ABORTED = "aborted"
     CLOSED = "closed"  #: a borrowed handle, forgotten

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 #: Entries kept (a power of two: the slot of operation ``seq`` is ``seq & RING_MASK``).
 RING_SIZE = 64
+#: ``RING_SIZE - 1``: operation ``seq``'s entry is ``ring[seq & RING_MASK]``.
 RING_MASK = RING_SIZE - 1
 #: Lines of the record an exception's text carries (the whole record is an attribute).
 SHORT = 4
