@@ -4,8 +4,10 @@ debugging (``--loopback``: on pynccl's host-memory loopback libraries, built if 
 Reports the pynccl version, which libnccl and libcudart were loaded (path,
 discovery rule, version), every libnccl mapped in the process, the CUDA runtime
 and driver versions, the visible GPUs (or, plainly, why there are none), the
-``NCCL_*``/``PYNCCL_*`` environment variables that are set and, where libnccl has
-the parameter API (NCCL >= 2.30), NCCL's parameters and their values.
+``NCCL_*``/``PYNCCL_*``/``CUDA_*`` environment variables that are set (secrets such as
+``PYNCCL_RENDEZVOUS_KEY`` shown as ``<set>``; a ``PYNCCL_*`` name pynccl does not read
+flagged, with the nearest one it does), every ``PYNCCL_*`` variable pynccl reads and,
+where libnccl has the parameter API (NCCL >= 2.30), NCCL's parameters and their values.
 
 Exit status: 0 whenever the report was printed, even if a library is missing
 or there is no GPU (those are findings, printed in the report); 2 for a usage
@@ -21,7 +23,7 @@ import sys
 from ctypes import byref, c_int, create_string_buffer
 from typing import Any
 
-__all__ = ["LOOPBACK_HINT", "collect", "format_text", "main", "no_gpu_error"]
+__all__ = ["LOOPBACK_HINT", "collect", "format_text", "main", "no_gpu_error", "no_gpu_reason"]
 
 #: cudaError_t codes meaning "no usable GPU here" (initialization, stub library,
 #: insufficient driver, no device).
@@ -40,6 +42,19 @@ def no_gpu_error(error: BaseException) -> bool:
     from .errors import CudaError
 
     return isinstance(error, CudaError) and error.code in _NO_GPU_CODES
+
+def no_gpu_reason() -> str | None:
+    """Why CUDA cannot be used here ("no GPU: cudaErrorInsufficientDriver (no NVIDIA
+    driver)"), or None when it can (a GPU, or the loopback libraries, are configured).
+
+    Loads libcudart and counts devices (no CUDA context is made); never raises.
+    """
+    cudart, rt = _cudart_section()
+    if rt is None:
+        return f"no GPU: {cudart.get('error', 'no libcudart')}"
+    reason = _cuda_section(rt)["no_gpu_reason"]
+    return str(reason) if reason else None
+
 
 # Plain words for the CUDA errors that mean "no usable GPU".
 _NO_GPU_WHY = {
@@ -180,12 +195,14 @@ def _nccl_params(lib: Any) -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     """Everything ``info`` reports, as a JSON-ready dict (loads the libraries)."""
-    from . import __version__, _loader
+    from . import __version__, _env, _loader
 
     nccl, lib = _nccl_section()
     cudart, rt = _cudart_section()
     env = {
-        k: v for k, v in sorted(os.environ.items()) if k.startswith(("NCCL_", "PYNCCL_", "CUDA_"))
+        k: _env.redact(k, v)
+        for k, v in sorted(os.environ.items())
+        if k.startswith(("NCCL_", "PYNCCL_", "CUDA_"))
     }
     cuda = _cuda_section(rt)
     if cuda["no_gpu_reason"]:
@@ -199,6 +216,8 @@ def collect() -> dict[str, Any]:
         "cudart": cudart,
         "cuda": cuda,
         "environment": env,
+        "unknown_variables": _env.unknown(),
+        "pynccl_variables": dict(_env.KNOWN),
         "nccl_parameters": _nccl_params(lib),
     }
 
@@ -250,8 +269,21 @@ def format_text(report: dict[str, Any]) -> str:
     if cuda.get("error"):
         lines.append(f"{'':<11}error while asking CUDA: {cuda['error']}")
     env = report["environment"]
+    unknown = report.get("unknown_variables", {})
     lines.append(f"environment{'' if env else ' (no NCCL_*, PYNCCL_* or CUDA_* variables set)'}")
-    lines += [f"{'':<13}{k}={v}" for k, v in env.items()]
+    for k, v in env.items():
+        lines.append(f"{'':<13}{k}={v}")
+        if k in unknown:  # a typo pynccl would otherwise ignore in silence
+            near = unknown[k]
+            lines.append(
+                f"{'':<15}^ not a variable pynccl reads"
+                + (f": did you mean {near}?" if near else "")
+            )
+    known = report.get("pynccl_variables", {})
+    if known:
+        lines.append("variables  the PYNCCL_* variables pynccl reads:")
+        width = max(len(k) for k in known)
+        lines += [f"{'':<13}{k:<{width}}  {v}" for k, v in known.items()]
     params = report["nccl_parameters"]
     if not params["supported"]:
         lines.append(f"parameters {params['reason']}")

@@ -57,9 +57,10 @@ def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
     with _lock:
         current = _nccl
         if current is None:
-            from . import _loader
+            from . import _env, _loader
             from ._capi.nccl import NcclLibrary
 
+            _env.warn_unknown_once()  # a mistyped PYNCCL_* variable would do nothing
             found = _loader.open_nccl(None if path is None else os.fspath(path))
             current = _nccl = NcclLibrary(found.cdll, found.path, found.rule)
         else:
@@ -97,8 +98,10 @@ def load_cudart(path: str | os.PathLike[str] | None = None) -> CudartLibrary:
     with _lock:
         current = _cudart
         if current is None:
+            from . import _env
             from ._capi.cudart import CudartLibrary
 
+            _env.warn_unknown_once()  # a mistyped PYNCCL_* variable would do nothing
             found = _open_cudart(path)
             current = _cudart = CudartLibrary(found.cdll, found.path, found.rule)
         else:
