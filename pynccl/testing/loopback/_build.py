@@ -138,8 +138,29 @@ def cache_dir() -> Path:
     elif os.environ.get("XDG_CACHE_HOME"):
         base = Path(os.environ["XDG_CACHE_HOME"]) / "pynccl"
     else:
-        base = Path.home() / ".cache" / "pynccl"
+        try:
+            base = Path.home() / ".cache" / "pynccl"
+        except RuntimeError as exc:  # no HOME and no passwd entry
+            raise LoopbackBuildError(
+                f"cannot place the loopback build cache: {exc}. Set PYNCCL_CACHE_DIR to a "
+                "writable directory (e.g. PYNCCL_CACHE_DIR=/tmp/pynccl-cache)"
+            ) from exc
     return base.expanduser().resolve() / "loopback"
+
+
+def _unwritable(root: Path, exc: OSError) -> LoopbackBuildError:
+    """The error for a cache that cannot be written: which variable placed it, which moves it."""
+    if os.environ.get("PYNCCL_CACHE_DIR"):
+        source = "$PYNCCL_CACHE_DIR"
+    elif os.environ.get("XDG_CACHE_HOME"):
+        source = "$XDG_CACHE_HOME"
+    else:
+        source = "the home directory"
+    return LoopbackBuildError(
+        f"cannot write the loopback build cache {root} (under {source}): "
+        f"{exc.strerror or exc}. Set PYNCCL_CACHE_DIR to a writable directory, where the "
+        "loopback libraries are compiled and kept (e.g. PYNCCL_CACHE_DIR=/tmp/pynccl-cache)"
+    )
 
 
 def parse_version(version: VersionLike) -> tuple[int, int, int]:
@@ -179,7 +200,11 @@ def _version_code(version: tuple[int, int, int]) -> int:
 
 @contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a+b") as handle:
+    try:
+        handle = open(path, "a+b")
+    except OSError as exc:  # the cache exists but is read-only
+        raise _unwritable(path.parent, exc) from exc
+    with handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -227,11 +252,17 @@ def _compile(
     target = final / out_name
     if target.is_file():
         return str(target)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only HOME, a file in the way
+        raise _unwritable(root, exc) from exc
     with _lock, _file_lock(root / f".{tag}-{digest}.lock"):
         if target.is_file():  # another builder finished while we waited
             return str(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{tag}-{digest}.", dir=root))
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{tag}-{digest}.", dir=root))
+        except OSError as exc:
+            raise _unwritable(root, exc) from exc
         try:
             cmd = [*cc.argv, *flags, "-o", str(tmp / out_name), *map(str, sources), *link]
             proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, check=False)
