@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m pynccl launch: error: {e}", file=sys.stderr)
         return 2
 
+    # Without a GPU every rank that uses CUDA fails with its own traceback: find out once,
+    # here, and say after a failure what to do (a job that needs no GPU hears nothing).
+    no_gpu = None if opts.loopback else _no_gpu_reason()
     job = Job(cmd, envs, opts.grace, opts.timeout)
     pending: list[int] = []
     handled = (signal.SIGINT, signal.SIGTERM)
@@ -324,13 +327,26 @@ def main(argv: list[str] | None = None) -> int:
             job.say(f"could not start a rank: {e}")
             job.stop_all(signal.SIGKILL)
             return 1
-        return job.run(pending)
+        code = job.run(pending)
+        if code != 0 and no_gpu is not None:
+            job.say(
+                f"hint: {no_gpu}; ranks that use CUDA fail here. Add --loopback to run them "
+                "on pynccl's host-memory loopback libraries (python -m pynccl info says more)"
+            )
+        return code
     finally:
         if in_main:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)  # type: ignore[arg-type]
             signal.set_wakeup_fd(old_wakeup)
         job.cleanup()
+
+
+def _no_gpu_reason() -> str | None:
+    """Why CUDA cannot be used here, or None (see :func:`pynccl.info.no_gpu_reason`)."""
+    from ..info import no_gpu_reason
+
+    return no_gpu_reason()
 
 
 if __name__ == "__main__":
