@@ -330,7 +330,7 @@ def test_expected_results_per_collective() -> None:
         (["all_reduce", "-r", "1"], "all_reduce has no root"),
         (["-a", "7"], "-a 7"),
         (["-T", "-3"], "timeout must be >= 0"),
-        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--bogus"], "unknown flag --bogus: neither nccl-tests nor pynccl has it"),
         # nccl-tests' flags are flags, never a collective's name
         (["-t", "x"], "-t must be an integer, got 'x'"),
         (["-m", "0"], "-m must be >= 1"),

@@ -6,28 +6,18 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import sys
 import time
 from collections.abc import Callable
 from ctypes import addressof, create_string_buffer
 from typing import TYPE_CHECKING, Any
 
 from ..enums import DataType, RedOp
-from ._options import _REDOP, _TYPES, Options, _cases, _resolve_check
+from ._colls import runner
+from ._options import _REDOP, _TYPES, Options
 from ._reference import _CHUNK, _Data, _expected, _mulsum_scale
-from ._report import (
-    _Backend,
-    _claim_output_file,
-    _Console,
-    _footer,
-    _header,
-    _Result,
-    _row_text,
-    _write_json,
-    _write_plot,
-    _write_tests_json,
-)
-from ._sweep import Counts, PerfError, _doubling
+from ._report import _Console, _Result, _row_text
+from ._sweep import Counts, _doubling
+from ._traffic import Traffic
 
 if TYPE_CHECKING:
     from ..cuda import Graph
@@ -71,15 +61,29 @@ class _Bench:
     _H2D = 1
     _D2H = 2
 
-    def __init__(self, opts: Options, comm: Any, console: _Console) -> None:
+    def __init__(
+        self,
+        opts: Options,
+        comm: Any,
+        console: _Console,
+        world: Any = None,
+        color: int = 0,
+        traffic: Traffic | None = None,
+    ) -> None:
         from .. import library
         from ..cuda import DeviceBuffer, Stream
 
         self.opts = opts
+        # comm runs the operations: every rank, or this rank's group of NCCL_TESTS_SPLIT;
+        # world (every rank) lines the ranks up, averages the times and sums the errors,
+        # over all groups at once, as nccl-tests does over MPI_COMM_WORLD.
         self.comm = comm
+        self.world = comm if world is None else world
+        self.color = color
         self.rank = int(comm.rank)
         self.nranks = int(comm.size)
         self.console = console
+        self.traffic = traffic
         self.rt = library.cudart()
         self.coll = opts.collective
         # -y 1: the legacy default stream, as nccl-tests' stream_null
@@ -150,12 +154,13 @@ class _Bench:
         pause = 1e-5
         while int(self.rt.cudaStreamQuery(self.s)) == _NOT_READY:
             try:
-                self.comm.check()  # an asynchronous NCCL error ends the wait, as nccl-tests
+                for comm in self._comms():  # an asynchronous NCCL error ends the wait
+                    comm.check()
             except BaseException:
-                self.comm.abort()
+                self.abort()
                 raise
             if time.monotonic() > deadline:
-                self.comm.abort()
+                self.abort()
                 host = socket.gethostname().split(".")[0]
                 print(f"{host}: Test timeout ({timeout:g}s) on rank {self.rank}", flush=True)
                 what = (
@@ -166,6 +171,14 @@ class _Bench:
                 raise PerfTimeout(f"rank {self.rank}: {what}")
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _comms(self) -> list[Any]:
+        return [self.comm] if self.world is self.comm else [self.comm, self.world]
+
+    def abort(self) -> None:
+        """Abort every communicator of this rank (idempotent)."""
+        for comm in self._comms():
+            comm.abort()
 
     # -- small collectives between the ranks --------------------------------------------
 
@@ -180,9 +193,9 @@ class _Bench:
         ptr = self.scratch.ptr
         self._copy(ptr, addressof(host), 8, self._H2D)
         if op is None:
-            self.comm.broadcast(ptr, ptr, root=0, count=1, dtype=dtype, stream=self.s)
+            self.world.broadcast(ptr, ptr, root=0, count=1, dtype=dtype, stream=self.s)
         else:
-            self.comm.all_reduce(ptr, ptr, op, count=1, dtype=dtype, stream=self.s)
+            self.world.all_reduce(ptr, ptr, op, count=1, dtype=dtype, stream=self.s)
         self._copy(addressof(host), ptr, 8, self._D2H)
         self.sync()
         return float(struct.unpack(fmt, host.raw)[0])
@@ -192,8 +205,8 @@ class _Bench:
         self._scalar(0, DataType.INT64, RedOp.SUM)
 
     def devices(self, loopback: bool) -> list[dict[str, Any]]:
-        """Every rank's pid, host, device, PCI bus id and GPU name (an all-gather of
-        fixed records)."""
+        """Every rank's pid, host, device, PCI bus id, GPU name and NCCL_TESTS_SPLIT group
+        (an all-gather of fixed records over every rank)."""
         from ..cuda import DeviceBuffer
 
         device = int(self.comm.device)
@@ -204,24 +217,27 @@ class _Bench:
             bus.value = b""
         name = b"pynccl loopback (host memory)" if loopback else _gpu_name(self.rt.path, device)
         host = socket.gethostname().split(".")[0].encode()[:48]  # as nccl-tests' getHostName
-        fmt = "<qq48s32s96s"
-        record = struct.pack(fmt, os.getpid(), device, host, bus.value[:32], name[:96])
-        size = len(record)
+        fmt = "<qqq48s32s96s"
+        record = struct.pack(
+            fmt, os.getpid(), device, self.color, host, bus.value[:32], name[:96]
+        )
+        size, nworld = len(record), int(self.world.size)
         mine = create_string_buffer(record, size)
-        everyone = create_string_buffer(size * self.nranks)
-        tmp = self._alloc(DeviceBuffer, size * (self.nranks + 1))
+        everyone = create_string_buffer(size * nworld)
+        tmp = self._alloc(DeviceBuffer, size * (nworld + 1))
         self._copy(tmp.ptr, addressof(mine), size, self._H2D)
-        self.comm.all_gather(
+        self.world.all_gather(
             tmp.ptr, tmp.ptr + size, count=size, dtype=DataType.UINT8, stream=self.s
         )
-        self._copy(addressof(everyone), tmp.ptr + size, size * self.nranks, self._D2H)
+        self._copy(addressof(everyone), tmp.ptr + size, size * nworld, self._D2H)
         self.sync(at_least=_STARTUP_TIMEOUT)
         out = []
-        for r in range(self.nranks):
-            pid, dev, hostname, busid, gpu = struct.unpack_from(fmt, everyone, r * size)
+        for r in range(nworld):
+            pid, dev, color, hostname, busid, gpu = struct.unpack_from(fmt, everyone, r * size)
             out.append(
                 {
                     "rank": r,
+                    "group": color,
                     "pid": pid,
                     "hostname": hostname.rstrip(b"\0").decode(errors="replace"),
                     "device": dev,
@@ -258,35 +274,9 @@ class _Bench:
         self, c: Counts, dtype: DataType, op: Any, root: int, in_place: bool
     ) -> Callable[[], None]:
         """A no-argument function issuing the operation once (all arguments bound)."""
-        sp, rp = self._pointers(c, dtype.itemsize, in_place)
-        comm, n, s = self.comm, c.param, self.s
-        name = self.coll.name
-        if name == "all_reduce":
-            return lambda: comm.all_reduce(sp, rp, op, count=n, dtype=dtype, stream=s)
-        if name == "all_gather":
-            return lambda: comm.all_gather(sp, rp, count=n, dtype=dtype, stream=s)
-        if name == "reduce_scatter":
-            return lambda: comm.reduce_scatter(sp, rp, op, count=n, dtype=dtype, stream=s)
-        if name == "broadcast":
-            return lambda: comm.broadcast(sp, rp, root=root, count=n, dtype=dtype, stream=s)
-        if name == "reduce":
-            return lambda: comm.reduce(sp, rp, op, root=root, count=n, dtype=dtype, stream=s)
-        if name == "gather":
-            return lambda: comm.gather(sp, rp, root=root, count=n, dtype=dtype, stream=s)
-        if name == "scatter":
-            return lambda: comm.scatter(sp, rp, root=root, count=n, dtype=dtype, stream=s)
-        if name == "all_to_all":
-            return lambda: comm.all_to_all(sp, rp, count=n, dtype=dtype, stream=s)
-        from ..groups import group
-
-        nxt, prv = (self.rank + 1) % self.nranks, (self.rank - 1) % self.nranks
-
-        def sendrecv() -> None:
-            with group():
-                comm.send(sp, nxt, count=n, dtype=dtype, stream=s)
-                comm.recv(rp, prv, count=n, dtype=dtype, stream=s)
-
-        return sendrecv
+        pointers = self._pointers(c, dtype.itemsize, in_place)
+        return runner(self.coll, self.comm, self.rt, pointers, c, dtype, op, root, self.s,
+                      self.traffic)  # fmt: skip
 
     # -- CUDA graphs ----------------------------------------------------------------------
 
@@ -361,7 +351,7 @@ class _Bench:
             return self._scalar(seconds, DataType.FLOAT64, None)
         op = {1: RedOp.SUM, 2: RedOp.MIN, 3: RedOp.MAX}[mode]
         value = self._scalar(seconds, DataType.FLOAT64, op)
-        return value / self.nranks if mode == 1 else value
+        return value / int(self.world.size) if mode == 1 else value
 
     def _host(self, which: int, count: int, np_dtype: Any) -> Any:
         """Host staging buffer ``which`` (0: inputs, 1: results, 2: references) as ``count``
@@ -403,7 +393,7 @@ class _Bench:
             chunk = data.values(self.rank, lo, hi, self._host(0, hi - lo, data.np_dtype))
             self._copy(sp + lo * size, chunk.ctypes.data, chunk.nbytes, self._H2D)
             self.sync()  # before the host buffer is written again
-        expect = _expected(self.coll, data, self.rank, root, c)
+        expect = _expected(self.coll, data, self.rank, root, c, self.traffic)
         if self.opts.cudagraph:
             with self._capture(run, 1) as graph:
                 graph.replay()
@@ -437,7 +427,7 @@ class _Bench:
         run = self._runner(c, dtype, op, root, in_place)
         seconds, issued = self._time(run)
         seconds = self._across_ranks(seconds)
-        algbw, busbw = self.coll.bandwidths(c.param, dtype.itemsize, seconds, self.nranks)
+        algbw, busbw = self.coll.bandwidths(c.param, dtype.itemsize, seconds, self.nranks, c)
         wrong: int | None = None
         # nccl-tests runs all-to-all and send/recv in place too, but checks only out of place
         if self.opts.check and (self.coll.in_place or not in_place):
@@ -464,7 +454,7 @@ class _Bench:
         op = self._op_handle(op_name, dtype) if op_name is not None else RedOp.SUM
         self.barrier()
         for size in _doubling(opts.minbytes, opts.maxbytes):
-            c = self.coll.counts(size, dtype.itemsize, self.nranks)
+            c = self.coll.counts(size, dtype.itemsize, self.nranks, self.traffic)
             run = self._runner(c, dtype, op, root, False)
             for _ in range(opts.warmup_iters or 0):
                 run()
@@ -489,12 +479,12 @@ class _Bench:
         root: int,
         out: _Result,
     ) -> None:
-        c = self.coll.counts(size, dtype.itemsize, self.nranks)
+        c = self.coll.counts(size, dtype.itemsize, self.nranks, self.traffic)
         row: dict[str, Any] = {
             "size": max(c.send, c.recv) * dtype.itemsize,
             "count": c.param,
             "type": dtype_name,
-            "redop": op_name if op_name is not None else "none",
+            "redop": op_name if op_name is not None else self.coll.no_op,
             "root": root if self.coll.rooted else -1,
         }
         row["out_of_place"] = self._bench(c, dtype, op_name, op, root, False)
@@ -509,88 +499,10 @@ class _Bench:
             out.errors += 1 if cell["nwrong"] else 0
         out.rows.append(row)
         self.console.line(_row_text(row))
-
-
-#: Set by the coordinator for the ranks it launches: the -J file it created, and the
-#: nGpus nccl-tests would show (-g, or its default).
-_ENV_J_PATH = "PYNCCL_PERF_J_PATH"
-_ENV_NGPUS = "PYNCCL_PERF_NGPUS"
-
-
-#: -R: what each level uses and the first NCCL release that has it.
-_REGISTER = {
-    1: ("registered buffers (ncclMemAlloc, ncclCommRegister)", (2, 19, 1)),
-    2: ("symmetric windows (ncclMemAlloc, ncclCommWindowRegister)", (2, 27, 3)),
-}
-
-
-def _check_register(opts: Options, version: tuple[int, ...], text: str) -> None:
-    if not opts.local_register:
-        return
-    what, first = _REGISTER[opts.local_register]
-    if version < first:
-        raise PerfError(
-            f"-R {opts.local_register}: {what} need NCCL >= {'.'.join(map(str, first))}; "
-            f"the loaded libnccl is {text}"
-        )
-
-
-def _run_rank(opts: Options, comm: Any, backend: _Backend) -> int:
-    """The sweep on this rank; rank 0 prints. Returns 0, or 1 when results were wrong.
-
-    On an exception the communicator is aborted first (work may still be queued
-    on it), then the buffers are freed.
-    """
-    lead = comm.rank == 0
-    nranks = int(comm.size)
-    lib_version = tuple(int(v) for v in backend.nccl_version.split("."))
-    _check_register(opts, lib_version, backend.nccl_version)
-    cases = _cases(opts, nranks, lib_version)
-    notes = _resolve_check(opts, sorted({t for t, _, _ in cases}))
-    if any(o == "mulsum" for _, o, _ in cases):
-        try:
-            import numpy  # noqa: F401  (create_premul_sum packs the scalar with it)
-        except ImportError:
-            raise PerfError("-o mulsum needs numpy (pip install numpy)") from None
-    shape = (opts.nthreads, opts.ngpus or int(os.environ.get(_ENV_NGPUS, "1")))
-    tests_json = None
-    if lead and opts.output_file:
-        tests_json = os.environ.get(_ENV_J_PATH) or _claim_output_file(opts.output_file)
-    total = None if opts.run_cycles == 0 else len(cases) * len(opts.sizes) * opts.run_cycles
-    console = _Console(sys.stdout if lead else None, total)
-    started = time.monotonic()
-    start_time = time.strftime("%Y-%m-%d %H:%M:%S")
-    ok = False
-    bench = None
-    try:
-        if tests_json is not None:
-            console.line(f"# Writing JSON output to {tests_json}")
-        bench = _Bench(opts, comm, console)
-        devices = bench.devices(backend.loopback)
-        for text in _header(opts, shape, backend, devices, notes):
-            console.line(text)
-        result = _Result()
-        for dtype_name, op_name, root in cases:
-            bench.run_case(dtype_name, op_name, root, result)
-        avg = result.busbw_sum / result.busbw_count if result.busbw_count else 0.0
-        for text in _footer(result.errors, avg, opts.collective.tests_binary):
-            console.line(text)
-        if backend.loopback:
-            console.line("# (loopback: these figures are host memory, not NCCL)")
-        if tests_json is not None:
-            _write_tests_json(tests_json, opts, shape, backend, devices, result, avg, start_time)
-        if lead and opts.json:
-            elapsed = time.monotonic() - started
-            _write_json(opts.json, opts, nranks, backend, devices, result, avg, elapsed)
-            console.line(f"# wrote {opts.json}")
-        if lead and opts.plot:
-            _write_plot(opts.plot, opts, nranks, backend, result)
-            console.line(f"# wrote {opts.plot}")
-        ok = True
-        return 1 if result.errors else 0
-    finally:
-        console.close()
-        if not ok:
-            comm.abort()
-        if bench is not None:
-            bench.close()
+        if self.traffic is not None and self.traffic.summary:
+            for key in ("out_of_place", "in_place"):
+                seconds = row[key]["time"] * 1e-6
+                for text in self.traffic.summary_lines(
+                    self.nranks, c.param, dtype.itemsize, seconds
+                ):
+                    self.console.line(text)

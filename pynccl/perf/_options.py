@@ -6,12 +6,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..enums import DataType, RedOp
 from ._sweep import COLLECTIVES, Collective, PerfError, _collective, parse_size, sweep_sizes
+from ._tests_env import NcclTestsEnv
+from ._traffic import Traffic
 
 # --------------------------------------------------------------------------------------
 # Types and ops, by nccl-tests' names
@@ -155,6 +158,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Defaults on a GPU are nccl-tests' (-b 32M -e 32M -i 1M -n 20 -w 1 -c 1) with -g "
         "= every visible GPU; on the loopback -g 2 -b 8 -e 32M -f 2. Sizes take K/M/G suffixes "
         "(powers of 1024). Every rank is one process with one GPU: -t T -g G runs T*G ranks. "
+        "nccl-tests' NCCL_TESTS_MIN_BW, NCCL_TESTS_DEVICE, NCCL_TESTS_SPLIT(_MASK) and "
+        "NCCL_TESTS_ALLTOALLV_* variables work as there. "
         "nccl-tests flags pynccl lacks (" + ", ".join(u[0] for u in _UNSUPPORTED) + ") are "
         "refused by name unless given their default value.",
     )
@@ -169,13 +174,15 @@ def _parser() -> argparse.ArgumentParser:
     add("-t", "--nthreads", type=_int_at_least(1, "-t"), default=1,
         help="threads per process in nccl-tests; here ranks = t * g (default 1)")
     add("-g", "--ngpus", type=_int_at_least(1, "-g"),
-        help="GPUs (ranks) per thread (default: every visible GPU; 2 on the loopback)")
+        help="GPUs (ranks) per thread (default: every visible GPU, 2 on the loopback; "
+        "1 when -t is given, as nccl-tests)")
     add("-b", "--minbytes", type=_size_arg, help="smallest size in bytes (K/M/G suffixes)")
     add("-e", "--maxbytes", type=_size_arg, help="largest size in bytes (K/M/G suffixes)")
     add("-i", "--stepbytes", type=_size_arg,
-        help="add this to the size at each step when -f is 1 (default 1M)")
+        help="add this to the size at each step when -f is 1 or not given (default 1M)")
     add("-f", "--stepfactor", type=_int_at_least(1, "-f"),
-        help="multiply the size by this at each step (1: add -i instead)")
+        help="multiply the size by this at each step (1: add -i instead; default 1, 2 on "
+        "the loopback unless -i is given)")
     add("-n", "--iters", type=_int_at_least(1, "-n"), help="timed iterations (default 20)")
     add("-m", "--agg_iters", type=_int_at_least(1, "-m"), default=1,
         help="operations aggregated in one group per iteration (default 1)")
@@ -258,6 +265,10 @@ class Options:
     plot: str | None
     #: The arguments as given (for -J's "args").
     argv: list[str] = field(default_factory=list)
+    #: nccl-tests' NCCL_TESTS_* variables (read with the arguments).
+    tests_env: NcclTestsEnv = field(default_factory=NcclTestsEnv)
+    #: alltoallv's traffic pattern (NCCL_TESTS_ALLTOALLV_*), None for the others.
+    traffic: Traffic | None = None
 
     def resolve(self, loopback: bool) -> None:
         """Fill the defaults: nccl-tests' on a GPU, a short sweep on the loopback."""
@@ -274,7 +285,9 @@ class Options:
         if self.maxbytes is None:
             self.maxbytes = max(defaults["maxbytes"], self.minbytes if given_b else 0)
         if self.stepfactor is None:
-            self.stepfactor = defaults["stepfactor"]
+            # nccl-tests' default factor is 1: a given -i means a linear step, also on
+            # the loopback (whose own default sweep doubles)
+            self.stepfactor = 1 if self.stepbytes is not None else defaults["stepfactor"]
         if self.stepbytes is None:
             self.stepbytes = defaults["stepbytes"]
         if self.iters is None:
@@ -315,13 +328,54 @@ class Options:
         }
 
 
+def _unknown_flag(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """The first token that looks like a flag and is none of perf's. argparse would take
+    the value after it for the collective ("-q 1": unknown collective '1')."""
+    known = parser._option_string_actions  # every "-x" and "--long" the parser has
+    takes_value = {opt for opt, action in known.items() if action.nargs != 0}
+    longs = [opt for opt in known if opt.startswith("--")]
+    skip = False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        if token == "--":
+            return None
+        if not token.startswith("-") or token == "-" or _NUMBER.match(token):
+            continue
+        if token.startswith("--"):
+            name = token.split("=", 1)[0]
+            matches = [opt for opt in longs if opt.startswith(name)]  # argparse's prefixes
+            if not matches:
+                return name
+            skip = "=" not in token and all(m in takes_value for m in matches)
+            continue
+        name = token[:2]
+        if name not in known:
+            return name
+        skip = name in takes_value and len(token) == 2  # "-g 2", not "-g2"
+    return None
+
+
+_NUMBER = re.compile(r"^-\d")
+
+
 def _parse(argv: Sequence[str]) -> Options:
-    ns = vars(_parser().parse_args(list(argv)))
+    parser = _parser()
+    unknown = _unknown_flag(parser, argv)
+    if unknown is not None:
+        raise PerfError(
+            f"unknown flag {unknown}: neither nccl-tests nor pynccl has it "
+            "(python -m pynccl perf --help lists the flags)"
+        )
+    ns = vars(parser.parse_args(list(argv)))
     for short, long, default, why in _UNSUPPORTED:
         value = ns.pop(f"unsupported{short[1]}")
         if value != default:
             raise PerfError(f"flag {short} ({long}) is not supported: {why}")
-    opts = Options(**ns, argv=list(argv))
+    opts = Options(**ns, argv=list(argv), tests_env=NcclTestsEnv.from_env())
+    if opts.collective.layout == "alltoallv":
+        opts.traffic = Traffic.from_env()
     if opts.average > 3:
         raise PerfError(f"-a {opts.average}: expected 0 (rank 0), 1 (mean), 2 (min) or 3 (max)")
     if opts.blocking > 3:

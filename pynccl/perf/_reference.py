@@ -8,6 +8,7 @@ from typing import Any
 
 from ..enums import DataType
 from ._sweep import Collective, Counts
+from ._traffic import Traffic
 
 # --------------------------------------------------------------------------------------
 # Host reference data (numpy)
@@ -224,12 +225,19 @@ def _mulsum_scale(rank: int) -> int:
 _Expect = Callable[[int, int, Any], "tuple[Any, float | None]"]
 
 
-def _expected(coll: Collective, data: _Data, rank: int, root: int, c: Counts) -> _Expect | None:
+def _expected(
+    coll: Collective,
+    data: _Data,
+    rank: int,
+    root: int,
+    c: Counts,
+    traffic: Traffic | None = None,
+) -> _Expect | None:
     """What ``rank`` should receive: a function giving elements ``lo..hi`` of its result
     (and the tolerance, None for exact), so big results are checked a chunk at a time,
     written into its third argument where the result is exact (a reused host buffer of
     ``hi - lo`` elements); ``None`` where the result is undefined (reduce and gather off
-    the root)."""
+    the root). ``traffic``: alltoallv's pattern (by default its generated one)."""
     n, p, name = data.nranks, c.param, coll.name
 
     def blocks(source: Callable[[int], tuple[int, int]]) -> _Expect:
@@ -264,4 +272,30 @@ def _expected(coll: Collective, data: _Data, rank: int, root: int, c: Counts) ->
         return blocks(lambda j: (j, rank * p))
     if name == "gather" and rank != root:
         return None
-    return blocks(lambda j: (j, 0))  # all_gather, gather on the root
+    if name == "alltoallv":
+        return _alltoallv_expected(data, rank, c, traffic or Traffic())
+    return blocks(lambda j: (j, 0))  # all_gather, hypercube, gather on the root
+
+
+def _alltoallv_expected(data: _Data, rank: int, c: Counts, traffic: Traffic) -> _Expect:
+    """alltoallv's result on ``rank``: for each source in rank order, the part of its
+    input it sends this rank (its input after what it sends lower ranks), packed; zeros
+    after them up to the buffer's ``c.recv`` elements (the busiest rank's total)."""
+    n, size = data.nranks, data.dtype.itemsize
+    segments = []  # (first element here, elements, source, first element there)
+    at = 0
+    for src in range(n):
+        sends = traffic.sends(src, n, c.param, size)
+        if sends[rank]:
+            segments.append((at, sends[rank], src, sum(sends[:rank])))
+            at += sends[rank]
+
+    def expect(lo: int, hi: int, out: Any) -> tuple[Any, float | None]:
+        out[: hi - lo] = 0
+        for first, count, src, offset in segments:
+            a, b = max(lo, first), min(hi, first + count)
+            if a < b:
+                data.values(src, offset + a - first, offset + b - first, out[a - lo : b - lo])
+        return out, None
+
+    return expect

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from .._env import redact
 from ._options import Options
 from ._sweep import PerfError
 
@@ -53,11 +54,13 @@ def _table_header(cputime: bool, timestamps: bool) -> list[str]:
     ]
 
 
-def _footer(errors: int, avg: float, program: str) -> list[str]:
-    """nccl-tests' writeResultFooter, finalizeFooter and writeErrors (no NCCL error)."""
+def _footer(errors: int, avg: float, program: str, bw_ok: bool | None = None) -> list[str]:
+    """nccl-tests' writeResultFooter, finalizeFooter and writeErrors (no NCCL error);
+    ``bw_ok``: NCCL_TESTS_MIN_BW's verdict (None: not asked for)."""
+    verdict = "" if bw_ok is None else ("OK" if bw_ok else "FAILED")
     return [
         f"# {'Out of bounds values':<20} : {errors} {'FAILED' if errors else 'OK'}",
-        f"# {'Avg bus bandwidth':<20} : {avg:g} ",
+        f"# {'Avg bus bandwidth':<20} : {avg:g} {verdict}",
         "#",
         f"# Collective test concluded: {program}",
         "#",
@@ -243,7 +246,8 @@ def _bus_hex(bus_id: str) -> str:
 def _device_line(d: dict[str, Any]) -> str:
     """nccl-tests' ``#  Rank ... device N [bus] NAME`` line."""
     return (
-        f"#  Rank {d['rank']:2d} Group {0:2d} Pid {d['pid']:6d} on {d['hostname']:>10} "
+        f"#  Rank {d['rank']:2d} Group {d.get('group', 0):2d} Pid {d['pid']:6d} on "
+        f"{d['hostname']:>10} "
         f"device {d['device']:2d} [{_bus_hex(d['bus_id'])}] {d['name']}"
     )
 
@@ -334,8 +338,10 @@ def _write_tests_json(
     result: _Result,
     avg: float,
     started: str,
+    bw_ok: bool | None = None,
 ) -> None:
-    """The -J report, in nccl-tests' JSON (file version 3) layout."""
+    """The -J report, in nccl-tests' JSON (file version 3) layout; secrets in the
+    environment are written as ``<set>`` (see :func:`pynccl._env.redact`)."""
     config: dict[str, Any] = {
         "nthreads": shape[0],
         "ngpus": shape[1],
@@ -359,7 +365,7 @@ def _write_tests_json(
         devices=[
             {
                 "rank": d["rank"],
-                "group": 0,
+                "group": d.get("group", 0),
                 "pid": d["pid"],
                 "hostname": d["hostname"],
                 "device": d["device"],
@@ -388,12 +394,15 @@ def _write_tests_json(
         "version": _JSON_FILE_VERSION,
         "start_time": started,
         "args": ["python -m pynccl perf", *opts.argv],
-        "env": [f"{k}={v}" for k, v in os.environ.items()],
+        "env": [f"{k}={redact(k, v)}" for k, v in os.environ.items()],
         "nccl_version": _version_code(backend.nccl_version),
         "config": config,
         "results": rows,
         "out_of_bounds": {"count": result.errors, "okay": result.errors == 0},
-        "average_bus_bandwidth": {"bandwidth": float(avg), "okay": "unchecked"},
+        "average_bus_bandwidth": {
+            "bandwidth": float(avg),
+            "okay": "unchecked" if bw_ok is None else bw_ok,
+        },
         "errors": [""],
         "end_time": time.strftime(_TIME_FORMAT),
     }
@@ -410,6 +419,7 @@ def _write_json(
     result: _Result,
     avg: float,
     elapsed: float,
+    bw_ok: bool | None = None,
 ) -> None:
     from .. import __version__
 
@@ -426,6 +436,7 @@ def _write_json(
         "out_of_bounds": {"count": result.errors, "okay": result.errors == 0},
         "wrong_elements": result.wrong,
         "average_bus_bandwidth": avg,
+        "min_bus_bandwidth": {"required": opts.tests_env.min_bw, "okay": bw_ok},
         "elapsed_s": elapsed,
     }
     with open(path, "w", encoding="utf-8") as f:

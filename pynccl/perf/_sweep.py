@@ -4,9 +4,13 @@ and the size sweep."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..comm._spec import COLLECTIVES as _SPEC
+
+if TYPE_CHECKING:
+    from ._traffic import Traffic
 
 _GB = 1.0e9  # nccl-tests' GB/s are 1e9 bytes per second
 _MAX_SIZES = 10_000
@@ -42,7 +46,8 @@ class Collective:
 
     name: str
     #: "flat" (count each side), "gather" (count in, count*n out), "scatter" (the
-    #: reverse) or "alltoall" (count per peer, count*n each side).
+    #: reverse), "alltoall" (count per peer, count*n each side) or "alltoallv" (per-peer
+    #: sizes from a traffic pattern, :class:`~pynccl.perf._traffic.Traffic`).
     layout: str
     #: Bus-bandwidth factor: "2(n-1)/n", "(n-1)/n" or "1".
     bus: str
@@ -51,17 +56,35 @@ class Collective:
     #: False where NCCL defines no in-place form (all-to-all, send/recv): nccl-tests
     #: still times them with one buffer, but checks nothing there (``N/A``).
     in_place: bool = True
+    #: Bytes of one operation in the algorithm bandwidth (nccl-tests' ``*GetBw``):
+    #: "count" (flat), "count*n" (gather, scatter, all-to-all), "count*(n-1)" (hypercube:
+    #: what each rank receives) or "max" (alltoallv: the busiest rank's larger total);
+    #: empty for the layout's own rule.
+    volume: str = ""
+    #: What nccl-tests prints in the redop column of a collective without an op.
+    no_op: str = "none"
+    #: Runs only on a power-of-two number of ranks (nccl-tests skips it otherwise).
+    power_of_two: bool = False
+    #: The nccl-tests program, where it is not ``name + "_perf"``.
+    program: str = ""
 
     @property
     def tests_binary(self) -> str:
         """The nccl-tests program measuring the same thing, e.g. ``all_reduce_perf``."""
-        return self.name.replace("all_to_all", "alltoall") + "_perf"
+        return self.program or self.name + "_perf"
 
-    def counts(self, nbytes: int, itemsize: int, nranks: int) -> Counts:
-        """The counts nccl-tests uses for a ``nbytes`` step of its sweep."""
+    def counts(
+        self, nbytes: int, itemsize: int, nranks: int, traffic: Traffic | None = None
+    ) -> Counts:
+        """The counts nccl-tests uses for a ``nbytes`` step of its sweep (alltoallv:
+        under ``traffic``, by default nccl-tests' generated pattern)."""
         count = nbytes // itemsize
         if self.layout == "flat":
             return Counts(count, count, count, 0, 0)
+        if self.layout == "alltoallv":
+            from ._traffic import Traffic
+
+            return (traffic or Traffic()).counts(count, itemsize, nranks)
         # Per-rank blocks rounded down to 16 bytes, as nccl-tests >= 2.17 does.
         base = (count // nranks) & ~(max(16 // itemsize, 1) - 1)
         if self.layout == "gather":
@@ -78,11 +101,35 @@ class Collective:
             return (nranks - 1) / nranks
         return 1.0
 
+    def volume_bytes(self, c: Counts, itemsize: int, nranks: int) -> int:
+        """Bytes of one operation of counts ``c`` in the algorithm bandwidth."""
+        rule = self.volume or ("count" if self.layout == "flat" else "count*n")
+        if rule == "count":
+            return c.param * itemsize
+        if rule == "count*(n-1)":
+            return c.param * itemsize * (nranks - 1)
+        if rule == "max":
+            return max(c.send, c.recv) * itemsize
+        return c.param * itemsize * nranks
+
     def bandwidths(
-        self, param: int, itemsize: int, seconds: float, nranks: int
+        self,
+        param: int,
+        itemsize: int,
+        seconds: float,
+        nranks: int,
+        counts: Counts | None = None,
     ) -> tuple[float, float]:
-        """``(algbw, busbw)`` in GB/s for one operation of ``param`` elements taking ``seconds``."""
-        moved = param * itemsize * (1 if self.layout == "flat" else nranks)
+        """``(algbw, busbw)`` in GB/s for one operation of ``param`` elements taking
+        ``seconds`` (``counts``: the operation's counts, where ``param`` alone does not
+        say the volume: alltoallv; by default those of its generated pattern)."""
+        if counts is None:
+            counts = Counts(0, 0, param, 0, 0)
+            if self.volume == "max":
+                from ._traffic import Traffic
+
+                counts = Traffic().counts_of(param, itemsize, nranks)
+        moved = self.volume_bytes(counts, itemsize, nranks)
         algbw = moved / _GB / seconds if seconds > 0 else 0.0
         return algbw, algbw * self.bus_factor(nranks)
 
@@ -113,7 +160,16 @@ COLLECTIVES: dict[str, Collective] = {
     for row in _SPEC
     if row.where != "peer"
 }
+COLLECTIVES["all_to_all"] = replace(COLLECTIVES["all_to_all"], program="alltoall_perf")
 COLLECTIVES["sendrecv"] = Collective("sendrecv", "flat", "1", in_place=False)
+# nccl-tests 2.19's two collectives built from sends and receives: an all-gather by
+# recursive doubling, and an all-to-all with a different size for each peer.
+COLLECTIVES["hypercube"] = Collective(
+    "hypercube", "gather", "1", volume="count*(n-1)", no_op="", power_of_two=True
+)
+COLLECTIVES["alltoallv"] = Collective(
+    "alltoallv", "alltoallv", "(n-1)/n", in_place=False, volume="max"
+)
 
 # Spellings of the collectives people type: nccl-tests' binaries, NCCL's names.
 _COLL_ALIASES = {re.sub(r"[_\-]", "", name): name for name in COLLECTIVES} | {
