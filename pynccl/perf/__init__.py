@@ -4,28 +4,29 @@ Usage::
 
     python -m pynccl perf [COLLECTIVE] [nccl-tests' flags] [--json FILE] [--plot FILE.png]
 
-COLLECTIVE is one of all_reduce (default), all_gather, reduce_scatter, broadcast,
-reduce, gather, scatter, all_to_all, sendrecv, and nccl-tests 2.19's hypercube (an
-all-gather by recursive doubling over sends and receives, on a power-of-two number of
-ranks) and alltoallv (an all-to-all with a different size for each peer: see
+COLLECTIVE is one of all_reduce (default), all_gather, reduce_scatter, broadcast, reduce,
+gather, scatter, all_to_all, sendrecv, and nccl-tests 2.19's hypercube (an all-gather by
+recursive doubling over sends and receives, on a power-of-two number of ranks) and
+alltoallv (an all-to-all with a different size for each peer: see
 :mod:`pynccl.perf._traffic` for its ``NCCL_TESTS_ALLTOALLV_*`` variables). Every flag of
 nccl-tests' ``*_perf`` binaries means what it means there (``python -m pynccl perf
 --help`` lists them; an unknown one is refused by name): ``-b``/``-e`` sizes, ``-f``
-factor or ``-i`` linear step (a given ``-i`` without ``-f`` steps linearly, as
-nccl-tests' default factor is 1), ``-g`` GPUs and ``-t`` threads (here every rank is one
-process with one GPU, so ``-t T -g G`` runs T*G ranks; ``-t T`` alone, as nccl-tests'
-default ``-g 1``, T ranks), ``-n``/``-w``/``-m``/``-N`` iterations, warm-up, aggregation
-in a group and cycles, ``-c`` checks, ``-o``/``-d`` op and type (names, lists or ``all``), ``-r`` root
+factor or ``-i`` linear step (a given ``-i`` without ``-f`` steps linearly, as nccl-tests'
+default factor is 1), ``-g`` GPUs and ``-t`` threads (here every rank is one process with
+one GPU, so ``-t T -g G`` runs T*G ranks; ``-t T`` alone, as nccl-tests' default ``-g 1``,
+T ranks), ``-n``/``-w``/``-m``/``-N`` iterations, warm-up, aggregation in a group and
+cycles, ``-c`` checks, ``-o``/``-d`` op and type (names, lists or ``all``), ``-r`` root
 (``all``/``-1``: every rank), ``-z`` blocking, ``-y`` NULL stream, ``-T`` timeout of each
-wait, ``-G`` CUDA graphs, ``-C`` cputime, ``-S`` timestamps, ``-J`` JSON, ``-a`` averaging,
-``-u`` unalign, ``-R`` registered buffers (1: ``ncclMemAlloc`` buffers registered with
-``ncclCommRegister``, NCCL >= 2.19; 2: in symmetric windows, ``ncclCommWindowRegister``
-with ``NCCL_WIN_COLL_SYMMETRIC``, NCCL >= 2.27). Flags it lacks (``-x``, ``-D``, ``-V``,
-``-M``, ``-I``, ``-K``) are refused by name, except with their default value.
-nccl-tests' variables work as there: ``NCCL_TESTS_MIN_BW`` (the run fails, exit status 1,
-when the average bus bandwidth is below 90% of it), ``NCCL_TESTS_DEVICE`` (the first
-device) and ``NCCL_TESTS_SPLIT`` / ``NCCL_TESTS_SPLIT_MASK`` (groups of ranks running the
-sweep side by side, each on its own communicator; see :mod:`pynccl.perf._tests_env`).
+wait, ``-G`` CUDA graphs, ``-C`` cputime, ``-S`` timestamps, ``-J`` JSON, ``-a``
+averaging, ``-u`` unalign, ``-R`` registered buffers (1: ``ncclMemAlloc`` buffers
+registered with ``ncclCommRegister``, NCCL >= 2.19; 2: in symmetric windows,
+``ncclCommWindowRegister`` with ``NCCL_WIN_COLL_SYMMETRIC``, NCCL >= 2.27). Flags it lacks
+(``-x``, ``-D``, ``-V``, ``-M``, ``-I``, ``-K``) are refused by name, except with their
+default value. nccl-tests' variables work as there: ``NCCL_TESTS_MIN_BW`` (the run fails,
+exit status 1, when the average bus bandwidth is below 90% of it), ``NCCL_TESTS_DEVICE``
+(the first device) and ``NCCL_TESTS_SPLIT`` / ``NCCL_TESTS_SPLIT_MASK`` (groups of ranks
+running the sweep side by side, each on its own communicator; see
+:mod:`pynccl.perf._tests_env`).
 
 The output is nccl-tests 2.19's, line for line (a golden test holds it to formats
 captured from nccl-tests' source): version, "Collective test starting", the
