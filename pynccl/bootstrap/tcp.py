@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 
 from ._common import check_share_args
+from ._conventions import detected, missing_address
 from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, open_box, warn_keyless
 from ._wire import (
     AUTH,
@@ -117,10 +118,9 @@ class TcpRendezvous:
             env = detect_launch_env(environ)
         if env.master_addr is None or env.master_port is None:
             raise LaunchEnvError(
-                f"{env.launcher} launch detected but MASTER_ADDR/MASTER_PORT are not set, so "
-                "the TCP rendezvous has no address: export them (rank 0's host and a free "
-                "port), or share the id another way (from_env(mpi_comm=...), store=..., "
-                "file=...)",
+                f"{detected(env.launcher)} but the TCP rendezvous has no address: "
+                f"{missing_address(env)}. Export it (rank 0's host, a free port there), "
+                "or share the id another way (from_env(mpi_comm=...), store=..., file=...)",
                 env.launcher,
             )
         return cls(env.master_addr, env.master_port, environ.get(KEY_ENV), **kwargs)  # type: ignore[arg-type]
