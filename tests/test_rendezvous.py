@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import selectors
 import shutil
 import socket
@@ -663,6 +664,70 @@ def test_store_timeout_and_mismatch():
         StoreRendezvous(store, prefix="q").share(None, rank=1, world_size=2, timeout=1)
 
 
+class _CountingStore(_DictStore):
+    """A client of a shared server (``data``), with torch's add(key, n) -> new value."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def add(self, key, amount):
+        self.data[key] = int(self.data.get(key, 0)) + amount
+        return self.data[key]
+
+
+def test_store_counter_lives_in_the_store():
+    # A second communicator over fresh clients of the same server (new processes, a new
+    # from_env) must read the second id, not the first (issue 22, item 2).
+    server: dict = {}
+    first, second = _payload(), _payload()
+    for payload in (first, second):
+        clients = [_CountingStore(server) for _ in range(2)]  # fresh objects each time
+        got = _run_ranks(
+            lambda r, c=clients, p=payload: StoreRendezvous(c[r], prefix="job").share(
+                p if r == 0 else None, rank=r, world_size=2, timeout=OK_TIMEOUT
+            ),
+            [1, 0],  # the reader first: a stale key would be read at once
+        )
+        assert got == {0: payload, 1: payload}
+    assert server["job/count/0"] == server["job/count/1"] == 2
+
+
+def test_store_add_must_count():
+    class Odd(_DictStore):
+        def add(self, key, amount):
+            return "ok"
+
+    with pytest.raises(RendezvousProtocolError, match=r"store.add\('p/count/0', 1\) returned 'ok'"):
+        StoreRendezvous(Odd(), prefix="p").share(_payload(), rank=0, world_size=2, timeout=1)
+
+
+class _CheckStore(_DictStore):
+    """torch's semantics: check([keys]) says whether they exist; get() of a missing key
+    blocks until the store's own timeout and then raises, which must never decide ours."""
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        if key not in self.data:
+            raise AssertionError("get() of a missing key: the store's timeout, not ours")
+        return self.data[key].encode()
+
+
+def test_store_polls_check_and_keeps_its_own_timeout():
+    store = _CheckStore()
+    with pytest.raises(RendezvousTimeoutError, match=r"within 0\.3 s"):
+        StoreRendezvous(store).share(None, rank=1, world_size=2, timeout=0.3)
+    payload = _payload()
+    got = _run_ranks(
+        lambda r: StoreRendezvous(store, prefix="c").share(
+            payload if r == 0 else None, rank=r, world_size=3, timeout=OK_TIMEOUT
+        ),
+        [2, 1, 0],
+    )
+    assert got == {r: payload for r in range(3)}
+
+
 def test_store_needs_set_and_get():
     with pytest.raises(TypeError, match="no get"):
         StoreRendezvous(types.SimpleNamespace(set=lambda k, v: None))
@@ -922,6 +987,7 @@ def test_from_env_store_file_and_device(fake_comm, tmp_path):
         "SLURM_NTASKS": "2",
         "SLURM_LOCALID": "0",
         "SLURM_JOB_ID": "42",
+        "SLURM_STEP_ID": "0",
         "SLURM_JOB_NODELIST": "localhost",
     }
     results = _run_ranks(
@@ -939,8 +1005,9 @@ def test_from_env_store_file_and_device(fake_comm, tmp_path):
 
 def test_from_env_errors(fake_comm, tmp_path):
     mpich = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}
-    with pytest.raises(LaunchEnvError, match="mpich launch detected but MASTER_ADDR/MASTER_PORT"):
+    with pytest.raises(LaunchEnvError, match="mpich launch detected but the TCP rendezvous") as e:
         from_env(environ=mpich)
+    assert "MASTER_ADDR is not set" in str(e.value) and "MASTER_PORT is not set" in str(e.value)
     with pytest.raises(ValueError, match="at most one of"):
         from_env(environ=mpich, store=_DictStore(), file=tmp_path / "x")
     with pytest.raises(ValueError, match="nids=0"):
@@ -951,6 +1018,103 @@ def test_from_env_errors(fake_comm, tmp_path):
     StoreRendezvous(store).share(_payload(2), rank=0, world_size=2, timeout=1)
     with pytest.raises(RendezvousProtocolError, match="expects nids=1"):
         from_env(environ=mpich, store=store)
+
+
+def test_from_env_with_rank_and_world_size(fake_comm):
+    # no launcher at all (Ray actors, a process pool): the caller says where it sits
+    store = _DictStore()
+    results = _run_ranks(
+        lambda r: from_env(
+            rank=r,
+            world_size=3,
+            store=store,
+            environ={"CUDA_VISIBLE_DEVICES": str(4 + r)},  # one GPU each, as Ray gives it
+            timeout=OK_TIMEOUT,
+        ),
+        [2, 1, 0],
+    )
+    assert [results[r].args[2:4] for r in range(3)] == [(r, 0) for r in range(3)]
+    assert {bytes(results[r].args[1]) for r in range(3)} == {bytes(results[0].args[1])}
+    assert from_env(rank=0, world_size=1, local_rank=0, environ={}).args[3] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        ({"rank": 0}, ValueError, "world_size= is missing"),
+        ({"world_size": 2}, ValueError, "rank= is missing"),
+        ({"rank": 2, "world_size": 2}, ValueError, "rank=2 is out of range"),
+        ({"rank": 0, "world_size": 0}, ValueError, "world_size=0 is out of range"),
+        ({"rank": True, "world_size": 2}, TypeError, "rank must be an int"),
+        ({"rank": 0, "world_size": 2, "local_rank": -1}, ValueError, "local_rank=-1"),
+        ({"local_rank": 0}, ValueError, "local_rank= goes with rank="),
+    ],
+)
+def test_from_env_rank_and_world_size_errors(fake_comm, kwargs, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        from_env(environ={}, store=_DictStore(), timeout=1, **kwargs)
+
+
+def test_from_env_mpi_comm_gives_the_size_pmix_does_not(fake_comm):
+    # PMIx alone (prterun): PMIX_RANK and no size; the MPI communicator knows it
+    n = 3
+    shared = {"barrier": threading.Barrier(n)}
+    results = _run_ranks(
+        lambda r: from_env(
+            environ={
+                "PMIX_RANK": str(r),
+                "PMIX_NAMESPACE": "prterun-h-1@1",
+                "CUDA_VISIBLE_DEVICES": "0",
+            },
+            mpi_comm=_FakeComm(shared, r, n),
+            timeout=OK_TIMEOUT,
+        ),
+        range(n),
+    )
+    assert [results[r].args[0] for r in range(n)] == [n] * n
+    assert [results[r].args[2] for r in range(n)] == list(range(n))
+    with pytest.raises(LaunchEnvError, match="mpi_comm="):
+        from_env(environ={"PMIX_RANK": "0"}, store=_DictStore(), timeout=1)
+
+
+def test_from_env_one_gpu_pod_without_local_rank(fake_comm, monkeypatch):
+    # a Kubeflow PyTorchJob pod: RANK/WORLD_SIZE/MASTER_*, one GPU, no LOCAL_RANK
+    module = sys.modules[from_env.__module__]
+    monkeypatch.setattr(module, "_device_count", lambda: 1)
+    pod = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": HOST, "MASTER_PORT": "1"}
+    store = _DictStore()
+    StoreRendezvous(store).share(_payload(), rank=0, world_size=2, timeout=1)
+    assert from_env(environ=pod, store=store, timeout=OK_TIMEOUT).args[3] == 0
+    monkeypatch.setattr(module, "_device_count", lambda: 8)
+    with pytest.raises(LaunchEnvError, match="gives no local rank and CUDA sees 8 devices"):
+        from_env(environ=pod, store=store, timeout=OK_TIMEOUT)
+
+
+def test_from_env_store_after_a_torchrun_restart(fake_comm):
+    # torchrun --max-restarts: attempt 0's rank 0 shared an id and rank 1 died before
+    # reading it. In attempt 1 (new processes, fresh store clients) every rank must meet
+    # on a new id, not attempt 0's (issue 22, item 2).
+    server: dict = {}
+    base = {
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": HOST,
+        "MASTER_PORT": "1",
+        "TORCHELASTIC_RUN_ID": "job9",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
+    attempt0 = {**base, "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
+    old = from_env(environ=attempt0, store=_CountingStore(server), timeout=OK_TIMEOUT)
+    results = _run_ranks(
+        lambda r: from_env(
+            environ={**base, "RANK": str(r), "TORCHELASTIC_RESTART_COUNT": "1"},
+            store=_CountingStore(server),
+            timeout=OK_TIMEOUT,
+        ),
+        [1, 0],  # the reader first: attempt 0's key would be read at once
+    )
+    new = {bytes(results[r].args[1]) for r in range(2)}
+    assert len(new) == 1 and new != {bytes(old.args[1])}
+    assert any(k.startswith("pynccl/run-job9/attempt-1/") for k in server)
 
 
 def _can_bind(host: str) -> bool:

@@ -99,7 +99,7 @@ def who(launcher: str) -> str:
 
 
 def detected(launcher: str) -> str:
-    return f"{who(launcher)} detected"
+    return f"{who(launcher)} {'given' if launcher == 'explicit' else 'detected'}"
 
 
 def missing_address(env: LaunchEnv) -> str:
@@ -112,12 +112,8 @@ def missing_address(env: LaunchEnv) -> str:
         parts.append(f"MASTER_ADDR is not set ({why})")
     if env.master_port is None:
         names = _JOB_VARS.get(env.launcher, ())
-        source = (
-            f"none of {', '.join(names)} is set to derive one from"
-            if names
-            else f"{who(env.launcher)} gives no job id to derive one from"
-        )
-        parts.append(f"MASTER_PORT is not set and {source}")
+        source = f" and none of {', '.join(names)} is set to derive one from" if names else ""
+        parts.append(f"MASTER_PORT is not set{source}")
     return "; ".join(parts)
 
 

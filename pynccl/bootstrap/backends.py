@@ -69,11 +69,24 @@ class _StrongRef:
 def _next_generation(store: object, prefix: str, rank: int) -> int:
     """How many rendezvous ``rank`` already did on ``store`` under ``prefix``.
 
-    Every rank performs the same sequence of rendezvous, so the count names the
-    same key on all of them; a second ``from_env`` on one store therefore never
-    reads the first one's id. Counted per rank so that ranks living as threads of
-    one process (sharing one store object) stay in step.
+    Every rank performs the same sequence of rendezvous, so the count names the same
+    key on all of them; a second ``from_env`` on one store therefore never reads the
+    first one's id. Counted per rank so that ranks living as threads of one process
+    stay in step. A store with ``add(key, n)`` (``torch.distributed.Store``) keeps the
+    count itself, so that a fresh store object (a new client of the same server, a
+    restarted process) continues it; for other stores it is counted in this process,
+    per store object.
     """
+    add = getattr(store, "add", None)
+    if callable(add):
+        key = f"{prefix}/count/{rank}"
+        total = add(key, 1)
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise RendezvousProtocolError(
+                f"rank {rank}: store.add({key!r}, 1) returned {total!r}, not the new count "
+                "(a store's add must add to a counter and return its value)"
+            )
+        return total - 1
     k = (id(store), prefix, rank)
     with _generation_lock:
         entry = _generations.get(k)
@@ -98,16 +111,20 @@ def _next_generation(store: object, prefix: str, rank: int) -> int:
 class StoreRendezvous:
     """Share the id through a key-value store with ``set(key, value)`` and ``get(key)``.
 
-    A :class:`torch.distributed.Store` works unchanged (its ``get`` blocks until
-    the key exists, up to the store's own timeout). For a store whose ``get``
-    raises :class:`KeyError` (or any :class:`LookupError`) or returns ``None``
-    for a missing key, the other ranks poll until ``timeout``.
+    A :class:`torch.distributed.Store` works unchanged: the other ranks poll its
+    ``check([key])`` until ``timeout``, then ``get`` the key. For a store without
+    ``check`` whose ``get`` raises :class:`KeyError` (or any :class:`LookupError`)
+    or returns ``None`` for a missing key, they poll ``get``; a ``get`` that blocks
+    waits as the store decides.
 
     Rank 0 stores an ASCII value (a version tag, the world size and the ids in
     hex) under ``{prefix}/uid/{n}``, where ``n`` counts this rank's earlier
-    rendezvous on the same store object and prefix: repeated rendezvous in one
-    job do not read stale ids, provided every rank does them in the same order.
-    The store is trusted: whoever can read it can read the id.
+    rendezvous under that prefix: in the store itself (``{prefix}/count/{rank}``)
+    when it has ``add(key, n)``, as torch's stores do, else in this process per
+    store object. Repeated rendezvous in one job thus do not read stale ids,
+    provided every rank does them in the same order; a job that restarts over the
+    same store needs a prefix per attempt (``from_env`` adds torchrun's restart
+    count). The store is trusted: whoever can read it can read the id.
     """
 
     def __init__(self, store: Any, prefix: str = "pynccl", *, poll_interval: float = 0.01) -> None:
@@ -144,11 +161,14 @@ class StoreRendezvous:
     def _poll(self, key: str, rank: int, timeout: float) -> object:
         deadline = time.monotonic() + timeout
         delay = self.poll_interval
+        check = getattr(self.store, "check", None)  # torch's: is every key there, now?
         while True:
-            try:
-                value = self.store.get(key)
-            except LookupError:
-                value = None
+            value = None
+            if not callable(check) or check([key]):
+                try:
+                    value = self.store.get(key)
+                except LookupError:
+                    value = None
             if value is not None:
                 return value
             if time.monotonic() >= deadline:

@@ -7,10 +7,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .._limits import check_device_ordinal
+from ..bootstrap._common import check_share_args
 from ..bootstrap._seal import KEY_ENV
+from ..bootstrap._torchrun import attempt_prefix, torchrun_store
 from ..bootstrap.backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
-from ..bootstrap.env import LaunchEnv, detect_launch_env, select_device
-from ..bootstrap.errors import RendezvousProtocolError
+from ..bootstrap.env import LaunchEnv, detect_launch_env, explicit_launch_env, select_device
+from ..bootstrap.errors import LaunchEnvError, RendezvousProtocolError
 from ..bootstrap.tcp import TcpRendezvous
 
 if TYPE_CHECKING:
@@ -21,6 +23,7 @@ __all__ = ["from_env", "make_rendezvous"]
 
 _ID_BYTES = 128  # sizeof(ncclUniqueId)
 _MAX_IDS = 8192
+_DEFAULT_TIMEOUT = 300.0
 
 
 def _file_key(env: LaunchEnv, environ: Mapping[str, str]) -> str | None:
@@ -40,9 +43,16 @@ def make_rendezvous(
     file: str | os.PathLike[str] | None = None,
     rendezvous: Rendezvous | None = None,
     environ: Mapping[str, str] | None = None,
+    timeout: float = _DEFAULT_TIMEOUT,
 ) -> Rendezvous:
-    """The backend :func:`from_env` would use: the one given, else TCP at
-    ``MASTER_ADDR:MASTER_PORT`` keyed by ``PYNCCL_RENDEZVOUS_KEY``."""
+    """The backend :func:`from_env` would use: the one given; else, under torchrun,
+    torchrun's own store at ``MASTER_ADDR:MASTER_PORT``; else TCP at
+    ``MASTER_ADDR:MASTER_PORT`` keyed by ``PYNCCL_RENDEZVOUS_KEY``.
+
+    A ``store=`` gets the prefix ``pynccl`` plus torchrun's run id and restart count
+    when there are any, so that a restarted job never reads an earlier attempt's id.
+    ``timeout`` bounds connecting to torchrun's store.
+    """
     given = [
         name
         for name, value in (
@@ -64,17 +74,61 @@ def make_rendezvous(
             )
         return rendezvous
     if store is not None:
-        return StoreRendezvous(store)
+        return StoreRendezvous(store, prefix=attempt_prefix(env, environ))
     if mpi_comm is not None:
         return MpiRendezvous(mpi_comm)
     if file is not None:
         return FileRendezvous(file, key=_file_key(env, environ))
+    if env.world_size == 1:
+        return _Alone()  # nobody to share with: no address needed
+    agent = torchrun_store(env, environ, timeout)
+    if agent is not None:
+        return agent
     return TcpRendezvous.from_env(env, environ)
+
+
+class _Alone:
+    """The rendezvous of a world of one: rank 0 keeps its own ids."""
+
+    def share(self, payload: bytes | None, *, rank: int, world_size: int, timeout: float) -> bytes:
+        data = check_share_args(payload, rank, world_size, timeout)
+        assert data is not None  # rank 0 of 1
+        return data
+
+
+def _launch_env(
+    environ: Mapping[str, str], rank: Any, world_size: Any, local_rank: Any, mpi_comm: Any
+) -> LaunchEnv:
+    """Where this process sits: as the caller says, else as its launcher says, else (with
+    an MPI communicator and no launcher that tells the size) as MPI says."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            missing = "rank" if rank is None else "world_size"
+            raise ValueError(f"pass rank= and world_size= together ({missing}= is missing)")
+        return explicit_launch_env(rank, world_size, local_rank, environ)
+    if local_rank is not None:
+        raise ValueError("local_rank= goes with rank= and world_size=")
+    try:
+        return detect_launch_env(environ)
+    except LaunchEnvError as e:
+        if mpi_comm is None or e.launcher not in (None, "pmix"):
+            raise
+        get_rank = getattr(mpi_comm, "Get_rank", None)
+        get_size = getattr(mpi_comm, "Get_size", None)
+        if not (callable(get_rank) and callable(get_size)):
+            raise
+        return explicit_launch_env(get_rank(), get_size(), None, environ)
+
+
+def _device_count() -> int:
+    from pynccl.cuda import device_count  # the CUDA layer sits below this one
+
+    return device_count()
 
 
 def from_env(
     *,
-    timeout: float = 300.0,
+    timeout: float = _DEFAULT_TIMEOUT,
     store: Any = None,
     mpi_comm: Any = None,
     file: str | os.PathLike[str] | None = None,
@@ -84,21 +138,32 @@ def from_env(
     rendezvous: Rendezvous | None = None,
     environ: Mapping[str, str] | None = None,
     watchdog_timeout: float | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
 ) -> Communicator:
     """Create this process's :class:`~pynccl.Communicator` from its launcher's environment.
 
     Detects the launcher (:func:`detect_launch_env`: torchrun, ``python -m pynccl
-    launch``, Open MPI, MPICH/Intel MPI, Slurm), picks the device from the local
-    rank (:func:`select_device`, unless ``device`` is given), lets rank 0 create
-    ``nids`` unique ids and shares them with ``store=`` (a key-value store such
-    as ``torch.distributed.Store``), ``mpi_comm=`` (mpi4py), ``file=`` (a path on a
-    shared file system), ``rendezvous=`` (any :class:`Rendezvous`), or by default
-    over TCP at ``MASTER_ADDR:MASTER_PORT`` with ``PYNCCL_RENDEZVOUS_KEY``. Then
-    calls ``Communicator(world_size, ids, rank, device=device, config=config)``;
-    ``nids > 1`` uses ``ncclCommInitRankScalable`` (requires NCCL >= 2.23).
+    launch``, torch's ``env://`` variables, Open MPI, MVAPICH2, Cray PALS, MPICH/Intel
+    MPI, Slurm steps, LeaderWorkerSet, indexed Jobs/JobSet), picks the device from the
+    local rank (:func:`select_device`, unless ``device`` is given), lets rank 0 create
+    ``nids`` unique ids and shares them with ``store=`` (a key-value store such as
+    ``torch.distributed.Store``), ``mpi_comm=`` (mpi4py), ``file=`` (a path on a
+    shared file system), ``rendezvous=`` (any :class:`Rendezvous`); by default under
+    torchrun through torchrun's own store, and otherwise over TCP at
+    ``MASTER_ADDR:MASTER_PORT`` with ``PYNCCL_RENDEZVOUS_KEY``. Then calls
+    ``Communicator(world_size, ids, rank, device=device, config=config)``; ``nids > 1``
+    uses ``ncclCommInitRankScalable`` (requires NCCL >= 2.23).
 
-    Every rank must call it with the same ``nids`` and backend. ``timeout``
-    bounds the id exchange, not NCCL's own initialisation. ``environ`` replaces
+    ``rank=`` and ``world_size=`` (with ``local_rank=`` optionally) say where this
+    process sits instead of a launcher: for processes that a framework started (Ray
+    actors, a process pool), usually with ``store=`` or ``rendezvous=``. With
+    ``mpi_comm=`` and no launcher that gives the world size (PMIx alone), rank and size
+    are the communicator's.
+
+    Every rank must call it with the same ``nids`` and backend. ``timeout`` bounds the
+    id exchange, not NCCL's own initialisation. ``environ`` replaces
     :data:`os.environ` (for tests and embedding). ``watchdog_timeout`` starts the
     communicator's watchdog (see :meth:`Communicator.start_watchdog`).
     """
@@ -106,13 +171,22 @@ def from_env(
         raise ValueError(f"nids={nids!r} is not an integer in 1..{_MAX_IDS}")
     if environ is None:
         environ = os.environ
-    env = detect_launch_env(environ)
+    env = _launch_env(environ, rank, world_size, local_rank, mpi_comm)
     if device is None:
-        device = select_device(env, environ)
+        count = None
+        if env.local_rank is None and environ.get("CUDA_VISIBLE_DEVICES") is None:
+            count = _device_count()  # one GPU and no local rank (a Kubernetes pod): use it
+        device = select_device(env, environ, device_count=count)
     else:
         device = check_device_ordinal(device)
     backend = make_rendezvous(
-        env, store=store, mpi_comm=mpi_comm, file=file, rendezvous=rendezvous, environ=environ
+        env,
+        store=store,
+        mpi_comm=mpi_comm,
+        file=file,
+        rendezvous=rendezvous,
+        environ=environ,
+        timeout=timeout,
     )
 
     from pynccl.comm import Communicator, UniqueId  # the object layer sits above this one
