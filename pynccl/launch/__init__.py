@@ -15,6 +15,11 @@ Each rank gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``CUDA_VISIBLE_DEVICES`` to the chosen devices (rank k uses the k-th);
 ``--loopback`` adds the environment of the GPU-less loopback libraries, with as
 many loopback devices as ranks (``PYNCCL_LOOPBACK_DEVICES``, at least 8, unless set).
+With ``--nnodes``, every node's launcher runs on this machine (the loopback's ranks
+share its memory): node K's ranks get loopback devices ``K*N .. K*N+N-1`` (through
+``CUDA_VISIBLE_DEVICES``, unless ``--devices``), and the ranks of all nodes meet in
+``PYNCCL_LOOPBACK_RENDEZVOUS_DIR`` (default ``/tmp/pynccl-lb-<uid>``, made 0700), so
+that launchers in network namespaces of their own find each other too.
 
 Several nodes, as torchrun does it: run one launcher per node with the same
 ``-n``, ``--nnodes M`` and ``--master-addr`` (node 0's address; ``--master-port``
@@ -207,8 +212,14 @@ def _child_envs(
             raise ValueError(
                 f"--loopback: could not prepare the loopback libraries: {type(e).__name__}: {e}"
             ) from e
-        # devices follow -n: local rank i uses loopback device i
-        base.setdefault("PYNCCL_LOOPBACK_DEVICES", str(max(8, nproc)))
+        # devices follow the global rank: rank K*N+i (node K, local rank i) uses loopback
+        # device K*N+i, as on one GPU per rank; the loopback, like NCCL, refuses two ranks
+        # on one device, and every "node" here is this machine
+        base.setdefault("PYNCCL_LOOPBACK_DEVICES", str(max(8, nnodes * nproc)))
+        if nnodes > 1:
+            # the nodes' launchers may run in network namespaces of their own (abstract
+            # sockets are per namespace): their ranks meet through a directory instead
+            base.setdefault("PYNCCL_LOOPBACK_RENDEZVOUS_DIR", _loopback_rendezvous_dir())
     warnings = []
     key = base.get("PYNCCL_RENDEZVOUS_KEY") or None
     if key is None and nnodes == 1:
@@ -218,7 +229,7 @@ def _child_envs(
             "PYNCCL_RENDEZVOUS_KEY is not set, so the rendezvous between nodes is not "
             "authenticated: export the same secret on every node"
         )
-    if nnodes > 1 and _loopback_only(addr):
+    if nnodes > 1 and not opts.loopback and _loopback_only(addr):
         warnings.append(
             f"--master-addr {addr} is a loopback address here: ranks on other machines cannot "
             "reach rank 0 there (give node 0's network address)"
@@ -242,8 +253,44 @@ def _child_envs(
             env["PYNCCL_RENDEZVOUS_KEY"] = key
         if devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+        elif opts.loopback and nnodes > 1:
+            # this node's share of the loopback devices, numbered from 0 as CUDA does
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(node * nproc + i) for i in range(nproc))
         envs.append(env)
     return envs, warnings
+
+
+def _loopback_rendezvous_dir() -> str:
+    """``/tmp/pynccl-lb-<uid>``: where the loopback ranks of every node's launcher meet
+    (one directory for all the user's jobs; each world's socket has a name of its own).
+
+    Made 0700 if missing; refused unless it is a real directory of this user that nobody
+    else may write to, since whoever can connect there can join the job's worlds.
+    """
+    import stat
+
+    path = f"/tmp/pynccl-lb-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ValueError(
+            f"--loopback --nnodes: cannot create {path} for the loopback ranks to meet in "
+            f"({e}); set PYNCCL_LOOPBACK_RENDEZVOUS_DIR to a directory every node's launcher "
+            "sees"
+        ) from e
+    info = os.lstat(path)
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_uid != os.getuid()
+        or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    ):
+        raise ValueError(
+            f"--loopback --nnodes: {path} is not a directory of this user closed to others; "
+            "remove it, or set PYNCCL_LOOPBACK_RENDEZVOUS_DIR to one"
+        )
+    return path
 
 
 def _loopback_only(addr: str) -> bool:
