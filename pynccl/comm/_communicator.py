@@ -45,7 +45,7 @@ __all__ = ["Communicator"]
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from types import TracebackType
-    from typing import Any
+    from typing import Any, NoReturn
 
     from .._capi.nccl import NcclLibrary
     from ..cuda import DeviceBuffer
@@ -258,6 +258,16 @@ class Communicator(
         from ._from_env import from_env
 
         return from_env(**kwargs)
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        # pickle and copy both come here: a copy would own (and destroy) the same handle
+        raise TypeError(
+            "a Communicator cannot be pickled or copied: it is this process's handle to "
+            "NCCL state on its GPU, which no other process can use. Send what creates one "
+            "instead (the UniqueId it was made from, which pickles, or bytes(uid); the "
+            "rank; the world size) and call Communicator(world_size, uid, rank) in the "
+            "receiving process"
+        )
 
     @classmethod
     def from_handle(cls, handle: int, *, stream: StreamLike = None) -> Communicator:
