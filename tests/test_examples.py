@@ -5,7 +5,8 @@ each one runs as a user would start it on the loopback libraries: ``python
 examples/NAME.py --loopback`` (multi-rank examples then start their own ranks through
 ``python -m pynccl launch``), and the multi-rank ones once more under ``launch -n 3
 --loopback``, a world size they do not pick themselves. The CuPy and torch examples need
-a GPU: they are skipped here and listed in :data:`EXAMPLES` for the GPU check.
+a GPU: they are skipped here and listed in :data:`EXAMPLES` for the GPU check. The Ray
+example starts its own actors, on the loopback too, and is skipped where Ray is absent.
 """
 
 from __future__ import annotations
@@ -25,10 +26,12 @@ EXAMPLES_DIR = ROOT / "examples"
 class Example(NamedTuple):
     #: Ranks it needs at least under ``launch`` (0: one process, no launcher).
     min_ranks: int
-    #: A module it needs besides pynccl and numpy, which also means a real GPU.
+    #: A module it needs besides pynccl and numpy (skipped with the reason without it).
     needs: str | None = None
     #: What its rank 0 prints when it succeeds.
     says: str = "OK"
+    #: Whether it runs on the loopback libraries (``--loopback``); else it needs a GPU.
+    loopback: bool = True
 
 
 #: Every example, for this module and for the GPU check (see :func:`gpu_command`).
@@ -39,12 +42,13 @@ EXAMPLES: dict[str, Example] = {
     "split.py": Example(1, says="half, sum OK"),
     "graph_capture.py": Example(1, says="3 replays of a graph of 2 collectives OK"),
     "dead_peer.py": Example(2, says="peer lost"),
-    "cupy_arrays.py": Example(1, needs="cupy"),
-    "torch_bf16.py": Example(1, needs="torch"),
+    "cupy_arrays.py": Example(1, needs="cupy", loopback=False),
+    "torch_bf16.py": Example(1, needs="torch", loopback=False),
+    "ray_actors.py": Example(0, needs="ray", says="all_reduce and all_gather OK"),
 }
 
-#: The examples that need a GPU and another library: the GPU check runs these.
-GPU_ONLY = sorted(name for name, ex in EXAMPLES.items() if ex.needs)
+#: The examples that need a GPU (and another library): the GPU check runs these.
+GPU_ONLY = sorted(name for name, ex in EXAMPLES.items() if not ex.loopback)
 
 
 def gpu_command(name: str, ngpus: int) -> list[str] | None:
@@ -59,7 +63,7 @@ def gpu_command(name: str, ngpus: int) -> list[str] | None:
     return ["-m", "pynccl", "launch", "-n", str(n), f"examples/{name}"]
 
 
-LOOPBACK_EXAMPLES = sorted(name for name, ex in EXAMPLES.items() if not ex.needs)
+LOOPBACK_EXAMPLES = sorted(name for name, ex in EXAMPLES.items() if ex.loopback)
 LAUNCHED_EXAMPLES = sorted(name for name in LOOPBACK_EXAMPLES if EXAMPLES[name].min_ranks)
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -116,6 +120,8 @@ def test_example_compiles(name: str) -> None:
 @pytest.mark.parametrize("name", LOOPBACK_EXAMPLES)
 def test_example_runs_on_the_loopback(name: str, lb_env: dict[str, str]) -> None:
     ex = EXAMPLES[name]
+    if ex.needs is not None:
+        pytest.importorskip(ex.needs, reason=f"{name} needs {ex.needs} (pip install {ex.needs})")
     out = _run([f"examples/{name}", "--loopback"], _env())
     if ex.min_ranks == 0:
         assert len(_ok_lines(out, ex.says)) == 1, out
