@@ -5,8 +5,9 @@ rank 0 creates to every other rank. This package does it with the standard
 library only:
 
 * :func:`detect_launch_env` reads rank, world size, local rank and the master
-  address from torchrun, ``python -m pynccl launch``, Open MPI, MPICH/Intel MPI
-  or Slurm; :func:`select_device` turns the local rank into a CUDA device.
+  address from torchrun, ``python -m pynccl launch``, torch's ``env://`` variables,
+  Open MPI, MVAPICH2, Cray PALS, MPICH/Intel MPI, Slurm steps, LeaderWorkerSet or
+  indexed Jobs/JobSet; :func:`select_device` turns the local rank into a CUDA device.
 * Backends implementing :class:`Rendezvous` share the id: :class:`TcpRendezvous`
   (rank 0 serves it, mutually authenticated by ``PYNCCL_RENDEZVOUS_KEY``),
   :class:`StoreRendezvous`, :class:`MpiRendezvous`, :class:`FileRendezvous`.
@@ -18,7 +19,9 @@ Typical use, on every rank::
     comm = from_env()                  # TCP at MASTER_ADDR:MASTER_PORT, PYNCCL_RENDEZVOUS_KEY
     comm = from_env(store=store)       # or a torch.distributed store, mpi_comm=, file=
 
-started by ``python -m pynccl launch -n 4 train.py``, torchrun, srun or mpirun.
+started by ``python -m pynccl launch -n 4 train.py``, torchrun (through torchrun's own
+store), srun or mpirun; ``from_env(rank=r, world_size=n, store=store)`` where no launcher
+started the processes (Ray actors, a process pool).
 Importing this package loads no library.
 """
 

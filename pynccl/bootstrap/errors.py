@@ -20,9 +20,10 @@ __all__ = [
 class LaunchEnvError(ValueError):
     """The launcher's environment variables are missing, malformed or contradictory.
 
-    ``launcher`` names the convention that was detected (``"torchrun"``,
-    ``"pynccl"``, ``"openmpi"``, ``"mpich"``, ``"slurm"``) or is ``None`` when
-    none was.
+    ``launcher`` names the convention that was detected (one of
+    :data:`~pynccl.bootstrap.LAUNCHERS`: ``"torchrun"``, ``"env"``, ``"openmpi"``,
+    ``"slurm"``, ...; ``"explicit"`` for ``from_env(rank=..., world_size=...)``) or is
+    ``None`` when none was.
     """
 
     def __init__(self, message: str, launcher: str | None = None) -> None:

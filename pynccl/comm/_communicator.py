@@ -248,12 +248,14 @@ class Communicator(
     def from_env(cls, **kwargs: Any) -> Communicator:
         """This process's communicator from its launcher's environment.
 
-        torchrun / ``python -m pynccl launch``, Open MPI, MPICH / Intel MPI or
-        Slurm variables give rank, world size and device; the unique id travels
-        over TCP (``MASTER_ADDR:MASTER_PORT``, authenticated with
-        ``PYNCCL_RENDEZVOUS_KEY``), a ``store=``, an ``mpi_comm=`` or a ``file=``.
-        Keyword arguments as :func:`pynccl.bootstrap.from_env` (``timeout``,
-        ``store``, ``mpi_comm``, ``file``, ``config``, ``nids``, ``device``, ...).
+        The launcher's variables (torchrun, ``python -m pynccl launch``, torch's
+        ``env://``, Open MPI, MVAPICH2, Cray PALS, MPICH / Intel MPI, Slurm steps,
+        LeaderWorkerSet, indexed Jobs / JobSet), or ``rank=`` and ``world_size=``, give
+        rank, world size and device; the unique id travels over TCP
+        (``MASTER_ADDR:MASTER_PORT``, authenticated with ``PYNCCL_RENDEZVOUS_KEY``),
+        torchrun's own store, a ``store=``, an ``mpi_comm=`` or a ``file=``. Keyword
+        arguments as :func:`pynccl.bootstrap.from_env` (``timeout``, ``store``,
+        ``mpi_comm``, ``file``, ``config``, ``nids``, ``device``, ``rank``, ...).
         """
         from ._from_env import from_env
 
