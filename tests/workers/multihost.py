@@ -2,8 +2,10 @@
 every collective and a send/recv ring, each checked against numpy on every rank.
 
 Each rank's input comes from a generator seeded with its rank, so every rank computes
-every expected result on its own. The device is the *global* rank: the loopback's
-simulated hosts share one machine, whose devices must stay distinct across them.
+every expected result on its own. The loopback's simulated hosts share one machine, whose
+devices must stay distinct across them: ``launch --loopback --nnodes`` gives each node its
+share (``CUDA_VISIBLE_DEVICES``) and ``from_env`` picks the device; a rank started without
+a launcher that does (no ``CUDA_VISIBLE_DEVICES``) uses its *global* rank.
 
 Prints ``READY rank= size= launcher= local= netns= pid= shm=`` after init (``netns``:
 the inode of this process's network namespace) and ``E2E-OK rank= size= checks=`` at
@@ -34,7 +36,8 @@ def rank_input(rank: int, n: int, dtype: str = "float32") -> np.ndarray:
 def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
     env = detect_launch_env()
-    comm = pynccl.Communicator.from_env(timeout=60, device=env.rank)
+    device = None if "CUDA_VISIBLE_DEVICES" in os.environ else env.rank
+    comm = pynccl.Communicator.from_env(timeout=60, device=device)
     rank, size = comm.rank, comm.size
     report(
         "READY",
