@@ -68,15 +68,30 @@ def thread_worlds(lb: Any) -> Iterator[Callable[[int], Any]]:
             world.close()
 
 
-@pytest.fixture
-def solo_comm(lb: Any) -> Iterator[Any]:
-    """A new communicator of one rank on device 0 (nothing remembered yet), destroyed
-    after the test (destroying it twice is harmless)."""
+def _one_rank() -> Iterator[Any]:
+    """A new communicator of one rank on device 0, destroyed afterwards (destroying it
+    twice is harmless)."""
     from pynccl.comm import Communicator, UniqueId
 
     comm = Communicator(1, UniqueId(), 0, device=0)
-    yield comm
-    comm.destroy()
+    try:
+        yield comm
+    finally:
+        comm.destroy()
+
+
+@pytest.fixture(scope="module")
+def solo(lb: Any) -> Iterator[Any]:
+    """A communicator of one rank on device 0 shared by the tests of one module (a module
+    may define its own ``solo`` instead)."""
+    yield from _one_rank()
+
+
+@pytest.fixture
+def solo_comm(lb: Any) -> Iterator[Any]:
+    """A new communicator of one rank on device 0 (nothing remembered yet), destroyed
+    after the test."""
+    yield from _one_rank()
 
 
 @pytest.fixture

@@ -24,15 +24,6 @@ REDUCING = [row.method for row in COLLECTIVES if row.has_op]
 
 
 @pytest.fixture(scope="module")
-def solo(lb: Any) -> Iterator[Communicator]:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    try:
-        yield comm
-    finally:
-        comm.destroy()
-
-
-@pytest.fixture(scope="module")
 def bufs(lb: Any) -> Iterator[tuple[DeviceBuffer, DeviceBuffer]]:
     a = DeviceBuffer.from_numpy(np.arange(N, dtype=np.float32), device=0)
     b = DeviceBuffer(N, "float32", device=0)

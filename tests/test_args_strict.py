@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
@@ -27,15 +26,6 @@ from pynccl.comm import Communicator, UniqueId
 from pynccl.cuda import DeviceBuffer
 
 N = 8
-
-
-@pytest.fixture(scope="module")
-def solo(lb: Any) -> Iterator[Communicator]:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    try:
-        yield comm
-    finally:
-        comm.destroy()
 
 
 # -- PreMulSum scalars ---------------------------------------------------------------------------

@@ -250,15 +250,6 @@ def test_a_group_keeps_the_config_alive(world: ThreadWorld) -> None:
     world.run(one)
 
 
-@pytest.fixture(scope="module")
-def solo(lb: Any) -> Iterator[Communicator]:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    try:
-        yield comm
-    finally:
-        comm.destroy()
-
-
 @pytest.mark.parametrize("method", [row.method for row in COLLECTIVES])
 def test_a_non_config_is_refused_alike_by_every_method(solo: Communicator, method: str) -> None:
     x = DeviceBuffer(N, "float32", device=0)

@@ -65,15 +65,6 @@ def world(lb: Any) -> Iterator[ThreadWorld]:
         w.close()
 
 
-@pytest.fixture(scope="module")
-def solo(lb: Any) -> Iterator[Communicator]:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    try:
-        yield comm
-    finally:
-        comm.destroy()
-
-
 def _replay(world: ThreadWorld, method: str, kind: str, steps: int = 3) -> None:
     def one(r: int, comm: Communicator) -> list[tuple[Any, ...]]:
         send = DeviceBuffer.from_numpy(_data(method, r, 0), device=r)
