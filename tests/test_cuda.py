@@ -9,7 +9,6 @@ Results are checked against numpy and numpy's own dtype strings.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support_child import last_json, run_python
 
 from pynccl import cuda, library
 from pynccl.cuda import DeviceBuffer, Event, MemoryType, Stream, stream_handle
@@ -127,16 +127,7 @@ def test_unsupported_dtype_is_refused() -> None:
 def run_child(code: str) -> Any:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYNCCL_")}
     env.update(PYTHONPATH=str(ROOT), PYNCCL_CUDART_LIBRARY=CUDART)
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(ROOT),
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json(run_python(["-c", textwrap.dedent(code)], env))
 
 
 @pytest.mark.skipif(HAS_DRIVER, reason="this machine has an NVIDIA driver")

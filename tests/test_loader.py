@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _support_child import last_json, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,16 +64,7 @@ def child_env(**extra: str) -> dict[str, str]:
 def run_child(code: str, env: dict[str, str] | None = None, hide_wheels: bool = False) -> Any:
     """Run ``code`` in a fresh interpreter; it prints one JSON document as its last line."""
     src = (HIDE_WHEELS if hide_wheels else "") + textwrap.dedent(code)
-    proc = subprocess.run(
-        [sys.executable, "-c", src],
-        env=env if env is not None else child_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(ROOT),
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json(run_python(["-c", src], env if env is not None else child_env()))
 
 
 OPEN_NCCL = """
@@ -484,15 +476,7 @@ def test_info_shows_the_fallback_rule(tmp_path: Path) -> None:
         """
     )
     for args in (["--json"], []):
-        proc = subprocess.run(
-            [sys.executable, "-c", code, *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=str(ROOT),
-        )
-        assert proc.returncode == 0, proc.stderr
+        proc = run_python(["-c", code, *args], env)
         if args:
             cudart = json.loads(proc.stdout)["cudart"]
             assert cudart["path"] == str(old)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _support_child import last_json, run_python
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,16 +54,7 @@ def run_child(code: str, **env: str) -> Any:
     )
     child_env.update(env)
     prelude = "import ctypes, json\nfrom ctypes import byref, c_int, c_char_p, c_void_p, POINTER\n"
-    proc = subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)],
-        env=child_env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(ROOT),
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json(run_python(["-c", prelude + textwrap.dedent(code)], child_env))
 
 
 def test_version_matches_header() -> None:
@@ -230,15 +221,7 @@ def test_info_reports_parameters_from_environment() -> None:
         NCCL_SOCKET_IFNAME="lo",
         NCCL_DEBUG_SUBSYS="INIT,NET",
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "pynccl", "info", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=str(ROOT),
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = run_python(["-m", "pynccl", "info", "--json"], env)
     report = json.loads(proc.stdout)
     params = report["nccl_parameters"]
     assert params["supported"] is True

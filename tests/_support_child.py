@@ -1,0 +1,40 @@
+"""Child Python processes for the tests: one run that must succeed.
+
+A library is loaded process-wide (libnccl, libcudart) and a job needs several processes,
+so many tests run their code in fresh interpreters; these helpers start them alike, bound
+every wait (120 s by default) and never leave one running.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_python(
+    args: Sequence[str], env: Mapping[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``python *args`` from the repository root with exactly ``env``; it must exit 0
+    (a failure shows the child's stderr)."""
+    proc = subprocess.run(
+        [sys.executable, *args],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(ROOT),
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
+    """The JSON document a child printed as its last line of output."""
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
