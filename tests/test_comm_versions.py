@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _support_child import result_line, run_ranks
 from _worlds import (
     COLLECTIVES,
     GroupWorld,
@@ -112,26 +111,12 @@ def test_processes(version: str) -> None:
     env["PYNCCL_TEST_SPECS"] = json.dumps([json.loads(s.to_json()) for s in specs])
     env["PYNCCL_TEST_SIZE"] = "4"
     env["PYNCCL_TEST_UID"] = UniqueId().hex()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "_rank_worker.py")],
-            env={**env, "PYNCCL_TEST_RANK": str(r)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(4)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r}: {err[-3000:]}"
-        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][-1]
+    ranks = run_ranks(
+        [str(HERE / "_rank_worker.py")], [{**env, "PYNCCL_TEST_RANK": str(r)} for r in range(4)]
+    )
+    for r, (returncode, out, err) in enumerate(ranks):
+        assert returncode == 0, f"rank {r}: {err[-3000:]}"
+        line = result_line(out)
         results = json.loads(line[len("RESULT ") :])["results"]
         bad = [f"{x['spec']}: {x['error']}" for x in results if not x["ok"]]
         assert not bad and len(results) == len(specs), "\n".join(bad)

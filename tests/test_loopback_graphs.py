@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 import textwrap
 import threading
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support_child import result_line, run_ranks
 
 from pynccl import cuda, library
 from pynccl.comm import Communicator, UniqueId
@@ -350,21 +349,10 @@ _PROCESS_RANK = textwrap.dedent(
 
 def test_two_processes_capture_and_replay(lb_env: dict[str, str]) -> None:
     uid = UniqueId().hex()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PROCESS_RANK],
-            env={**lb_env, "RANK": str(r), "SIZE": "2", "UID": uid},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    for p in procs:
-        out, err = p.communicate(timeout=120)
-        assert p.returncode == 0, err[-3000:]
-        line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
-        assert json.loads(line[len("RESULT ") :]) == [True, True], err[-3000:]
+    envs = [{**lb_env, "RANK": str(r), "SIZE": "2", "UID": uid} for r in range(2)]
+    for returncode, out, err in run_ranks(["-c", _PROCESS_RANK], envs):
+        assert returncode == 0, err[-3000:]
+        assert json.loads(result_line(out)[len("RESULT ") :]) == [True, True], err[-3000:]
 
 
 def test_synchronize_refuses_a_capturing_stream_without_invalidating(stream: Stream) -> None:

@@ -20,8 +20,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
@@ -31,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support_child import result_line, run_ranks
 
 SUCCESS, INVALID_VALUE, NOT_READY, INVALID_DEVICE = 0, 1, 600, 101
 INVALID_RESOURCE_HANDLE, NOT_PERMITTED = 400, 800
@@ -681,24 +680,9 @@ def test_peer_pointer_across_processes(lib: Any, lb_env: dict[str, str]) -> None
             "(pynccl_lb_register_foreign_range, nccl/winreg.c map_peers)"
         )
     uid = ctypes.string_at(ctypes.addressof(lib.unique_id()), 128).hex()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PEER_RANK],
-            env={**lb_env, "RANK": str(r), "UID": uid},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-        line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
-        assert line == "RESULT [true, true]", err[-3000:]
+    ranks = run_ranks(
+        ["-c", _PEER_RANK], [{**lb_env, "RANK": str(r), "UID": uid} for r in range(2)]
+    )
+    for returncode, out, err in ranks:
+        assert returncode == 0, err[-3000:]
+        assert result_line(out) == "RESULT [true, true]", err[-3000:]

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support_child import result_line, run_ranks
 from _worlds import ThreadWorld, use_loopback
 from test_arg_policy import MISTAKES, _call, _shape
 
@@ -422,30 +423,11 @@ print("RESULT " + json.dumps([ok, names]))
 
 def test_four_processes_replay_and_capture(lb: Any, lb_env: dict[str, str]) -> None:
     import json
-    import subprocess
-    import sys
 
     uid = UniqueId().hex()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _PROCESS_RANK],
-            env={**lb_env, "RANK": str(r), "SIZE": "4", "UID": uid},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(4)
-    ]
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-3000:]
-            line = [x for x in out.splitlines() if x.startswith("RESULT ")][-1]
-            ok, names = json.loads(line[len("RESULT ") :])
-            assert ok == [True] * 8, err[-3000:]
-            assert names == ["ncclAllReduce", "ncclReduceScatterConfig"]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    envs = [{**lb_env, "RANK": str(r), "SIZE": "4", "UID": uid} for r in range(4)]
+    for returncode, out, err in run_ranks(["-c", _PROCESS_RANK], envs):
+        assert returncode == 0, err[-3000:]
+        ok, names = json.loads(result_line(out)[len("RESULT ") :])
+        assert ok == [True] * 8, err[-3000:]
+        assert names == ["ncclAllReduce", "ncclReduceScatterConfig"]
