@@ -15,119 +15,65 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
-from ctypes import POINTER, byref, c_char_p, c_float, c_int, c_size_t, c_uint, c_void_p
+from ctypes import byref, c_char_p, c_float, c_int, c_void_p
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from _support_cudart import (
+    ACTIVE,
+    CAPTURE_IMPLICIT,
+    CAPTURE_INVALIDATED,
+    CAPTURE_ISOLATION,
+    CAPTURE_MERGE,
+    CAPTURE_UNJOINED,
+    CAPTURE_UNMATCHED,
+    CAPTURE_UNSUPPORTED,
+    CAPTURE_WRONG_THREAD,
+    CAPTURED_EVENT,
+    D2D,
+    D2H,
+    DEFAULT,
+    GLOBAL,
+    H2D,
+    H2H,
+    HOST_FN,
+    ILLEGAL_STATE,
+    INITIALIZATION_ERROR,
+    INVALID_DEVICE,
+    INVALID_DEVICE_POINTER,
+    INVALID_MEMCPY_DIRECTION,
+    INVALID_RESOURCE_HANDLE,
+    INVALID_VALUE,
+    INVALIDATED,
+    LEGACY,
+    NONE,
+    NOT_READY,
+    PER_THREAD,
+    RELAXED,
+    SUCCESS,
+    THREAD_LOCAL,
+    PointerAttributes,
+    TaskGate,
+    bind,
+    capture_status,
+    clean_thread_state,  # noqa: F401  (autouse: per-test thread state)
+    end_capture,
+    event,
+    keep,
+    malloc,
+    ok,
+    read,
+    stream,
+)
 
 from pynccl.testing import loopback
 from pynccl.testing.loopback import _build
 
-SUCCESS = 0
-INVALID_VALUE = 1
-INITIALIZATION_ERROR = 3
-INVALID_DEVICE_POINTER = 17
-INVALID_MEMCPY_DIRECTION = 21
-NO_DEVICE = 100
-INVALID_DEVICE = 101
-INVALID_RESOURCE_HANDLE = 400
-ILLEGAL_STATE = 401
-NOT_READY = 600
-NOT_SUPPORTED = 801
-CAPTURE_UNSUPPORTED = 900
-CAPTURE_INVALIDATED = 901
-CAPTURE_MERGE = 902
-CAPTURE_UNMATCHED = 903
-CAPTURE_UNJOINED = 904
-CAPTURE_ISOLATION = 905
-CAPTURE_IMPLICIT = 906
-CAPTURED_EVENT = 907
-CAPTURE_WRONG_THREAD = 908
-GLOBAL, THREAD_LOCAL, RELAXED = range(3)  # cudaStreamCaptureMode
-NONE, ACTIVE, INVALIDATED = range(3)  # cudaStreamCaptureStatus
-
-H2H, H2D, D2H, D2D, DEFAULT = range(5)
-LEGACY = c_void_p(1)
-PER_THREAD = c_void_p(2)
-TASK_FN = ctypes.CFUNCTYPE(None, c_void_p)
 CLONE_FN = ctypes.CFUNCTYPE(c_void_p, c_void_p, c_int)
 REAL_CUDART = "/usr/local/cuda/lib64/libcudart.so.13"
 REAL_HEADERS = "/usr/local/cuda/include"
-
-
-class PointerAttributes(ctypes.Structure):
-    _fields_ = [
-        ("type", c_int),
-        ("device", c_int),
-        ("devicePointer", c_void_p),
-        ("hostPointer", c_void_p),
-        ("reserved", ctypes.c_long * 8),
-    ]
-
-
-_SIGNATURES: dict[str, tuple[object, list[object]]] = {
-    "cudaGetDeviceCount": (c_int, [POINTER(c_int)]),
-    "cudaGetDevice": (c_int, [POINTER(c_int)]),
-    "cudaSetDevice": (c_int, [c_int]),
-    "cudaDeviceSynchronize": (c_int, []),
-    "cudaDeviceGetPCIBusId": (c_int, [c_char_p, c_int, c_int]),
-    "cudaStreamCreate": (c_int, [POINTER(c_void_p)]),
-    "cudaStreamCreateWithFlags": (c_int, [POINTER(c_void_p), c_uint]),
-    "cudaStreamDestroy": (c_int, [c_void_p]),
-    "cudaStreamSynchronize": (c_int, [c_void_p]),
-    "cudaStreamQuery": (c_int, [c_void_p]),
-    "cudaStreamWaitEvent": (c_int, [c_void_p, c_void_p, c_uint]),
-    "cudaStreamIsCapturing": (c_int, [c_void_p, POINTER(c_int)]),
-    "cudaStreamBeginCapture": (c_int, [c_void_p, c_int]),
-    "cudaStreamEndCapture": (c_int, [c_void_p, POINTER(c_void_p)]),
-    "cudaGraphInstantiate": (c_int, [POINTER(c_void_p), c_void_p, ctypes.c_ulonglong]),
-    "cudaGraphLaunch": (c_int, [c_void_p, c_void_p]),
-    "cudaGraphExecDestroy": (c_int, [c_void_p]),
-    "cudaGraphDestroy": (c_int, [c_void_p]),
-    "cudaEventCreate": (c_int, [POINTER(c_void_p)]),
-    "cudaEventCreateWithFlags": (c_int, [POINTER(c_void_p), c_uint]),
-    "cudaEventRecord": (c_int, [c_void_p, c_void_p]),
-    "cudaEventQuery": (c_int, [c_void_p]),
-    "cudaEventSynchronize": (c_int, [c_void_p]),
-    "cudaEventElapsedTime": (c_int, [POINTER(c_float), c_void_p, c_void_p]),
-    "cudaEventDestroy": (c_int, [c_void_p]),
-    "cudaMalloc": (c_int, [POINTER(c_void_p), c_size_t]),
-    "cudaFree": (c_int, [c_void_p]),
-    "cudaMemcpy": (c_int, [c_void_p, c_void_p, c_size_t, c_int]),
-    "cudaMemcpyAsync": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_void_p]),
-    "cudaMemset": (c_int, [c_void_p, c_int, c_size_t]),
-    "cudaMemsetAsync": (c_int, [c_void_p, c_int, c_size_t, c_void_p]),
-    "cudaPointerGetAttributes": (c_int, [POINTER(PointerAttributes), c_void_p]),
-    "cudaRuntimeGetVersion": (c_int, [POINTER(c_int)]),
-    "cudaDriverGetVersion": (c_int, [POINTER(c_int)]),
-    "cudaGetErrorName": (c_char_p, [c_int]),
-    "cudaGetErrorString": (c_char_p, [c_int]),
-    "cudaGetLastError": (c_int, []),
-    "cudaPeekAtLastError": (c_int, []),
-    "pynccl_lb_last_error_detail": (c_char_p, []),
-    "pynccl_lb_stream_enqueue": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p]),
-    "pynccl_lb_stream_enqueue2": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int]),
-    "pynccl_lb_stream_capturing": (c_int, [c_void_p]),
-    "pynccl_lb_stream_device": (c_int, [c_void_p]),
-    "pynccl_lb_find_alloc": (c_int, [c_void_p, c_size_t, POINTER(c_int)]),
-    "pynccl_lb_current_device": (c_int, []),
-    "pynccl_lb_device_count": (c_int, []),
-    "pynccl_lb_device_physical": (c_int, [c_int]),
-    "pynccl_lb_malloc": (c_int, [POINTER(c_void_p), c_size_t, c_int]),
-    "pynccl_lb_free": (c_int, [c_void_p]),
-}
-
-
-def bind(path: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(path)
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype = restype
-        fn.argtypes = argtypes
-    return lib
 
 
 @pytest.fixture(scope="module")
@@ -143,44 +89,10 @@ def rt(cudart_path: str) -> ctypes.CDLL:
     return bind(cudart_path)
 
 
-@pytest.fixture(autouse=True)
-def _clean_thread_state(rt: ctypes.CDLL) -> Iterator[None]:
-    rt.cudaGetLastError()
-    rt.cudaSetDevice(0)
-    yield
-    rt.cudaSetDevice(0)
-    rt.cudaGetLastError()
-
-
-def ok(rt: ctypes.CDLL, rc: int) -> None:
-    assert rc == SUCCESS, f"error {rc}: {rt.pynccl_lb_last_error_detail().decode()}"
-
-
 def ndev(rt: ctypes.CDLL) -> int:
     n = c_int()
     ok(rt, rt.cudaGetDeviceCount(byref(n)))
     return n.value
-
-
-def malloc(rt: ctypes.CDLL, size: int) -> int:
-    p = c_void_p()
-    ok(rt, rt.cudaMalloc(byref(p), size))
-    assert p.value is not None
-    return p.value
-
-
-def stream(rt: ctypes.CDLL, flags: int = 0) -> int:
-    s = c_void_p()
-    ok(rt, rt.cudaStreamCreateWithFlags(byref(s), flags))
-    assert s.value is not None
-    return s.value
-
-
-def event(rt: ctypes.CDLL, flags: int = 0) -> int:
-    e = c_void_p()
-    ok(rt, rt.cudaEventCreateWithFlags(byref(e), flags))
-    assert e.value is not None
-    return e.value
 
 
 def worker_threads(prefix: str) -> set[int]:
@@ -195,32 +107,6 @@ def worker_threads(prefix: str) -> set[int]:
         if name.startswith(prefix):
             found.add(int(tid))
     return found
-
-
-_callbacks: list[object] = []  # a gate's callback must outlive the task that calls it
-
-
-class Gate:
-    """A task that blocks its stream until ``open()``: a deterministic "still busy" stream."""
-
-    def __init__(self, rt: ctypes.CDLL, stream: object) -> None:
-        self.opened = threading.Event()
-
-        def run(_arg: int | None) -> None:
-            self.opened.wait(60)  # bounded, so a failing test cannot hang the suite
-
-        callback = TASK_FN(run)
-        _callbacks.append(callback)
-        ok(rt, rt.pynccl_lb_stream_enqueue(stream, ctypes.cast(callback, c_void_p), None, None))
-
-    def open(self) -> None:
-        self.opened.set()
-
-    def __enter__(self) -> Gate:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.open()
 
 
 # ---- devices, versions, errors ---------------------------------------------------
@@ -275,7 +161,7 @@ def test_set_device_out_of_range_and_last_error(rt: ctypes.CDLL) -> None:
     # A pending query is a status, not an error: it does not become the last error.
     rt.cudaGetLastError()
     s = stream(rt)
-    with Gate(rt, s):
+    with TaskGate(rt, s):
         assert rt.cudaStreamQuery(s) == NOT_READY
         assert rt.cudaPeekAtLastError() == SUCCESS
     ok(rt, rt.cudaStreamDestroy(s))
@@ -361,29 +247,11 @@ def test_error_names_and_strings(rt: ctypes.CDLL) -> None:
 # ---- stream capture and graphs ----------------------------------------------------
 
 
-def capture_status(rt: ctypes.CDLL, s: object) -> int:
-    status = c_int(-1)
-    ok(rt, rt.cudaStreamIsCapturing(s, byref(status)))
-    return status.value
-
-
-def end_capture(rt: ctypes.CDLL, s: object) -> tuple[int, int | None]:
-    graph = c_void_p(1234)
-    rc = rt.cudaStreamEndCapture(s, byref(graph))
-    return rc, graph.value
-
-
 def instantiate(rt: ctypes.CDLL, graph: int | None) -> int:
     exe = c_void_p()
     ok(rt, rt.cudaGraphInstantiate(byref(exe), graph, 0))
     assert exe.value is not None
     return exe.value
-
-
-def read(rt: ctypes.CDLL, ptr: int, n: int) -> np.ndarray:
-    out = np.empty(n, np.uint8)
-    ok(rt, rt.cudaMemcpy(out.ctypes.data, ptr, n, D2H))
-    return out
 
 
 def write(rt: ctypes.CDLL, ptr: int, data: np.ndarray) -> None:
@@ -424,7 +292,7 @@ def test_capture_records_instead_of_running_and_replays(rt: ctypes.CDLL) -> None
         assert np.array_equal(read(rt, c, n), want)
     # several launches back to back, without synchronizing in between, keep stream order
     ok(rt, rt.cudaMemset(c, 0, n))
-    with Gate(rt, s):
+    with TaskGate(rt, s):
         for _ in range(5):
             ok(rt, rt.cudaGraphLaunch(exe, s))
         assert rt.cudaStreamQuery(s) == NOT_READY
@@ -549,8 +417,8 @@ def test_what_breaks_a_capture(rt: ctypes.CDLL) -> None:
         rt, s, lambda: rt.cudaStreamWaitEvent(s, ev, 0), CAPTURE_ISOLATION
     )
     # a task without a clone callback cannot be captured
-    cb = TASK_FN(lambda _arg: None)
-    _callbacks.append(cb)
+    cb = HOST_FN(lambda _arg: None)
+    keep(cb)
     assert "pynccl_lb_stream_enqueue2" in _breaks(
         rt,
         s,
@@ -676,7 +544,7 @@ def test_external_event_wait_is_a_graph_node(rt: ctypes.CDLL) -> None:
     rc, graph = end_capture(rt, s)
     ok(rt, rc)
     exe = instantiate(rt, graph)
-    with Gate(rt, other) as gate:
+    with TaskGate(rt, other) as gate:
         ok(rt, rt.cudaEventRecord(ev, other))  # the launch waits for this record
         ok(rt, rt.cudaGraphLaunch(exe, s))
         assert rt.cudaStreamQuery(s) == NOT_READY
@@ -770,8 +638,7 @@ def test_enqueue2_clone_contract(rt: ctypes.CDLL) -> None:
         with lock:
             log.append(("release", arg or 0, 0))
 
-    cbs = (TASK_FN(run), TASK_FN(release), CLONE_FN(clone))
-    _callbacks.extend(cbs)
+    cbs = (keep(HOST_FN(run)), keep(HOST_FN(release)), keep(CLONE_FN(clone)))
     run_p, release_p, clone_p = (ctypes.cast(cb, c_void_p) for cb in cbs)
     s = stream(rt, 1)
     assert rt.pynccl_lb_stream_enqueue2(s, run_p, release_p, clone_p, 7, 1) == ILLEGAL_STATE
@@ -988,7 +855,7 @@ def test_free_waits_for_the_device(rt: ctypes.CDLL) -> None:
         results.append(rt.cudaFree(a))
         returned.set()
 
-    with Gate(rt, s) as gate:
+    with TaskGate(rt, s) as gate:
         ok(rt, rt.cudaMemsetAsync(a, 1, 1 << 16, s))
         t = threading.Thread(target=free)
         t.start()
@@ -1011,7 +878,7 @@ def test_free_ignores_other_devices_work(rt: ctypes.CDLL) -> None:
     ok(rt, rt.cudaSetDevice(1))
     try:
         b = malloc(rt, 4096)
-        with Gate(rt, s):
+        with TaskGate(rt, s):
             ok(rt, rt.cudaFree(b))  # device 1 is idle: returns while device 0 is busy
             assert rt.cudaStreamQuery(s) == NOT_READY
     finally:
@@ -1109,7 +976,7 @@ def test_ncclmemfree_path_outlives_queued_work(rt: ctypes.CDLL) -> None:
     s = stream(rt)
     a = c_void_p()
     ok(rt, rt.pynccl_lb_malloc(byref(a), 1 << 16, 0))
-    with Gate(rt, s):
+    with TaskGate(rt, s):
         ok(rt, rt.cudaMemsetAsync(a, 1, 1 << 16, s))
         ok(rt, rt.pynccl_lb_free(a))  # returns at once
         assert rt.pynccl_lb_find_alloc(a, 1, None) == 0
@@ -1127,7 +994,7 @@ def test_stream_query_and_event_wait_across_streams(rt: ctypes.CDLL) -> None:
     a, b = malloc(rt, 4096), malloc(rt, 4096)
     ok(rt, rt.cudaMemset(a, 0, 4096))
     ok(rt, rt.cudaMemset(b, 0, 4096))
-    with Gate(rt, s1):
+    with TaskGate(rt, s1):
         ok(rt, rt.cudaMemsetAsync(a, 5, 4096, s1))
         ok(rt, rt.cudaEventRecord(e, s1))
         ok(rt, rt.cudaStreamWaitEvent(s2, e, 0))
@@ -1164,7 +1031,7 @@ def test_events_elapsed_time_and_errors(rt: ctypes.CDLL) -> None:
     buf = malloc(rt, 1 << 22)
     ok(rt, rt.cudaEventRecord(start, s))
     ok(rt, rt.cudaMemsetAsync(buf, 3, 1 << 22, s))
-    with Gate(rt, s):
+    with TaskGate(rt, s):
         ok(rt, rt.cudaEventRecord(end, s))
         assert rt.cudaEventElapsedTime(byref(ms), start, end) == NOT_READY
     ok(rt, rt.cudaEventSynchronize(end))
@@ -1198,7 +1065,7 @@ def test_events_elapsed_time_and_errors(rt: ctypes.CDLL) -> None:
 def test_destroy_event_with_pending_record(rt: ctypes.CDLL) -> None:
     s = stream(rt)
     e = event(rt)
-    with Gate(rt, s):
+    with TaskGate(rt, s):
         ok(rt, rt.cudaEventRecord(e, s))
         ok(rt, rt.cudaEventDestroy(e))  # the queued record keeps it alive internally
     ok(rt, rt.cudaStreamSynchronize(s))
@@ -1239,8 +1106,8 @@ def test_tasks_run_on_their_streams_device(rt: ctypes.CDLL) -> None:
     s = stream(rt)
     ok(rt, rt.cudaSetDevice(0))
     seen: list[int] = []
-    callback = TASK_FN(lambda _arg: seen.append(rt.pynccl_lb_current_device()))
-    _callbacks.append(callback)
+    callback = HOST_FN(lambda _arg: seen.append(rt.pynccl_lb_current_device()))
+    keep(callback)
     ok(rt, rt.pynccl_lb_stream_enqueue(s, ctypes.cast(callback, c_void_p), None, None))
     ok(rt, rt.cudaStreamSynchronize(s))
     ok(rt, rt.pynccl_lb_stream_enqueue(None, ctypes.cast(callback, c_void_p), None, None))
@@ -1253,7 +1120,7 @@ def test_legacy_stream_synchronizes_with_blocking_streams(rt: ctypes.CDLL) -> No
     blocking, nonblocking = stream(rt, 0), stream(rt, 1)  # cudaStreamNonBlocking = 1
     a = malloc(rt, 1024)
     ok(rt, rt.cudaMemset(a, 0, 1024))
-    with Gate(rt, blocking):
+    with TaskGate(rt, blocking):
         # Legacy work queued now waits for the held blocking stream...
         ok(rt, rt.cudaMemsetAsync(a, 9, 1024, None))
         assert rt.cudaStreamQuery(None) == NOT_READY
@@ -1265,7 +1132,7 @@ def test_legacy_stream_synchronizes_with_blocking_streams(rt: ctypes.CDLL) -> No
     ok(rt, rt.cudaMemcpy(out.ctypes.data, a, 1024, D2H))
     np.testing.assert_array_equal(out, np.full(1024, 9, np.uint8))
     # And the other way: blocking-stream work waits for earlier legacy work.
-    with Gate(rt, LEGACY):
+    with TaskGate(rt, LEGACY):
         ok(rt, rt.cudaMemsetAsync(a, 2, 1024, blocking))
         assert rt.cudaStreamQuery(blocking) == NOT_READY
         ok(rt, rt.cudaMemsetAsync(a, 3, 16, nonblocking))
@@ -1285,7 +1152,7 @@ def test_device_synchronize_covers_only_the_current_device(rt: ctypes.CDLL) -> N
     s1 = stream(rt, 1)
     a = malloc(rt, 1 << 20)
     ok(rt, rt.cudaSetDevice(0))
-    gate = Gate(rt, s1)
+    gate = TaskGate(rt, s1)
     ok(rt, rt.cudaMemsetAsync(a, 4, 1 << 20, s1))
     ok(rt, rt.cudaDeviceSynchronize())  # device 0: returns though device 1 is held
     assert rt.cudaStreamQuery(s1) == NOT_READY

@@ -22,23 +22,49 @@ import mmap
 import os
 import textwrap
 import threading
-from collections.abc import Callable, Iterator
-from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_void_p
+from collections.abc import Callable
+from ctypes import byref, c_int, c_void_p
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from _support_child import result_line, run_ranks
+from _support_cudart import (
+    ACTIVE,
+    CAPTURE_IMPLICIT,
+    CAPTURE_INVALIDATED,
+    CAPTURE_UNSUPPORTED,
+    CAPTURED_EVENT,
+    D2D,
+    D2H,
+    GLOBAL,
+    H2D,
+    HOST_FN,
+    INVALID_DEVICE,
+    INVALID_RESOURCE_HANDLE,
+    INVALID_VALUE,
+    NON_BLOCKING,
+    NOT_PERMITTED,
+    NOT_READY,
+    RELAXED,
+    SUCCESS,
+    THREAD_LOCAL,
+    HostGate,
+    PointerAttributes,
+    bind,
+    capture_status,
+    clean_thread_state,  # noqa: F401  (autouse: per-test thread state)
+    detail,
+    end_capture,
+    event,
+    keep,
+    malloc,
+    ok,
+    read,
+    stream,
+)
 
-SUCCESS, INVALID_VALUE, NOT_READY, INVALID_DEVICE = 0, 1, 600, 101
-INVALID_RESOURCE_HANDLE, NOT_PERMITTED = 400, 800
-CAPTURE_UNSUPPORTED, CAPTURE_INVALIDATED, CAPTURE_IMPLICIT, CAPTURED_EVENT = 900, 901, 906, 907
-GLOBAL, THREAD_LOCAL, RELAXED = range(3)  # cudaStreamCaptureMode
-NONE, ACTIVE, INVALIDATED = range(3)  # cudaStreamCaptureStatus
-H2H, H2D, D2H, D2D = range(4)
-NON_BLOCKING = 1
-HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)
 WAIT = 8.0  # "returns within": generous on a loaded 2-core machine
 N = 4096
 
@@ -67,106 +93,16 @@ LENIENCY_TABLE = {
     "another process",
 }
 
-_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
-    "cudaSetDevice": (c_int, [c_int]),
-    "cudaGetDevice": (c_int, [POINTER(c_int)]),
-    "cudaGetDeviceCount": (c_int, [POINTER(c_int)]),
-    "cudaDeviceSynchronize": (c_int, []),
-    "cudaStreamCreateWithFlags": (c_int, [POINTER(c_void_p), c_uint]),
-    "cudaStreamDestroy": (c_int, [c_void_p]),
-    "cudaStreamSynchronize": (c_int, [c_void_p]),
-    "cudaStreamQuery": (c_int, [c_void_p]),
-    "cudaStreamIsCapturing": (c_int, [c_void_p, POINTER(c_int)]),
-    "cudaStreamBeginCapture": (c_int, [c_void_p, c_int]),
-    "cudaStreamEndCapture": (c_int, [c_void_p, POINTER(c_void_p)]),
-    "cudaThreadExchangeStreamCaptureMode": (c_int, [POINTER(c_int)]),
-    "cudaLaunchHostFunc": (c_int, [c_void_p, c_void_p, c_void_p]),
-    "cudaGraphInstantiate": (c_int, [POINTER(c_void_p), c_void_p, ctypes.c_ulonglong]),
-    "cudaGraphLaunch": (c_int, [c_void_p, c_void_p]),
-    "cudaGraphExecDestroy": (c_int, [c_void_p]),
-    "cudaGraphDestroy": (c_int, [c_void_p]),
-    "cudaEventCreateWithFlags": (c_int, [POINTER(c_void_p), c_uint]),
-    "cudaEventRecord": (c_int, [c_void_p, c_void_p]),
-    "cudaEventQuery": (c_int, [c_void_p]),
-    "cudaEventSynchronize": (c_int, [c_void_p]),
-    "cudaEventDestroy": (c_int, [c_void_p]),
-    "cudaMalloc": (c_int, [POINTER(c_void_p), c_size_t]),
-    "cudaFree": (c_int, [c_void_p]),
-    "cudaMemcpy": (c_int, [c_void_p, c_void_p, c_size_t, c_int]),
-    "cudaMemcpyAsync": (c_int, [c_void_p, c_void_p, c_size_t, c_int, c_void_p]),
-    "cudaMemset": (c_int, [c_void_p, c_int, c_size_t]),
-    "cudaMemsetAsync": (c_int, [c_void_p, c_int, c_size_t, c_void_p]),
-    "cudaPointerGetAttributes": (c_int, [c_void_p, c_void_p]),
-    "cudaGetErrorName": (c_char_p, [c_int]),
-    "cudaGetLastError": (c_int, []),
-    "cudaPeekAtLastError": (c_int, []),
-    "pynccl_lb_last_error_detail": (c_char_p, []),
-    "pynccl_lb_find_alloc": (c_int, [c_void_p, c_size_t, POINTER(c_int)]),
-    "pynccl_lb_free": (c_int, [c_void_p]),
-    "pynccl_lb_register_foreign_range": (c_int, [c_void_p, c_size_t, c_int]),
-    "pynccl_lb_unregister_foreign_range": (c_int, [c_void_p]),
-}
-
-_keep: list[object] = []  # host functions must outlive the tasks that call them
-
 
 @pytest.fixture(scope="module")
 def rt(build: Any) -> ctypes.CDLL:
     """The cudart the loopback libnccl of ``build`` (_lb_fixtures) links: one instance."""
-    lib = ctypes.CDLL(build.cudart)
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
-@pytest.fixture(autouse=True)
-def _clean_thread_state(rt: ctypes.CDLL) -> Iterator[None]:
-    rt.cudaGetLastError()
-    rt.cudaSetDevice(0)
-    yield
-    rt.cudaSetDevice(0)
-    rt.cudaGetLastError()
-
-
-def ok(rt: ctypes.CDLL, rc: int) -> None:
-    assert rc == SUCCESS, f"error {rc}: {rt.pynccl_lb_last_error_detail().decode()}"
-
-
-def detail(rt: ctypes.CDLL) -> str:
-    return str(rt.pynccl_lb_last_error_detail().decode())
-
-
-def malloc(rt: ctypes.CDLL, size: int = N) -> int:
-    p = c_void_p()
-    ok(rt, rt.cudaMalloc(byref(p), size))
-    assert p.value is not None
-    return p.value
-
-
-def stream(rt: ctypes.CDLL, flags: int = NON_BLOCKING) -> int:
-    s = c_void_p()
-    ok(rt, rt.cudaStreamCreateWithFlags(byref(s), flags))
-    assert s.value is not None
-    return s.value
-
-
-def event(rt: ctypes.CDLL) -> int:
-    e = c_void_p()
-    ok(rt, rt.cudaEventCreateWithFlags(byref(e), 0))
-    assert e.value is not None
-    return e.value
+    return bind(build.cudart)
 
 
 def peek(ptr: int, n: int = N) -> np.ndarray:
     """Loopback device memory through its host address, without any stream ordering."""
     return np.frombuffer((ctypes.c_uint8 * n).from_address(ptr), np.uint8).copy()
-
-
-def read(rt: ctypes.CDLL, ptr: int, n: int = N) -> np.ndarray:
-    out = np.empty(n, np.uint8)
-    ok(rt, rt.cudaMemcpy(out.ctypes.data, ptr, n, D2H))
-    return out
 
 
 def filled(rt: ctypes.CDLL, value: int, n: int = N) -> int:
@@ -184,43 +120,6 @@ def within(call: Callable[[], int], seconds: float = WAIT) -> tuple[bool, int | 
     t.start()
     t.join(seconds)
     return (not t.is_alive(), box[0] if box else None)
-
-
-class HostGate:
-    """A host function holding its stream busy until :meth:`open` (bounded at 60 s)."""
-
-    def __init__(self, rt: ctypes.CDLL, stream: int | None) -> None:
-        self.started = threading.Event()
-        self.opened = threading.Event()
-
-        def run(_user: int | None) -> None:
-            self.started.set()
-            self.opened.wait(60)
-
-        self.fn = HOST_FN(run)
-        _keep.append(self.fn)
-        ok(rt, rt.cudaLaunchHostFunc(stream, self.fn, None))
-
-    def open(self) -> None:
-        self.opened.set()
-
-    def __enter__(self) -> HostGate:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.open()
-
-
-def capture_status(rt: ctypes.CDLL, s: int | None) -> int:
-    status = c_int(-1)
-    ok(rt, rt.cudaStreamIsCapturing(s, byref(status)))
-    return status.value
-
-
-def end_capture(rt: ctypes.CDLL, s: int) -> tuple[int, int | None]:
-    graph = c_void_p()
-    rc = rt.cudaStreamEndCapture(s, byref(graph))
-    return rc, graph.value
 
 
 def exchange(rt: ctypes.CDLL, mode: int) -> int:
@@ -244,7 +143,7 @@ def test_memset_async(rt: ctypes.CDLL) -> None:
         assert (done, rc) == (True, SUCCESS)  # returned while the stream is held...
         assert not peek(a).any()  # ...and has not happened yet
     ok(rt, rt.cudaStreamSynchronize(None))
-    assert (read(rt, a) == 7).all()
+    assert (read(rt, a, N) == 7).all()
     ok(rt, rt.cudaFree(a))
 
 
@@ -255,7 +154,7 @@ def test_d2d_memcpy_async(rt: ctypes.CDLL) -> None:
         assert (done, rc) == (True, SUCCESS)
         assert not peek(b).any()
     ok(rt, rt.cudaStreamSynchronize(None))
-    assert (read(rt, b) == 5).all()
+    assert (read(rt, b, N) == 5).all()
     for p in (a, b):
         ok(rt, rt.cudaFree(p))
 
@@ -272,7 +171,7 @@ def test_h2d_memcpy_staged(rt: ctypes.CDLL) -> None:
         host[:] = 1  # the source was staged: reusing it at once is fine
         assert not peek(a).any()  # not landed
     ok(rt, rt.cudaStreamSynchronize(None))
-    assert (read(rt, a) == 9).all()
+    assert (read(rt, a, N) == 9).all()
     # "A stream sync is performed before the copy is initiated": work queued on the
     # legacy stream itself is waited for.
     with HostGate(rt, None) as gate:
@@ -287,7 +186,7 @@ def test_h2d_memcpy_staged(rt: ctypes.CDLL) -> None:
         assert returned.wait(WAIT)
         t.join()
     ok(rt, rt.cudaStreamSynchronize(None))
-    assert (read(rt, a) == 3).all()
+    assert (read(rt, a, N) == 3).all()
     ok(rt, rt.cudaStreamDestroy(blocking))
     ok(rt, rt.cudaFree(a))
 
@@ -312,7 +211,7 @@ def test_d2h_memcpy_waits(rt: ctypes.CDLL) -> None:
 
 def test_async_copies_stream_ordered(rt: ctypes.CDLL) -> None:
     a, b = filled(rt, 0), filled(rt, 0)
-    s = stream(rt)
+    s = stream(rt, NON_BLOCKING)
     host = np.full(N, 9, np.uint8)
     with HostGate(rt, s):
         ok(rt, rt.cudaMemcpyAsync(a, host.ctypes.data, N, H2D, s))
@@ -333,7 +232,7 @@ def test_async_copies_stream_ordered(rt: ctypes.CDLL) -> None:
 
 def _unsafe_calls(rt: ctypes.CDLL) -> dict[str, Callable[[], int]]:
     """The "potentially unsafe" calls, on objects that have nothing to do with the capture."""
-    other = stream(rt)
+    other = stream(rt, NON_BLOCKING)
     ev = event(rt)
     ok(rt, rt.cudaEventRecord(ev, other))
     ok(rt, rt.cudaStreamSynchronize(other))
@@ -395,7 +294,7 @@ def _from_thread(rt: ctypes.CDLL, call: Callable[[], int], mode: int) -> tuple[i
 @pytest.mark.parametrize("call", UNSAFE)
 def test_capture_unsafe_from_other_threads(rt: ctypes.CDLL, call: str, mode: int) -> None:
     calls = _unsafe_calls(rt)
-    s = stream(rt)
+    s = stream(rt, NON_BLOCKING)
     ok(rt, rt.cudaStreamBeginCapture(s, GLOBAL))  # torch.cuda.graph's default
     rc, why = _from_thread(rt, calls[call], mode)
     end, graph = end_capture(rt, s)
@@ -415,7 +314,7 @@ def test_capture_unsafe_from_other_threads(rt: ctypes.CDLL, call: str, mode: int
 @pytest.mark.parametrize("capture_mode", [THREAD_LOCAL, RELAXED], ids=["local", "relaxed"])
 def test_capture_mode_of_the_capture(rt: ctypes.CDLL, capture_mode: int) -> None:
     calls = _unsafe_calls(rt)
-    s = stream(rt)
+    s = stream(rt, NON_BLOCKING)
     ok(rt, rt.cudaStreamBeginCapture(s, capture_mode))
     for name in UNSAFE:  # from a thread in the default, global mode
         rc, why = _from_thread(rt, calls[name], GLOBAL)
@@ -429,7 +328,7 @@ def test_capture_mode_of_the_capture(rt: ctypes.CDLL, capture_mode: int) -> None
 
 def test_capturing_thread_interaction_mode(rt: ctypes.CDLL) -> None:
     calls = _unsafe_calls(rt)
-    s = stream(rt)
+    s = stream(rt, NON_BLOCKING)
     ev = event(rt)
     try:
         # Relaxed: the capturing thread itself may make every unsafe call...
@@ -487,7 +386,7 @@ def test_exchange_capture_mode(rt: ctypes.CDLL) -> None:
 
 def test_host_function(rt: ctypes.CDLL) -> None:
     a = filled(rt, 0)
-    s = stream(rt)
+    s = stream(rt, NON_BLOCKING)
     seen: list[int] = []
     inside: list[tuple[int, str]] = []
 
@@ -496,8 +395,7 @@ def test_host_function(rt: ctypes.CDLL) -> None:
         d = c_int()
         inside.append((rt.cudaGetDevice(byref(d)), detail(rt)))
 
-    fn = HOST_FN(record)
-    _keep.append(fn)
+    fn = keep(HOST_FN(record))
     # In stream order: after the work before it, before the work after it.
     ok(rt, rt.cudaMemsetAsync(a, 1, N, s))
     ok(rt, rt.cudaLaunchHostFunc(s, fn, None))
@@ -561,16 +459,6 @@ def test_implicit_capture_error_is_last_error(rt: ctypes.CDLL) -> None:
 # ---- peer mappings ---------------------------------------------------------------------------
 
 
-class _Attributes(ctypes.Structure):
-    _fields_ = [
-        ("type", c_int),
-        ("device", c_int),
-        ("devicePointer", c_void_p),
-        ("hostPointer", c_void_p),
-        ("reserved", ctypes.c_long * 8),
-    ]
-
-
 def _address(m: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(m))
 
@@ -602,7 +490,7 @@ def test_peer_mapping_is_device_memory(rt: ctypes.CDLL) -> None:
         want[16:48] = 0xAB
         want[:8] = head[:8]
         assert np.frombuffer(owner[:], np.uint8).tolist() == want.tolist()
-        attrs = _Attributes()
+        attrs = PointerAttributes()
         ok(rt, rt.cudaPointerGetAttributes(byref(attrs), peer_ptr + 100))
         assert (attrs.type, attrs.device) == (2, 0)  # cudaMemoryTypeDevice, device 0
         dev = c_int(-1)

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support_cudart import StreamGate, keep
 
 from pynccl import DataType
 from pynccl.comm import Communicator, UniqueId
@@ -39,11 +40,9 @@ pytestmark = pytest.mark.usefixtures("lb")
 
 N = 16
 F32 = DataType.FLOAT32
-_HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)
-_KEEP: list[object] = []  # callbacks outlive the tasks that call them
 
 
-class Hold:
+class Hold(StreamGate):
     """Holds ``stream`` (a handle; 0: the legacy default stream of the current device)
     busy from construction until :meth:`release`: a host function that blocks its stream
     (``cudaLaunchHostFunc``, or the loopback's own task hook where the loopback predates
@@ -51,33 +50,23 @@ class Hold:
     (something waited for the held stream) fails the test on exit."""
 
     def __init__(self, stream: int) -> None:
-        self.released = threading.Event()
-        self.started = threading.Event()
-        self.ran_out = False
-
-        def run(_arg: int | None) -> None:
-            self.started.set()
-            self.ran_out = not self.released.wait(10)
-
-        fn = _HOST_FN(run)
-        _KEEP.append(fn)
         lib: Any = cudart()._cdll
-        try:
-            launch = lib.cudaLaunchHostFunc
-            rc = launch(c_void_p(stream), fn, None)
-        except AttributeError:
-            rc = lib.pynccl_lb_stream_enqueue(c_void_p(stream), fn, None, None)
-        assert rc == 0, f"could not hold stream {stream:#x}: error {rc}"
+
+        def launch(fn: Any) -> None:
+            try:
+                rc = lib.cudaLaunchHostFunc(c_void_p(stream), fn, None)
+            except AttributeError:
+                rc = lib.pynccl_lb_stream_enqueue(c_void_p(stream), fn, None, None)
+            assert rc == 0, f"could not hold stream {stream:#x}: error {rc}"
+
+        super().__init__(launch, bound=10)
         assert self.started.wait(10), "the holding task never started"
 
     def release(self) -> None:
-        self.released.set()
-
-    def __enter__(self) -> Hold:
-        return self
+        self.open()
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        super().__exit__(*exc)
         assert not self.ran_out, "the held stream was waited for while held"
 
 
@@ -121,7 +110,7 @@ def comm() -> Iterator[Communicator]:
 
 def _produce(stream: int, buf: DeviceBuffer, data: np.ndarray) -> None:
     """Queue the producer's write of ``data`` into ``buf`` on ``stream``."""
-    _KEEP.append(data)  # pageable source: alive until the copy ran
+    keep(data)  # pageable source: alive until the copy ran
     rc = cudart().raw("cudaMemcpyAsync")(buf.ptr, data.ctypes.data, data.nbytes, 1, stream)
     assert rc == 0
 
