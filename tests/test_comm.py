@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from _producers import CAIArray, DLPackProducer, kDLCUDA
+from _support_wait import wait_for
 from _worlds import Slot, Spec, ThreadWorld, check, ref_reduce
 
 from pynccl import library
@@ -1101,27 +1102,18 @@ def test_synchronize_raises_the_asynchronous_error(
         comm.abort()
 
 
-def _wait_for(predicate: Callable[[], bool], seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_watchdog_aborts_a_hung_communicator(lb: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYNCCL_LOOPBACK_HANG", "1")
     comm = Communicator(1, UniqueId(), 0, device=0, watchdog_timeout=0.2)
     with _buf(np.zeros(3)) as b:
         comm.all_gather(b, b, count=1)
-        assert _wait_for(lambda: comm.state == "aborted"), "the watchdog did not abort"
+        assert wait_for(lambda: comm.state == "aborted", 20), "the watchdog did not abort"
         reason = comm.error
         assert isinstance(reason, NcclTimeoutError)
         assert "ncclAllGather" in str(reason) and "watchdog aborted" in str(reason)
         with pytest.raises(NcclTimeoutError):
             comm.all_reduce(b)
-    assert _wait_for(lambda: _no_thread_named("pynccl-watchdog"))
+    assert wait_for(lambda: _no_thread_named("pynccl-watchdog"), 20)
     comm.destroy()  # already aborted: a no-op
 
 
@@ -1134,11 +1126,11 @@ def test_watchdog_aborts_on_an_asynchronous_error(lb: Any, monkeypatch: pytest.M
         comm.start_watchdog(30.0)
     with _buf(np.zeros(3)) as b:
         comm.all_reduce(b)
-        assert _wait_for(lambda: comm.state == "aborted")
+        assert wait_for(lambda: comm.state == "aborted", 20)
         assert isinstance(comm.error, NcclError)
         assert comm.error.result == Result.INTERNAL_ERROR
         assert "ncclAllReduce" in str(comm.error)
-    assert _wait_for(lambda: _no_thread_named("pynccl-watchdog"))
+    assert wait_for(lambda: _no_thread_named("pynccl-watchdog"), 20)
 
 
 def test_watchdog_stops_with_the_communicator(lb: Any) -> None:
@@ -1194,7 +1186,7 @@ def test_nothing_outlives_the_communicators(lb: Any) -> None:
         comm.destroy()
     world.close()
     assert _mapped_worlds() == maps_before
-    assert _wait_for(lambda: {t.ident for t in threading.enumerate()} <= threads_before)
+    assert wait_for(lambda: {t.ident for t in threading.enumerate()} <= threads_before, 20)
 
 
 def test_device_is_known_without_device_argument_and_checked(lb: Any) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _support_wait import wait_for
 
 from pynccl import NcclInvalidUsage, NcclTimeoutError, library
 from pynccl.comm import Communicator, Config, UniqueId
@@ -49,15 +50,6 @@ def capture_modes(lb: Any) -> None:
     strict cross-thread capture rules land with it (without it nothing is enforced)."""
     if not hasattr(library.cudart()._cdll, "cudaThreadExchangeStreamCaptureMode"):
         pytest.skip("the loopback libcudart lacks cudaThreadExchangeStreamCaptureMode")
-
-
-def _wait_for(predicate: Callable[[], bool], seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def _watchdog_threads() -> list[threading.Thread]:
@@ -190,7 +182,7 @@ def test_a_call_blocked_in_nccl_does_not_blind_the_watchdog(
         t0 = time.monotonic()
         # Before: the watchdog read the async error through the gate, timed out after
         # GATE_TIMEOUT and took that for "torn down": it vanished and nothing was aborted.
-        assert _wait_for(lambda: comm.state == "aborted", 8), "the watchdog did not abort"
+        assert wait_for(lambda: comm.state == "aborted", 8), "the watchdog did not abort"
         assert time.monotonic() - t0 < 8
         reason = comm.error
         assert isinstance(reason, NcclTimeoutError), reason
@@ -254,7 +246,7 @@ def test_the_watchdog_thread_reports_an_unexpected_error_and_goes_on(
         warnings.simplefilter("always")
         comm.start_watchdog(0.3, interval=0.02)
         comm.all_reduce(buf)  # hangs: the watchdog, still alive, must abort it
-        assert _wait_for(lambda: comm.state == "aborted"), "the watchdog died"
+        assert wait_for(lambda: comm.state == "aborted", 10), "the watchdog died"
     texts = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
     assert any("unexpected RuntimeError: injected failure" in t for t in texts), texts
     assert isinstance(comm.error, NcclTimeoutError)
@@ -270,7 +262,7 @@ def test_a_watchdog_error_and_its_record_are_separate_sentences(
     comm = Communicator(1, UniqueId(), 0, device=0, config=Config(blocking=False))
     try:
         comm.start_watchdog(0.2, interval=0.02)
-        assert _wait_for(lambda: comm.state == "aborted")
+        assert wait_for(lambda: comm.state == "aborted", 10)
         text = str(comm.error)
         assert "the watchdog aborted it. No operation issued yet on rank 0." in text, text
     finally:
@@ -317,7 +309,7 @@ def test_the_watchdog_watches_stream_0_on_the_communicators_device(
     comm1.all_reduce(x)  # on stream 0 of device 1 (NCCL's): rank 0 never joins, it hangs
     assert get_device() == 0
     # Before, its event went to device 0's legacy stream, where nothing waits: no abort.
-    assert _wait_for(lambda: comm1.state == "aborted", 8), "the hang went unseen"
+    assert wait_for(lambda: comm1.state == "aborted", 8), "the hang went unseen"
     assert "ncclAllReduce" in str(comm1.error)
     x.close()
 
