@@ -56,19 +56,26 @@ def runner(
     return _sendrecv(comm, sp, rp, n, dtype, s)
 
 
-def _sendrecv(comm: Any, sp: int, rp: int, n: int, dtype: DataType, s: int) -> Callable[[], None]:
-    """nccl-tests' sendrecv: each rank sends to the next and receives from the previous."""
+def _exchanges(
+    comm: Any, rounds: list[tuple[int, int, int, int, int]], dtype: DataType, s: int
+) -> Callable[[], None]:
+    """A function issuing, for each round ``(send address, to, receive address, from,
+    count)`` in order, one send and one receive in a group (neither waits for the other)."""
     from ..groups import group
 
+    def exchange() -> None:
+        for send_at, to, recv_at, from_, count in rounds:
+            with group():
+                comm.send(send_at, to, count=count, dtype=dtype, stream=s)
+                comm.recv(recv_at, from_, count=count, dtype=dtype, stream=s)
+
+    return exchange
+
+
+def _sendrecv(comm: Any, sp: int, rp: int, n: int, dtype: DataType, s: int) -> Callable[[], None]:
+    """nccl-tests' sendrecv: each rank sends to the next and receives from the previous."""
     rank, size = int(comm.rank), int(comm.size)
-    nxt, prv = (rank + 1) % size, (rank - 1) % size
-
-    def sendrecv() -> None:
-        with group():
-            comm.send(sp, nxt, count=n, dtype=dtype, stream=s)
-            comm.recv(rp, prv, count=n, dtype=dtype, stream=s)
-
-    return sendrecv
+    return _exchanges(comm, [(sp, (rank + 1) % size, rp, (rank - 1) % size, n)], dtype, s)
 
 
 def _hypercube(
@@ -78,26 +85,23 @@ def _hypercube(
     of ranks). This rank's block goes to its place in the receive buffer, then in round
     ``mask`` = 1, 2, 4 ... it swaps with rank ``rank ^ mask`` the ``mask`` blocks it holds
     for the ``mask`` blocks the peer holds, one send and one receive in a group."""
-    from ..groups import group
-
     rank, size = int(comm.rank), int(comm.size)
     block = n * dtype.itemsize
     mine = rp + rank * block
-    rounds = []
+    rounds: list[tuple[int, int, int, int, int]] = []
     mask = 1
     while mask < size:
         held = rank & ~(mask - 1)  # first block of the run this rank holds
         wanted = held ^ mask  # first block of the run the peer holds
-        rounds.append((rp + held * block, rp + wanted * block, n * mask, rank ^ mask))
+        peer = rank ^ mask
+        rounds.append((rp + held * block, peer, rp + wanted * block, peer, n * mask))
         mask <<= 1
+    exchange = _exchanges(comm, rounds, dtype, s)
 
     def hypercube() -> None:
         if mine != sp and block:  # in place, the input is already there
             rt.cudaMemcpyAsync(mine, sp, block, _D2D, s)
-        for send_at, recv_at, count, peer in rounds:
-            with group():
-                comm.send(send_at, peer, count=count, dtype=dtype, stream=s)
-                comm.recv(recv_at, peer, count=count, dtype=dtype, stream=s)
+        exchange()
 
     return hypercube
 
