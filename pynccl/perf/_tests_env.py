@@ -38,6 +38,18 @@ _SPLIT_RE = re.compile(r"^\s*(and|or|mod|div|[&|%/])\s*(\S+)\s*$", re.IGNORECASE
 _C_INT_MAX = (1 << 31) - 1
 
 
+def finite_float(name: str, text: str, what: str = "number") -> float:
+    """The value of the variable ``name`` set to ``text``: a float, finite; else a
+    PerfError naming the variable, its text and what it must be."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise PerfError(f"{name}={text!r}: expected a {what}") from None
+    if not math.isfinite(value):
+        raise PerfError(f"{name}={text!r}: expected a finite {what}")
+    return value
+
+
 def _split_value(name: str, text: str, value: str, base: int = 0) -> int:
     try:
         if base == 0 and value[:2].lower() == "0b":
@@ -100,12 +112,7 @@ class NcclTestsEnv:
         min_bw = None
         text = env.get(ENV_MIN_BW)
         if text is not None and text.strip():
-            try:
-                min_bw = float(text)
-            except ValueError:
-                raise PerfError(f"{ENV_MIN_BW}={text!r}: expected a bandwidth in GB/s") from None
-            if not math.isfinite(min_bw):
-                raise PerfError(f"{ENV_MIN_BW}={text!r}: expected a finite bandwidth in GB/s")
+            min_bw = finite_float(ENV_MIN_BW, text, "bandwidth in GB/s")
             if min_bw == -1:
                 min_bw = None  # nccl-tests' "unchecked"
         return cls(device, split, min_bw, split_var)

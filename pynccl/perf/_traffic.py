@@ -27,21 +27,12 @@ import os
 from collections.abc import Mapping
 
 from ._sweep import Counts, PerfError
+from ._tests_env import finite_float
 
 ENV_SPREAD = "NCCL_TESTS_ALLTOALLV_SPREAD"
 ENV_MATRIX = "NCCL_TESTS_ALLTOALLV_MATRIX_FILE"
 ENV_SCALE = "NCCL_TESTS_ALLTOALLV_MATRIX_SCALE"
 ENV_SUMMARY = "NCCL_TESTS_ALLTOALLV_PRINT_SUMMARY"
-
-
-def _number(name: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise PerfError(f"{name}={text!r}: expected a number") from None
-    if not math.isfinite(value):
-        raise PerfError(f"{name}={text!r}: expected a finite number")
-    return value
 
 
 def _cell(text: str) -> float:
@@ -128,8 +119,8 @@ class Traffic:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Traffic:
         """The pattern ``NCCL_TESTS_ALLTOALLV_*`` asks for (the matrix file read now)."""
         env = os.environ if environ is None else environ
-        spread = _number(ENV_SPREAD, env[ENV_SPREAD]) if env.get(ENV_SPREAD) else 1.0
-        scale = _number(ENV_SCALE, env[ENV_SCALE]) if env.get(ENV_SCALE) else 1.0
+        spread = finite_float(ENV_SPREAD, env[ENV_SPREAD]) if env.get(ENV_SPREAD) else 1.0
+        scale = finite_float(ENV_SCALE, env[ENV_SCALE]) if env.get(ENV_SCALE) else 1.0
         if scale < 0:
             raise PerfError(f"{ENV_SCALE}={env[ENV_SCALE]}: expected a scale >= 0")
         summary = False
