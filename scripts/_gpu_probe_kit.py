@@ -170,6 +170,19 @@ def check_equal(label: str, got: Any, want: Any) -> None:
         raise Fail(f"{label}: {wrong} of {got.size} wrong, got {got[:4]}..., want {want[:4]}...")
 
 
+def check_consumed(
+    label: str, comm: Any, out: Any, consumer: Any, producer: Any, how: str
+) -> Result:
+    """The end of a producer/consumer probe: the reduction into ``out``, issued on
+    ``consumer``, must hold the 7s the producer wrote after its hold; then both streams
+    are drained and ``comm`` destroyed. The probe's result: how the hold was made."""
+    consumer.synchronize()
+    check_equal(label, host_copy(out, "uint8", consumer), 7)
+    producer.synchronize()
+    comm.destroy()
+    return {"hold": how}
+
+
 def need(module: str) -> Any:
     """Import an array library, or skip: absent, or a rehearsal (it would want a real GPU)."""
     if os.environ.get("PYNCCL_GPU_REHEARSAL") == "1":

@@ -43,6 +43,7 @@ from _gpu_probe_kit import (  # this directory: sys.path[0] when run as a script
     N,
     Result,
     Skip,
+    check_consumed,
     check_equal,
     hold,
     host_copy,
@@ -308,11 +309,7 @@ def cai_stream_v3() -> Result:
         }
 
     comm.all_reduce(Exported(), out, stream=consumer)
-    consumer.synchronize()
-    check_equal("all_reduce of the producer's bytes", host_copy(out, "uint8", consumer), 7)
-    producer.synchronize()
-    comm.destroy()
-    return {"hold": how}
+    return check_consumed("all_reduce of the producer's bytes", comm, out, consumer, producer, how)
 
 
 @probe("cai-cupy-side-stream")
@@ -329,11 +326,7 @@ def cai_cupy_side_stream() -> Result:
         how = hold(producer.ptr, 1.0)
         x = cp.full(N, 7, dtype=cp.uint8)  # written on the producer, after the hold
         comm.all_reduce(x, out, stream=consumer)
-    consumer.synchronize()
-    check_equal("all_reduce of CuPy's bytes", host_copy(out, "uint8", consumer), 7)
-    producer.synchronize()
-    comm.destroy()
-    return {"hold": how}
+    return check_consumed("all_reduce of CuPy's bytes", comm, out, consumer, producer, how)
 
 
 @probe("helpers-finished")
