@@ -128,10 +128,28 @@ def test_destroy_after_an_abortive_shrink_aborts_the_parent() -> None:
 # ---- bug 10 (b) and 9: graphs ------------------------------------------------------------------
 
 
-def test_destroy_is_refused_while_a_graph_that_captured_it_lives() -> None:
+@pytest.fixture
+def comm() -> Iterator[Communicator]:
+    """A one-rank communicator on device 0. The tests end it themselves (its destroy is
+    what they check); one that a failure left alive is aborted (a graph may still hold it)."""
     comm = Communicator(1, UniqueId(), 0, device=0)
-    other = Communicator(1, UniqueId(), 0, device=0)
+    yield comm
+    if comm.state != "destroyed":
+        comm.abort()
+
+
+@pytest.fixture
+def stream() -> Iterator[Stream]:
+    """A non-blocking stream to capture on, closed after the test."""
     stream = Stream(non_blocking=True)
+    yield stream
+    stream.close()
+
+
+def test_destroy_is_refused_while_a_graph_that_captured_it_lives(
+    comm: Communicator, stream: Stream
+) -> None:
+    other = Communicator(1, UniqueId(), 0, device=0)
     x = DeviceBuffer.from_numpy(np.arange(N, dtype=np.float32))
     g = Graph()
     with g.capture(stream):
@@ -150,12 +168,9 @@ def test_destroy_is_refused_while_a_graph_that_captured_it_lives() -> None:
     comm.destroy()
     assert comm.state == "destroyed"
     x.close()
-    stream.close()
 
 
-def test_a_graph_keeps_what_it_captured_until_closed() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    stream = Stream(non_blocking=True)
+def test_a_graph_keeps_what_it_captured_until_closed(comm: Communicator, stream: Stream) -> None:
     y = DeviceBuffer(N, "float32")
     x = DeviceBuffer.from_numpy(data(0))
     kept = weakref.ref(x)
@@ -175,12 +190,9 @@ def test_a_graph_keeps_what_it_captured_until_closed() -> None:
     assert comm._bfn[0] is not None  # and the calls take their fast paths again
     comm.destroy()
     y.close()
-    stream.close()
 
 
-def test_a_failed_capture_tracks_nothing() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    stream = Stream(non_blocking=True)
+def test_a_failed_capture_tracks_nothing(comm: Communicator, stream: Stream) -> None:
     x = DeviceBuffer(N, "float32")
     g = Graph()
     with pytest.raises(RuntimeError, match="body failed"), g.capture(stream):
@@ -190,7 +202,6 @@ def test_a_failed_capture_tracks_nothing() -> None:
     comm.destroy()  # nothing live captured it
     assert comm.state == "destroyed"
     x.close()
-    stream.close()
 
 
 # ---- fuzz 4: finalize(timeout=) ------------------------------------------------------------------
@@ -309,9 +320,9 @@ def test_shrink_with_an_empty_exclusion_list_is_refused(solo_comm: Communicator)
     assert solo_comm.state == "ready"  # refused before any C call
 
 
-def test_a_graph_tracks_and_keeps_a_persistent_operation() -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    stream = Stream(non_blocking=True)
+def test_a_graph_tracks_and_keeps_a_persistent_operation(
+    comm: Communicator, stream: Stream
+) -> None:
     x = DeviceBuffer.from_numpy(data(0))
     y = DeviceBuffer(N, "float32")
     op = comm.all_reduce_init(x, y, stream=stream)
@@ -329,4 +340,3 @@ def test_a_graph_tracks_and_keeps_a_persistent_operation() -> None:
     g.close()
     comm.destroy()
     y.close()
-    stream.close()
