@@ -125,6 +125,13 @@ def bind(path: str) -> ctypes.CDLL:
     return lib
 
 
+@pytest.fixture(scope="module", name="rt")
+def linked_rt(build: Any) -> ctypes.CDLL:
+    """``rt``: the cudart that the loopback libnccl of ``build`` (_lb_fixtures) links, one
+    instance (a module takes it by importing it)."""
+    return bind(build.cudart)
+
+
 @pytest.fixture(autouse=True)
 def clean_thread_state(rt: ctypes.CDLL) -> Iterator[None]:
     """No last error and device 0 before and after each test (a module takes it by
@@ -171,6 +178,14 @@ def read(rt: ctypes.CDLL, ptr: int, n: int) -> np.ndarray:
     out = np.empty(n, np.uint8)
     ok(rt, rt.cudaMemcpy(out.ctypes.data, ptr, n, D2H))
     return out
+
+
+def filled(rt: ctypes.CDLL, value: int, n: int) -> int:
+    """A new allocation of ``n`` bytes holding ``value`` in every byte, landed."""
+    p = malloc(rt, n)
+    ok(rt, rt.cudaMemset(p, value, n))
+    ok(rt, rt.cudaStreamSynchronize(None))
+    return p
 
 
 def capture_status(rt: ctypes.CDLL, s: object) -> int:

@@ -12,7 +12,9 @@ Rows (see LENIENCY_TABLE): memset_async, d2d_memcpy_async, h2d_memcpy_staged,
 d2h_memcpy_waits, async_copies_stream_ordered, capture_unsafe_from_other_threads,
 capture_mode_of_the_capture, capturing_thread_interaction_mode,
 exchange_capture_mode, host_function, implicit_capture_error_is_last_error,
-peer_mapping_is_device_memory, peer_pointer_across_processes.
+peer_mapping_is_device_memory, peer_pointer_across_processes. The tests of the capture
+rows (capture interaction modes across threads, and the implicit-synchronization error of
+cudaStreamIsCapturing) are in test_loopback_strict_capture.py.
 """
 
 from __future__ import annotations
@@ -29,16 +31,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import test_loopback_strict_capture
 from _support_child import result_line, run_ranks
 from _support_cudart import (
-    ACTIVE,
-    CAPTURE_IMPLICIT,
-    CAPTURE_INVALIDATED,
-    CAPTURE_UNSUPPORTED,
-    CAPTURED_EVENT,
     D2D,
     D2H,
-    GLOBAL,
     H2D,
     HOST_FN,
     INVALID_DEVICE,
@@ -47,18 +44,16 @@ from _support_cudart import (
     NON_BLOCKING,
     NOT_PERMITTED,
     NOT_READY,
-    RELAXED,
     SUCCESS,
     THREAD_LOCAL,
     HostGate,
     PointerAttributes,
-    bind,
-    capture_status,
     clean_thread_state,  # noqa: F401  (autouse: per-test thread state)
     detail,
     end_capture,
-    event,
+    filled,
     keep,
+    linked_rt,  # noqa: F401  (the rt fixture)
     malloc,
     ok,
     read,
@@ -94,23 +89,9 @@ LENIENCY_TABLE = {
 }
 
 
-@pytest.fixture(scope="module")
-def rt(build: Any) -> ctypes.CDLL:
-    """The cudart the loopback libnccl of ``build`` (_lb_fixtures) links: one instance."""
-    return bind(build.cudart)
-
-
 def peek(ptr: int, n: int = N) -> np.ndarray:
     """Loopback device memory through its host address, without any stream ordering."""
     return np.frombuffer((ctypes.c_uint8 * n).from_address(ptr), np.uint8).copy()
-
-
-def filled(rt: ctypes.CDLL, value: int, n: int = N) -> int:
-    """A new allocation holding ``value`` in every byte, landed."""
-    p = malloc(rt, n)
-    ok(rt, rt.cudaMemset(p, value, n))
-    ok(rt, rt.cudaStreamSynchronize(None))
-    return p
 
 
 def within(call: Callable[[], int], seconds: float = WAIT) -> tuple[bool, int | None]:
@@ -122,14 +103,9 @@ def within(call: Callable[[], int], seconds: float = WAIT) -> tuple[bool, int | 
     return (not t.is_alive(), box[0] if box else None)
 
 
-def exchange(rt: ctypes.CDLL, mode: int) -> int:
-    m = c_int(mode)
-    ok(rt, rt.cudaThreadExchangeStreamCaptureMode(byref(m)))
-    return m.value
-
-
 def test_the_table_has_a_test_per_row() -> None:
-    tests = {name for name in globals() if name.startswith("test_")}
+    names = [*globals(), *vars(test_loopback_strict_capture)]  # the capture-mode rows' tests
+    tests = {name for name in names if name.startswith("test_")}
     assert [row for row in LENIENCY_TABLE if f"test_{row}" not in tests] == []
 
 
@@ -137,7 +113,7 @@ def test_the_table_has_a_test_per_row() -> None:
 
 
 def test_memset_async(rt: ctypes.CDLL) -> None:
-    a = filled(rt, 0)
+    a = filled(rt, 0, N)
     with HostGate(rt, None):  # the legacy stream is busy
         done, rc = within(lambda: rt.cudaMemset(a, 7, N))
         assert (done, rc) == (True, SUCCESS)  # returned while the stream is held...
@@ -148,7 +124,7 @@ def test_memset_async(rt: ctypes.CDLL) -> None:
 
 
 def test_d2d_memcpy_async(rt: ctypes.CDLL) -> None:
-    a, b = filled(rt, 5), filled(rt, 0)
+    a, b = filled(rt, 5, N), filled(rt, 0, N)
     with HostGate(rt, None):
         done, rc = within(lambda: rt.cudaMemcpy(b, a, N, D2D))
         assert (done, rc) == (True, SUCCESS)
@@ -160,7 +136,7 @@ def test_d2d_memcpy_async(rt: ctypes.CDLL) -> None:
 
 
 def test_h2d_memcpy_staged(rt: ctypes.CDLL) -> None:
-    a = filled(rt, 0)
+    a = filled(rt, 0, N)
     host = np.full(N, 9, np.uint8)
     # A held blocking stream: legacy-stream work waits for it, the legacy stream's own
     # queue is empty, so the host does not wait: the copy is staged and left pending.
@@ -192,7 +168,7 @@ def test_h2d_memcpy_staged(rt: ctypes.CDLL) -> None:
 
 
 def test_d2h_memcpy_waits(rt: ctypes.CDLL) -> None:
-    a = filled(rt, 4)
+    a = filled(rt, 4, N)
     out = np.zeros(N, np.uint8)
     with HostGate(rt, None) as gate:
         ok(rt, rt.cudaMemsetAsync(a, 6, N, None))  # queued behind the gate
@@ -210,7 +186,7 @@ def test_d2h_memcpy_waits(rt: ctypes.CDLL) -> None:
 
 
 def test_async_copies_stream_ordered(rt: ctypes.CDLL) -> None:
-    a, b = filled(rt, 0), filled(rt, 0)
+    a, b = filled(rt, 0, N), filled(rt, 0, N)
     s = stream(rt, NON_BLOCKING)
     host = np.full(N, 9, np.uint8)
     with HostGate(rt, s):
@@ -227,165 +203,11 @@ def test_async_copies_stream_ordered(rt: ctypes.CDLL) -> None:
         ok(rt, rt.cudaFree(p))
 
 
-# ---- capture interaction modes across threads ------------------------------------------------
-
-
-def _unsafe_calls(rt: ctypes.CDLL) -> dict[str, Callable[[], int]]:
-    """The "potentially unsafe" calls, on objects that have nothing to do with the capture."""
-    other = stream(rt, NON_BLOCKING)
-    ev = event(rt)
-    ok(rt, rt.cudaEventRecord(ev, other))
-    ok(rt, rt.cudaStreamSynchronize(other))
-    a = filled(rt, 1)
-    host = np.zeros(64, np.uint8)
-
-    def malloc_free() -> int:
-        p = c_void_p()
-        rc = int(rt.cudaMalloc(byref(p), 64))
-        if rc == SUCCESS:
-            ok(rt, rt.cudaFree(p))
-        return rc
-
-    return {
-        "cudaEventQuery": lambda: int(rt.cudaEventQuery(ev)),
-        "cudaEventSynchronize": lambda: int(rt.cudaEventSynchronize(ev)),
-        "cudaStreamQuery": lambda: int(rt.cudaStreamQuery(other)),
-        "cudaStreamSynchronize": lambda: int(rt.cudaStreamSynchronize(other)),
-        "cudaDeviceSynchronize": lambda: int(rt.cudaDeviceSynchronize()),
-        "cudaMalloc": malloc_free,
-        "cudaMemcpy": lambda: int(rt.cudaMemcpy(host.ctypes.data, a, 64, D2H)),
-        "cudaMemset": lambda: int(rt.cudaMemset(a, 3, 64)),
-    }
-
-
-UNSAFE = (
-    "cudaEventQuery",
-    "cudaEventSynchronize",
-    "cudaStreamQuery",
-    "cudaStreamSynchronize",
-    "cudaDeviceSynchronize",
-    "cudaMalloc",
-    "cudaMemcpy",
-    "cudaMemset",
-)
-
-
-def _from_thread(rt: ctypes.CDLL, call: Callable[[], int], mode: int) -> tuple[int, str]:
-    """``call`` from a new thread whose interaction mode is ``mode`` (a new thread's is
-    global: no exchange then)."""
-    box: list[tuple[int, str]] = []
-
-    def body() -> None:
-        if mode != GLOBAL:
-            exchange(rt, mode)
-        rc = call()
-        box.append((rc, detail(rt)))
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join(60)
-    assert box, "the call did not return"
-    return box[0]
-
-
-@pytest.mark.parametrize(
-    "mode", [GLOBAL, THREAD_LOCAL, RELAXED], ids=["global", "local", "relaxed"]
-)
-@pytest.mark.parametrize("call", UNSAFE)
-def test_capture_unsafe_from_other_threads(rt: ctypes.CDLL, call: str, mode: int) -> None:
-    calls = _unsafe_calls(rt)
-    s = stream(rt, NON_BLOCKING)
-    ok(rt, rt.cudaStreamBeginCapture(s, GLOBAL))  # torch.cuda.graph's default
-    rc, why = _from_thread(rt, calls[call], mode)
-    end, graph = end_capture(rt, s)
-    if mode == GLOBAL:  # CUDA: refused, and the capture is invalidated
-        assert rc == CAPTURE_UNSUPPORTED, (rc, why)
-        assert "another thread" in why and "cudaThreadExchangeStreamCaptureMode" in why
-        assert (end, graph) == (CAPTURE_INVALIDATED, None)
-        assert call in detail(rt)  # the end names what invalidated it
-    else:  # a relaxed or thread-local thread ignores other threads' captures
-        assert rc == SUCCESS, (rc, why)
-        ok(rt, end)
-        ok(rt, rt.cudaGraphDestroy(graph))
-    ok(rt, rt.cudaStreamDestroy(s))
-    ok(rt, rt.cudaDeviceSynchronize())
-
-
-@pytest.mark.parametrize("capture_mode", [THREAD_LOCAL, RELAXED], ids=["local", "relaxed"])
-def test_capture_mode_of_the_capture(rt: ctypes.CDLL, capture_mode: int) -> None:
-    calls = _unsafe_calls(rt)
-    s = stream(rt, NON_BLOCKING)
-    ok(rt, rt.cudaStreamBeginCapture(s, capture_mode))
-    for name in UNSAFE:  # from a thread in the default, global mode
-        rc, why = _from_thread(rt, calls[name], GLOBAL)
-        assert rc == SUCCESS, (name, rc, why)
-    assert capture_status(rt, s) == ACTIVE
-    end, graph = end_capture(rt, s)
-    ok(rt, end)
-    ok(rt, rt.cudaGraphDestroy(graph))
-    ok(rt, rt.cudaStreamDestroy(s))
-
-
-def test_capturing_thread_interaction_mode(rt: ctypes.CDLL) -> None:
-    calls = _unsafe_calls(rt)
-    s = stream(rt, NON_BLOCKING)
-    ev = event(rt)
-    try:
-        # Relaxed: the capturing thread itself may make every unsafe call...
-        ok(rt, rt.cudaStreamBeginCapture(s, GLOBAL))
-        assert exchange(rt, RELAXED) == GLOBAL
-        for name in UNSAFE:
-            assert calls[name]() == SUCCESS, (name, detail(rt))
-        assert capture_status(rt, s) == ACTIVE
-        # ...never one that conflicts with the capture: waiting on the capturing stream,
-        rc = rt.cudaStreamQuery(s)
-        assert rc == CAPTURE_UNSUPPORTED, detail(rt)
-        assert end_capture(rt, s) == (CAPTURE_INVALIDATED, None)
-        # or querying an event recorded inside it.
-        ok(rt, rt.cudaStreamBeginCapture(s, GLOBAL))
-        ok(rt, rt.cudaEventRecord(ev, s))
-        assert rt.cudaEventQuery(ev) == CAPTURED_EVENT
-        assert end_capture(rt, s) == (CAPTURE_INVALIDATED, None)
-        # Thread-local: its own (non-relaxed) capture still forbids them.
-        assert exchange(rt, THREAD_LOCAL) == RELAXED
-        ok(rt, rt.cudaStreamBeginCapture(s, THREAD_LOCAL))
-        assert calls["cudaEventQuery"]() == CAPTURE_UNSUPPORTED
-        assert "this thread" in detail(rt)
-        assert end_capture(rt, s) == (CAPTURE_INVALIDATED, None)
-        # ... but not a relaxed capture of its own.
-        ok(rt, rt.cudaStreamBeginCapture(s, RELAXED))
-        assert calls["cudaStreamQuery"]() == SUCCESS
-        end, graph = end_capture(rt, s)
-        ok(rt, end)
-        ok(rt, rt.cudaGraphDestroy(graph))
-    finally:
-        exchange(rt, GLOBAL)
-    ok(rt, rt.cudaEventDestroy(ev))
-    ok(rt, rt.cudaStreamDestroy(s))
-
-
-def test_exchange_capture_mode(rt: ctypes.CDLL) -> None:
-    assert exchange(rt, THREAD_LOCAL) == GLOBAL  # every thread starts global
-    try:
-        seen = _from_thread(rt, lambda: exchange(rt, GLOBAL), RELAXED)[0]
-        assert seen == RELAXED  # the other thread saw its own mode, not this one's
-        assert exchange(rt, RELAXED) == THREAD_LOCAL
-        assert rt.cudaThreadExchangeStreamCaptureMode(None) == INVALID_VALUE
-        bad = c_int(3)
-        assert rt.cudaThreadExchangeStreamCaptureMode(byref(bad)) == INVALID_VALUE
-        assert "*mode=3" in detail(rt)
-        assert bad.value == 3
-        assert exchange(rt, RELAXED) == RELAXED  # unchanged by the refused calls
-    finally:
-        exchange(rt, GLOBAL)
-    assert exchange(rt, GLOBAL) == GLOBAL
-
-
 # ---- host functions -------------------------------------------------------------------------
 
 
 def test_host_function(rt: ctypes.CDLL) -> None:
-    a = filled(rt, 0)
+    a = filled(rt, 0, N)
     s = stream(rt, NON_BLOCKING)
     seen: list[int] = []
     inside: list[tuple[int, str]] = []
@@ -431,29 +253,6 @@ def test_host_function(rt: ctypes.CDLL) -> None:
     ok(rt, rt.cudaStreamDestroy(s))
     assert rt.cudaLaunchHostFunc(s, fn, None) == INVALID_RESOURCE_HANDLE
     ok(rt, rt.cudaFree(a))
-
-
-# ---- the implicit-synchronization error of cudaStreamIsCapturing ----------------------------
-
-
-def test_implicit_capture_error_is_last_error(rt: ctypes.CDLL) -> None:
-    blocking = stream(rt, 0)
-    ok(rt, rt.cudaStreamBeginCapture(blocking, GLOBAL))
-    status = c_int(-1)
-    assert rt.cudaStreamIsCapturing(None, byref(status)) == CAPTURE_IMPLICIT
-    assert status.value == -1  # not written on error
-    assert rt.cudaPeekAtLastError() == CAPTURE_IMPLICIT
-    count = c_int()
-    ok(rt, rt.cudaGetDeviceCount(byref(count)))  # a success does not reset it
-    assert rt.cudaPeekAtLastError() == CAPTURE_IMPLICIT
-    assert _from_thread(rt, lambda: int(rt.cudaPeekAtLastError()), GLOBAL)[0] == SUCCESS
-    assert rt.cudaGetLastError() == CAPTURE_IMPLICIT  # read: and so cleared
-    assert rt.cudaGetLastError() == SUCCESS
-    assert capture_status(rt, blocking) == ACTIVE  # an error, not an invalidation
-    end, graph = end_capture(rt, blocking)
-    ok(rt, end)
-    ok(rt, rt.cudaGraphDestroy(graph))
-    ok(rt, rt.cudaStreamDestroy(blocking))
 
 
 # ---- peer mappings ---------------------------------------------------------------------------
