@@ -125,6 +125,25 @@ def bind(path: str) -> ctypes.CDLL:
     return lib
 
 
+@pytest.fixture(scope="module", name="cudart_path")
+def built_cudart_path() -> str:
+    """``cudart_path``: the loopback libcudart built on its own (skips without a compiler;
+    a module takes it by importing it)."""
+    from pynccl.testing import loopback
+
+    try:
+        return loopback.build_cudart()
+    except loopback.LoopbackBuildError as exc:
+        pytest.skip(f"cannot build the loopback cudart: {exc}")
+
+
+@pytest.fixture(scope="module", name="rt")
+def standalone_rt(cudart_path: str) -> ctypes.CDLL:
+    """``rt``: the loopback libcudart of :func:`cudart_path`, bound (a module takes it by
+    importing it)."""
+    return bind(cudart_path)
+
+
 @pytest.fixture(scope="module", name="rt")
 def linked_rt(build: Any) -> ctypes.CDLL:
     """``rt``: the cudart that the loopback libnccl of ``build`` (_lb_fixtures) links, one
@@ -150,6 +169,13 @@ def ok(rt: ctypes.CDLL, rc: int) -> None:
 def detail(rt: ctypes.CDLL) -> str:
     """The loopback's own words on this thread's last failure."""
     return str(rt.pynccl_lb_last_error_detail().decode())
+
+
+def ndev(rt: ctypes.CDLL) -> int:
+    """How many devices the loopback shows."""
+    n = c_int()
+    ok(rt, rt.cudaGetDeviceCount(byref(n)))
+    return n.value
 
 
 def malloc(rt: ctypes.CDLL, size: int) -> int:
