@@ -991,6 +991,42 @@ def test_from_env_tcp(no_leaks, fake_comm, nids):
     assert len(ids[0]) == nids and len(set(ids[0])) == nids
 
 
+@pytest.mark.parametrize(
+    ("world", "scalable", "expected"),
+    [(4, True, 1), (512, True, 1), (513, True, 2), (1537, True, 4), (65536, True, 128),
+     (1537, False, 1)],
+)  # fmt: skip
+def test_from_env_chooses_the_number_of_ids_from_the_world_size(
+    fake_comm, monkeypatch, world, scalable, expected
+):
+    # NCCL advises one unique id (bootstrap root) per 128 to 1,024 ranks for
+    # ncclCommInitRankScalable: rank 0 makes ceil(world / 512) where its library has it,
+    # one where it does not, and every other rank takes what rank 0 shared
+    module = sys.modules["pynccl.comm._from_env"]
+    monkeypatch.setattr(module, "_has_scalable_init", lambda: scalable)
+    store = _DictStore()
+    comms = [
+        from_env(rank=r, world_size=world, store=store, device=0, timeout=OK_TIMEOUT)
+        for r in (0, world - 1)
+    ]
+    ids = [[bytes(u) for u in (c.args[1] if isinstance(c.args[1], list) else [c.args[1]])]
+           for c in comms]  # fmt: skip
+    assert len(ids[0]) == expected and len(set(ids[0])) == expected
+    assert ids[1] == ids[0]
+    assert all(c.args[0] == world for c in comms)
+    if expected > 1:  # how many ranks each root serves, as NCCL advises
+        assert 128 <= world / expected <= 1024
+
+
+def test_from_env_knows_whether_the_library_has_scalable_init():
+    from pynccl.comm import _from_env
+    from pynccl.library import lib
+
+    L = lib()
+    expected = L.version >= (2, 23, 4) and L.has("ncclCommInitRankScalable")
+    assert _from_env._has_scalable_init() is expected
+
+
 def test_from_env_store_file_and_device(fake_comm, tmp_path):
     store = _DictStore()
     environ = dict(_torchrun_env(0, 2, 1), CUDA_VISIBLE_DEVICES="5,6")
@@ -1039,7 +1075,7 @@ def test_from_env_errors(fake_comm, tmp_path):
     store = _DictStore()
     StoreRendezvous(store).share(_payload(2), rank=0, world_size=2, timeout=1)
     with pytest.raises(RendezvousProtocolError, match="expects nids=1"):
-        from_env(environ=mpich, store=store)
+        from_env(environ=mpich, store=store, nids=1)
 
 
 def test_from_env_with_rank_and_world_size(fake_comm):

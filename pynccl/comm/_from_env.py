@@ -19,11 +19,32 @@ if TYPE_CHECKING:
     from pynccl.comm import Communicator, Config
     from pynccl.typing import DeviceLike
 
-__all__ = ["from_env", "make_rendezvous"]
+__all__ = ["auto_nids", "from_env", "make_rendezvous"]
 
 _ID_BYTES = 128  # sizeof(ncclUniqueId)
 _MAX_IDS = 8192
 _DEFAULT_TIMEOUT = 300.0
+# NCCL's guidance for ncclCommInitRankScalable is one unique id (one bootstrap root) per
+# 128 to 1,024 ranks: one per 512 keeps every root's share inside that range from 513 ranks
+# on, and a world of up to 512 ranks keeps the single-id ncclCommInitRank.
+_RANKS_PER_ID = 512
+_SCALABLE_SINCE = (2, 23, 4)
+
+
+def auto_nids(world_size: int) -> int:
+    """How many unique ids :func:`from_env` creates for ``world_size`` ranks when the
+    library has ``ncclCommInitRankScalable``: one per 512 ranks, at least one."""
+    return min(_MAX_IDS, max(1, -(-world_size // _RANKS_PER_ID)))
+
+
+def _has_scalable_init() -> bool:
+    """Whether the loaded libnccl offers ncclCommInitRankScalable (NCCL >= 2.23.4)."""
+    from pynccl.library import lib  # layer 1: loads the library once
+
+    L = lib()
+    return (
+        L.version is not None and L.version >= _SCALABLE_SINCE and L.has("ncclCommInitRankScalable")
+    )
 
 
 def _file_key(env: LaunchEnv, environ: Mapping[str, str]) -> str | None:
@@ -133,7 +154,7 @@ def from_env(
     mpi_comm: Any = None,
     file: str | os.PathLike[str] | None = None,
     config: Config | None = None,
-    nids: int = 1,
+    nids: int | None = None,
     device: DeviceLike | None = None,
     rendezvous: Rendezvous | None = None,
     environ: Mapping[str, str] | None = None,
@@ -153,8 +174,12 @@ def from_env(
     shared file system), ``rendezvous=`` (any :class:`Rendezvous`); by default under
     torchrun through torchrun's own store, and otherwise over TCP at
     ``MASTER_ADDR:MASTER_PORT`` with ``PYNCCL_RENDEZVOUS_KEY``. Then calls
-    ``Communicator(world_size, ids, rank, device=device, config=config)``; ``nids > 1``
-    uses ``ncclCommInitRankScalable`` (requires NCCL >= 2.23).
+    ``Communicator(world_size, ids, rank, device=device, config=config)``; several ids
+    use ``ncclCommInitRankScalable`` (requires NCCL >= 2.23.4), which spreads NCCL's
+    bootstrap over one root per id. ``nids=None`` (the default) lets rank 0 choose:
+    one id per 512 ranks (:func:`auto_nids`; NCCL advises one per 128 to 1,024) where
+    its library has ``ncclCommInitRankScalable``, else one; the other ranks take as
+    many ids as rank 0 shared. An explicit ``nids`` must be the same on every rank.
 
     ``rank=`` and ``world_size=`` (with ``local_rank=`` optionally) say where this
     process sits instead of a launcher: for processes that a framework started (Ray
@@ -162,13 +187,15 @@ def from_env(
     ``mpi_comm=`` and no launcher that gives the world size (PMIx alone), rank and size
     are the communicator's.
 
-    Every rank must call it with the same ``nids`` and backend. ``timeout`` bounds the
+    Every rank must call it with the same backend. ``timeout`` bounds the
     id exchange, not NCCL's own initialisation. ``environ`` replaces
     :data:`os.environ` (for tests and embedding). ``watchdog_timeout`` starts the
     communicator's watchdog (see :meth:`Communicator.start_watchdog`).
     """
-    if isinstance(nids, bool) or not isinstance(nids, int) or not 1 <= nids <= _MAX_IDS:
-        raise ValueError(f"nids={nids!r} is not an integer in 1..{_MAX_IDS}")
+    if nids is not None and (
+        isinstance(nids, bool) or not isinstance(nids, int) or not 1 <= nids <= _MAX_IDS
+    ):
+        raise ValueError(f"nids={nids!r} is not None or an integer in 1..{_MAX_IDS}")
     if environ is None:
         environ = os.environ
     env = _launch_env(environ, rank, world_size, local_rank, mpi_comm)
@@ -191,17 +218,26 @@ def from_env(
 
     from pynccl.comm import Communicator, UniqueId  # the object layer sits above this one
 
-    payload = b"".join(bytes(UniqueId()) for _ in range(nids)) if env.rank == 0 else None
+    payload = None
+    if env.rank == 0:
+        count = nids
+        if count is None:
+            count = auto_nids(env.world_size) if env.world_size > _RANKS_PER_ID else 1
+            if count > 1 and not _has_scalable_init():
+                count = 1  # an older NCCL: one id, one root
+        payload = b"".join(bytes(UniqueId()) for _ in range(count))
     data = backend.share(payload, rank=env.rank, world_size=env.world_size, timeout=timeout)
-    if len(data) != nids * _ID_BYTES:
+    got = len(data) // _ID_BYTES
+    if len(data) % _ID_BYTES or not 1 <= got <= _MAX_IDS or (nids is not None and got != nids):
+        expects = f"nids={nids}" if nids is not None else f"1..{_MAX_IDS} whole ids"
         raise RendezvousProtocolError(
             f"rank {env.rank}: rank 0 shared {len(data)} bytes ({len(data) / _ID_BYTES:g} ids) "
-            f"but this rank expects nids={nids}: call from_env with the same nids on every rank"
+            f"but this rank expects {expects}: call from_env with the same nids on every rank"
         )
     ids = [UniqueId.from_bytes(data[i : i + _ID_BYTES]) for i in range(0, len(data), _ID_BYTES)]
     return Communicator(
         env.world_size,
-        ids[0] if nids == 1 else ids,
+        ids[0] if len(ids) == 1 else ids,
         env.rank,
         device=device,
         config=config,
