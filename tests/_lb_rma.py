@@ -258,12 +258,12 @@ def _scenario_ring(lib: Lib, r: Rank, args: list[str]) -> bool:
     want = pattern(me, count, 7)
     want[:n] = np.arange(n, dtype=np.float32) + 0.5
     np.testing.assert_array_equal(got, want)
-    # memory that is not from ncclMemAlloc cannot be shared with other processes
+    # memory that is not from ncclMemAlloc is no window (NCCL: cuMem memory only)
     plain = lib.malloc(4096)
     rc, _ = r.register(plain, 4096)
     _emit(event="plain", rc=rc, error=lib.last_error())
     lib.free(plain)
-    assert rc == INVALID_ARG
+    assert rc == CUDA_ERR
     return True
 
 

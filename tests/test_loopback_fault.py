@@ -167,10 +167,9 @@ def test_revoke_stops_a_hung_operation_then_shrink(
         for r in range(3):
             assert lib.sync(w.streams[r]) == 0
         assert [lib.async_error(c) for c in w.comms] == [SUCCESS] * 3  # quiescent
-        # now only shrink, abort and destroy may use it
+        # now only split, shrink, abort and destroy may use it (split: the strict tests)
         assert lib.ncclAllReduce(p[0], p[0], 4, 7, SUM, w.comms[0], w.streams[0]) == INVALID_USAGE
         assert "was revoked" in lib.last_error()
-        assert lib.ncclCommSplit(w.comms[0], 0, 0, byref(c_void_p()), None) == INVALID_USAGE
         assert lib.ncclCommFinalize(w.comms[0]) == INVALID_USAGE
         assert lib.ncclCommRevoke(w.comms[0], 1) == INVALID_ARG
         assert "revokeFlags 1" in lib.last_error()
@@ -198,7 +197,10 @@ def test_nonblocking_revoke_reads_in_progress_until_quiescent(
     s = lib.stream(0)
     p = lib.malloc(16)
     try:
-        assert lib.ncclAllReduce(p, p, 4, 7, SUM, comm.value, s) == 0  # hangs on the stream
+        # an implicit non-blocking group: launched by a worker, then it hangs on the stream
+        assert lib.ncclAllReduce(p, p, 4, 7, SUM, comm.value, s) == IN_PROGRESS
+        while lib.async_error(comm.value) == IN_PROGRESS:
+            pass
         assert lib.ncclCommRevoke(comm.value, 0) == IN_PROGRESS
         assert lib.sync(s) == 0
         seen = set()
@@ -261,8 +263,12 @@ def test_suspend_releases_the_world_and_resume_restores_it(
         assert "is suspended" in lib.last_error() and "ncclCommResume" in lib.last_error()
 
         assert lib.ncclCommSuspend(w.comms[1], SUSPEND_MEM) == 0  # the last: pages released
-        assert [stat(lib, c, STAT_SUSPEND) for c in w.comms] == [0, 0]
-        assert [stat(lib, c, STAT_TOTAL) for c in w.comms] == persist
+        # NCCL's tracked totals stay as they were (src/mem_manager.cc): only the pages go
+        assert [stat(lib, c, STAT_SUSPEND) for c in w.comms] == suspendable
+        assert [stat(lib, c, STAT_TOTAL) for c in w.comms] == [
+            s + p for s, p in zip(suspendable, persist)
+        ]
+        assert [stat(lib, c, STAT_SUSPENDED) for c in w.comms] == [1, 1]
         rss_suspended = mapping_rss_kb("memfd:pynccl-lb-")
         released_kb = sum(suspendable) // 1024  # both mappings drop what both ranks held
         assert sum(rss_before) - sum(rss_suspended) >= released_kb, (rss_before, rss_suspended)
@@ -381,14 +387,21 @@ def test_nonblocking_shrink_completes_as_the_child_is_polled(lib: Lib) -> None:
     from pynccl._capi.structs import make_config
 
     cfg = make_config({"blocking": 0})
-    comm = c_void_p()
+    comms = [c_void_p(), c_void_p()]
+    uid = lib.unique_id()
+    assert lib.ncclGroupStart() == 0
+    for r in range(2):
+        lib.set_device(r)
+        rc = lib.ncclCommInitRankConfig(byref(comms[r]), 2, uid, r, byref(cfg))
+        assert rc in (SUCCESS, IN_PROGRESS)
     lib.set_device(0)
-    rc = lib.ncclCommInitRankConfig(byref(comm), 1, lib.unique_id(), 0, byref(cfg))
-    assert rc in (SUCCESS, IN_PROGRESS)
-    while lib.async_error(comm.value) == IN_PROGRESS:
-        pass
+    assert lib.ncclGroupEnd() in (SUCCESS, IN_PROGRESS)
+    for c in comms:
+        while lib.async_error(c.value) == IN_PROGRESS:
+            pass
     child = c_void_p()
-    rc = lib.ncclCommShrink(comm.value, None, 0, byref(child), None, SHRINK_DEFAULT)
+    excl = (c_int * 1)(1)
+    rc = lib.ncclCommShrink(comms[0].value, excl, 1, byref(child), None, SHRINK_DEFAULT)
     assert rc in (SUCCESS, IN_PROGRESS), lib.last_error()
     assert child.value  # the handle is there at once; it is ready once polled so
     while (e := lib.async_error(child.value)) == IN_PROGRESS:
@@ -398,4 +411,5 @@ def test_nonblocking_shrink_completes_as_the_child_is_polled(lib: Lib) -> None:
         allreduce_checked(lib, [int(child.value)], [0], 100, seed=7)
     finally:
         assert lib.ncclCommDestroy(child.value) == 0
-        assert lib.ncclCommDestroy(comm.value) == 0
+        for c in comms:
+            assert lib.ncclCommDestroy(c.value) == 0

@@ -40,7 +40,8 @@ def test_properties_of_every_rank(lib: Lib) -> None:
 
     for me, p in enumerate(threads(n, rank)):
         assert (p.rank, p.nRanks, p.cudaDev, p.nvmlDev) == (me, n, me, me)
-        assert not p.deviceApiSupport and not p.multimemSupport and not p.hostRmaSupport
+        assert not p.deviceApiSupport and not p.multimemSupport
+        assert p.hostRmaSupport  # numRmaCtx defaults to 1: ncclPutSignal works (signal.c)
         assert not any(p.ginSupport) and p.ginType == 0 and p.nLsaTeams == 1
         assert not (p.cftSupport or p.cftMulticastSupport or p.cftCountedSupport)
     assert ctypes.sizeof(ncclCommProperties_t) == 152

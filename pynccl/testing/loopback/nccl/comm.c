@@ -90,6 +90,16 @@ static void parse_fail_after(struct lb_comm *c) {
     c->fail_code = code;
 }
 
+/* NCCL's per-communicator work FIFO (init.cc: NCCL_WORK_FIFO_BYTES, default 1 MiB; a
+ * value that is not a power of two is ignored, at most 1 GiB). Launches that find it
+ * full block the issuing thread until earlier work retires (launch.c). */
+#define LB_WORK_FIFO_DEFAULT ((size_t)1 << 20)
+static size_t work_fifo_bytes(void) {
+    long long v = lb_env_ll("NCCL_WORK_FIFO_BYTES", (long long)LB_WORK_FIFO_DEFAULT);
+    if (v <= 0 || (v & (v - 1)) != 0) return LB_WORK_FIFO_DEFAULT;
+    return v > (1LL << 30) ? (size_t)1 << 30 : (size_t)v;
+}
+
 static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     struct lb_comm *c = calloc(1, sizeof *c);
     if (!c) return NULL;
@@ -101,9 +111,18 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
         free(c);
         return NULL;
     }
+    c->mm_refs = malloc(sizeof *c->mm_refs);
+    if (!c->mm_refs) {
+        free(c->srcs);
+        free(c->scalars);
+        free(c);
+        return NULL;
+    }
+    *c->mm_refs = 1;
     pthread_mutex_init(&c->mu, NULL);
     pthread_cond_init(&c->cv, NULL);
     c->refs = 1;
+    c->fifo_cap = work_fifo_bytes();
     c->rv_fd = c->seg_fd = -1;
     c->nranks = nranks;
     c->rank = rank;
@@ -129,7 +148,8 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
 
 static void comm_free(struct lb_comm *c) {
     lb_rma_free(c);
-    if (c->w) lbw_leave(c, LBR_LEFT);
+    if (c->w) lbw_leave(c, LBR_LEFT); /* unmapped at the last reference (see teardown) */
+    if (__atomic_sub_fetch(c->mm_refs, 1, __ATOMIC_ACQ_REL) == 0) free(c->mm_refs);
     while (c->regs) {
         struct lb_reg *r = c->regs;
         c->regs = r->next;
@@ -191,10 +211,29 @@ void lb_comm_fail(struct lb_comm *c, ncclResult_t code, const char *fmt, ...) {
     }
 }
 
-ncclResult_t lb_comm_ensure_ready(struct lb_comm *c, const char *opname) {
+void lb_comm_set_async(struct lb_comm *c, ncclResult_t r) {
+    int expected = ncclSuccess;
+    __atomic_compare_exchange_n(&c->async, &expected, (int)r, 0, __ATOMIC_SEQ_CST,
+                                __ATOMIC_SEQ_CST);
+    lb_comm_halt(c);
+}
+
+void lb_comm_share_memory(struct lb_comm *child, struct lb_comm *parent) {
+    if (child->mm_refs == parent->mm_refs) return;
+    if (__atomic_sub_fetch(child->mm_refs, 1, __ATOMIC_ACQ_REL) == 0) free(child->mm_refs);
+    __atomic_add_fetch(parent->mm_refs, 1, __ATOMIC_ACQ_REL);
+    child->mm_refs = parent->mm_refs;
+}
+
+/* NCCL's ncclCommEnsureReady: the async error, or ncclInvalidArgument while the comm
+ * is in progress (joining, a non-blocking group end, finalize, split or revoke in
+ * flight); then the loopback's stops. A revoked comm passes for split and shrink. */
+static ncclResult_t ensure(struct lb_comm *c, const char *opname, int revoked_ok) {
     int st = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE);
     if (st == LBC_FAILED) return (ncclResult_t)__atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
-    if (st != LBC_READY || __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE))
+    int revoked = __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED;
+    if (st != LBC_READY || __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE) ||
+        lb_gjob_pending(c) || (revoked && lb_comm_revoke_state(c) == ncclInProgress))
         return lb_err(ncclInvalidArgument,
                       "%s : Attempt to use communicator before the previous operation returned "
                       "ncclSuccess",
@@ -209,7 +248,16 @@ ncclResult_t lb_comm_ensure_ready(struct lb_comm *c, const char *opname) {
     if (c->finalized)
         return lb_err(ncclInvalidUsage, "%s : communicator %p was finalized", opname,
                       (void *)c->handle);
+    if (revoked && revoked_ok) return ncclSuccess;
     return lb_comm_check_stopped(c, opname);
+}
+
+ncclResult_t lb_comm_ensure_ready(struct lb_comm *c, const char *opname) {
+    return ensure(c, opname, 0);
+}
+
+ncclResult_t lb_comm_ensure_ready_revoked(struct lb_comm *c, const char *opname) {
+    return ensure(c, opname, 1);
 }
 
 ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking) {
@@ -235,13 +283,19 @@ ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking) {
 
 static void drop_splits_of(struct lb_comm *parent);
 
-/* Tear down after the comm's tasks stopped: leave the world, kill the handle. */
-static void comm_teardown(struct lb_comm *c, enum lbw_rank_state state) {
+/* Tear down after the comm's tasks stopped: leave the world, kill the handle. Once only
+ * (a destroy waiting in another thread and an abort may both get here); the world stays
+ * mapped until the last reference goes, since such a waiting call may still read it. */
+void lb_comm_teardown(struct lb_comm *c, enum lbw_rank_state state) {
+    pthread_mutex_lock(&c->mu);
+    int first = c->handle != NULL;
+    if (first) handle_kill(c);
+    pthread_mutex_unlock(&c->mu);
+    if (!first) return;
     lb_comm_halt(c);
-    lb_rma_quiesce(c); /* signal tasks leave the world before it is unmapped */
+    lb_rma_quiesce(c); /* signal tasks are done with the world */
     drop_splits_of(c);
-    handle_kill(c);
-    lbw_leave(c, state);
+    lbw_depart(c, state);
     lb_comm_unref(c);
 }
 
@@ -288,7 +342,7 @@ ncclResult_t lb_comm_create(const unsigned char *uid, int nranks, int rank, int 
 }
 
 /* A blocking init failed after the handle was made: undo everything. */
-void lb_comm_abandon(struct lb_comm *c) { comm_teardown(c, LBR_FAILED); }
+void lb_comm_abandon(struct lb_comm *c) { lb_comm_teardown(c, LBR_FAILED); }
 
 ncclResult_t lb_comm_start(const unsigned char *uid, int nranks, int rank, int dev,
                            const ncclConfig_t *cfg, const char *opname, ncclComm_t *newcomm) {
@@ -353,6 +407,9 @@ static ncclResult_t split_gather(struct lb_split *s, int blocking) {
     struct lb_comm *child;
     r = lb_comm_create(uid, n, mine, p->dev, &s->config, "ncclCommSplit", &child);
     if (r != ncclSuccess) return r;
+    /* NCCL: the parent's splitShare; never from a revoked parent */
+    if (p->split_share && __atomic_load_n(&p->stopped, __ATOMIC_ACQUIRE) != LB_STOP_REVOKED)
+        lb_comm_share_memory(child, p);
     s->child = child;
     return ncclSuccess;
 }
@@ -450,8 +507,8 @@ ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname) {
     int st = __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE);
     if (st == LB_STOP_REVOKED)
         return lb_err(ncclInvalidUsage,
-                      "%s : communicator %p was revoked (ncclCommRevoke): only ncclCommShrink, "
-                      "ncclCommAbort and ncclCommDestroy may use it",
+                      "%s : communicator %p was revoked (ncclCommRevoke): only ncclCommSplit, "
+                      "ncclCommShrink, ncclCommAbort and ncclCommDestroy may use it",
                       opname, (void *)c->handle);
     if (st == LB_STOP_SHRUNK)
         return lb_err(ncclInvalidUsage,
@@ -466,86 +523,13 @@ ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname) {
     return ncclSuccess;
 }
 
-static int quiescent(struct lb_comm *c) {
-    pthread_mutex_lock(&c->mu);
-    int q = c->running == 0;
-    pthread_mutex_unlock(&c->mu);
-    return q;
-}
-
 ncclResult_t lb_comm_revoke_state(struct lb_comm *c) {
     int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
     if (a != ncclSuccess) return (ncclResult_t)a;
 #if LB_HAS_IN_PROGRESS
-    return quiescent(c) ? ncclSuccess : ncclInProgress;
-#else
-    return ncclSuccess;
+    if (!lb_comm_quiescent(c)) return ncclInProgress;
 #endif
-}
-
-
-/* ---- teardown -------------------------------------------------------------------------- */
-
-/* Wait until every task issued on c has completed (or the comm halted). */
-void lb_comm_drain(struct lb_comm *c) {
-    pthread_mutex_lock(&c->mu);
-    while (!__atomic_load_n(&c->halt, __ATOMIC_ACQUIRE) && c->completed < c->issued)
-        pthread_cond_wait(&c->cv, &c->mu);
-    while (c->running) pthread_cond_wait(&c->cv, &c->mu);
-    pthread_mutex_unlock(&c->mu);
-}
-
-#if LB_AT_LEAST(2, 14, 3)
-ncclResult_t ncclCommFinalize(ncclComm_t comm) {
-    if (comm == NULL) return ncclSuccess;
-    struct lb_comm *c;
-    ncclResult_t r = lb_comm_get(comm, "ncclCommFinalize", &c);
-    if (r != ncclSuccess) return r;
-    if (c->finalized)
-        return lb_err(ncclInvalidArgument, "ncclCommFinalize : comm %p was already finalized",
-                      (void *)comm);
-    if (__atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED)
-        return lb_err(ncclInvalidUsage,
-                      "ncclCommFinalize : comm %p was revoked: only ncclCommShrink, "
-                      "ncclCommAbort and ncclCommDestroy may follow ncclCommRevoke",
-                      (void *)comm);
-    if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING)
-        return lb_err(ncclInvalidArgument,
-                      "ncclCommFinalize : Attempt to use communicator before the previous "
-                      "operation returned ncclSuccess");
-    lb_comm_drain(c);
-    c->finalized = 1;
+    /* quiescent: NCCL resets the abort flags, so that split and shrink can talk again */
+    __atomic_store_n(&c->cancel, 0, __ATOMIC_RELEASE);
     return ncclSuccess;
 }
-LB_ALIAS(ncclCommFinalize)
-#endif
-
-ncclResult_t ncclCommDestroy(ncclComm_t comm) {
-    if (comm == NULL) return ncclSuccess;
-    struct lb_comm *c;
-    ncclResult_t r = lb_comm_get(comm, "ncclCommDestroy", &c);
-    if (r != ncclSuccess) return r;
-    lb_comm_drain(c); /* implicit finalize */
-    int failed = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != LBC_READY;
-    comm_teardown(c, failed ? LBR_FAILED : LBR_LEFT);
-    return ncclSuccess;
-}
-LB_ALIAS(ncclCommDestroy)
-
-#if LB_AT_LEAST(2, 4, 2)
-ncclResult_t ncclCommAbort(ncclComm_t comm) {
-    if (comm == NULL) return ncclSuccess;
-    struct lb_comm *c;
-    ncclResult_t r = lb_comm_get(comm, "ncclCommAbort", &c);
-    if (r != ncclSuccess) return r;
-    __atomic_store_n(&c->aborted, 1, __ATOMIC_RELEASE);
-    lb_comm_halt(c);
-    if (c->w) /* tell the other ranks; keep this process's last error */
-        lbw_break(c, LB_HAS_REMOTE_ERROR ? ncclRemoteError : ncclSystemError, 0,
-                  "rank %d called ncclCommAbort", c->rank);
-    lb_comm_drain(c); /* running tasks see the abort within a sleep period */
-    comm_teardown(c, LBR_FAILED);
-    return ncclSuccess;
-}
-LB_ALIAS(ncclCommAbort)
-#endif

@@ -171,6 +171,7 @@ ncclResult_t lb_parse_config(const ncclConfig_t *user, ncclConfig_t *out, const 
     out->blocking = 1;
 #endif
     if (out->splitShare == U) out->splitShare = 0;
+    if (out->shrinkShare == U) out->shrinkShare = 0;
     return ncclSuccess;
 }
 #undef U
@@ -178,6 +179,7 @@ ncclResult_t lb_parse_config(const ncclConfig_t *user, ncclConfig_t *out, const 
 void lb_apply_config(struct lb_comm *c, const ncclConfig_t *cfg) {
     c->blocking = cfg->blocking;
     c->split_share = cfg->splitShare;
+    c->shrink_share = cfg->shrinkShare;
     c->comm_name = cfg->commName;
 }
 
@@ -185,6 +187,7 @@ void lb_config_of(const struct lb_comm *c, ncclConfig_t *cfg) {
     config_defaults(cfg);
     cfg->blocking = c->blocking;
     cfg->splitShare = c->split_share;
+    cfg->shrinkShare = c->shrink_share;
     cfg->commName = c->comm_name;
 #if LB_AT_LEAST(2, 29, 0)
     cfg->numRmaCtx = c->rma_ctx;

@@ -19,11 +19,14 @@
  * exec.c (collectives over the world), p2p.c (send/recv rings), window.c (ncclMemAlloc,
  * window objects, a comm's RMA state), comm.c and group.c (communicator objects and
  * the calling thread's open group: the one cycle, as in NCCL, since a comm made inside
- * a group is deferred to its end and a group item holds its comm), init.c (init, split,
- * queries), fault.c (revoke, shrink, grow), suspend.c, redop.c (registration, user
- * reduction ops), props.c (properties, teams), signal.c (one-sided put/signal/wait),
- * winreg.c (window registration), launch.c (tasks on the streams, ncclGroupEnd),
- * enqueue.c (the collective and p2p entry points).
+ * a group is deferred to its end and a group item holds its comm), teardown.c (finalize,
+ * destroy, abort and what they wait for), init.c (init, split, queries), fault.c (revoke,
+ * shrink, grow), suspend.c, redop.c (registration, user reduction ops), props.c
+ * (properties, teams), signal.c (one-sided put/signal/wait), winreg.c (window
+ * registration), launch.c (tasks on the streams, the work queue, ncclGroupEnd), gjob.c
+ * (non-blocking group ends and finalize on worker threads: launch.c and teardown.c call
+ * it and it calls them, like comm.c and group.c), enqueue.c (the collective and p2p
+ * entry points).
  *
  * Build-time macros:
  *   LB_NCCL_VERSION_CODE  release to emulate (default 23203 = 2.32.3): ncclGetVersion,
@@ -47,7 +50,13 @@
  *                                    is aborted (or another rank fails).
  *   PYNCCL_LOOPBACK_NONBLOCKING_DELAY=<K>
  *                                    a non-blocking comm becomes ready only after K more
- *                                    ncclCommGetAsyncError polls returned ncclInProgress.
+ *                                    ncclCommGetAsyncError polls returned ncclInProgress;
+ *                                    read at each non-blocking group end (an operation
+ *                                    outside a group included) and finalize too: their
+ *                                    worker waits for K such polls of its comms first.
+ *   NCCL_WORK_FIFO_BYTES=<2^k>       a communicator's work queue, like NCCL's work FIFO
+ *                                    (default 1 MiB): a launch that finds it full blocks
+ *                                    the issuing thread until earlier work has run.
  *   PYNCCL_LOOPBACK_INIT_TIMEOUT=<s> give up waiting for ranks to join after s seconds
  *                                    (default 300, fractions allowed; 0 = wait forever).
  *   NCCL_COMM_BLOCKING=0|1           overrides ncclConfig_t.blocking, like NCCL.
@@ -62,6 +71,13 @@
  *                                    collective through the shared-memory slots).
  * Read at load: PYNCCL_LOOPBACK_SPIN / PYNCCL_LOOPBACK_YIELDS (busy-wait tuning: pauses
  * and sched_yield()s before sleeping on the futex; default 0 below 8 cores).
+ *
+ * As strict as NCCL where NCCL is asynchronous, prohibits or blocks: a non-blocking
+ * group end launches later from a worker thread, every communicator of the group reading
+ * ncclInProgress meanwhile (gjob.c); finalize, revoke and default shrink wait for the
+ * communicator's outstanding work; destroy and abort wait while a CUDA graph that
+ * captured the communicator lives; after ncclCommShrink(NCCL_SHRINK_ABORT) the parent's
+ * destroy hangs from 2.31.2 on, as NCCL's does (teardown.c).
  *
  * Beyond NCCL (debugging aids): ranks that issue mismatched collectives get
  * ncclInvalidUsage with a message naming both sides instead of hanging; the death of

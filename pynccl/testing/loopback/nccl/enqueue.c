@@ -134,6 +134,13 @@ static ncclResult_t submit(struct lb_comm *c, cudaStream_t stream, const struct 
         if (r != ncclSuccess) return r;
         return lb_group_push(&it);
     }
+    if (!c->blocking) { /* NCCL: an implicit group, whose end is non-blocking */
+        struct lb_gitem *one = malloc(sizeof *one);
+        if (!one) return lb_err(ncclSystemError, "%s : out of memory", opname);
+        *one = it;
+        lb_comm_ref(c);
+        return lb_gjob_group(one, 1, NULL, 0);
+    }
     int idx = 0;
     return lb_enqueue_task(c, &it, &idx, 1);
 #endif

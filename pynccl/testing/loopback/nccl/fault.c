@@ -3,12 +3,16 @@
  * ncclCommGetUniqueId + ncclCommGrow (2.29), with nccl.h's semantics:
  *
  *   Revoke  stops the in-flight and queued operations of this rank's communicator (a
- *           hung one included: every wait checks the flag, like an abort); the comm's
- *           async state reads ncclInProgress until no task runs, then ncclSuccess. From
- *           then on only ncclCommShrink, ncclCommAbort and ncclCommDestroy may use it.
- *   Shrink  makes a child of the ranks not excluded, renumbered in order, in a world of
- *           its own (so dead excluded ranks do not matter). NCCL_SHRINK_DEFAULT first
- *           waits for the parent's operations; NCCL_SHRINK_ABORT terminates them.
+ *           hung one included: every wait checks the flag, like an abort) and waits
+ *           until every one has left its stream; a non-blocking comm's async state reads
+ *           ncclInProgress until then. From then on only ncclCommSplit, ncclCommShrink,
+ *           ncclCommAbort and ncclCommDestroy may use it ("safe for destroy, split, and
+ *           shrink"), without sharing resources.
+ *   Shrink  makes a child of the ranks not excluded (at least one), renumbered in order,
+ *           in a world of its own (so dead excluded ranks do not matter).
+ *           NCCL_SHRINK_DEFAULT first waits for the parent's operations (a hung one keeps
+ *           it waiting); NCCL_SHRINK_ABORT terminates them. The parent's teardown after
+ *           an abortive shrink is teardown.c's business.
  *   Grow    the root takes a fresh id from ncclCommGetUniqueId and hands it to the new
  *           ranks; it posts the id in the parent's world, where the other existing ranks
  *           read it. Everyone then joins the id's world: existing ranks keep their
@@ -29,10 +33,12 @@
 LBN_UNUSED static const char k_not_ready[] =
     "%s : Attempt to use communicator before the previous operation returned ncclSuccess";
 
-/* Stop the comm's operations (first reason wins) and wake its waits. */
+/* Stop the comm's operations (first reason wins) and wake its waits: they give up until
+ * the comm is quiescent (NCCL sets the abort flags, then resets them). */
 LBN_UNUSED static void stop_ops(struct lb_comm *c, int why) {
     int none = LB_STOP_NONE;
     __atomic_compare_exchange_n(&c->stopped, &none, why, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&c->cancel, 1, __ATOMIC_RELEASE);
     lb_comm_halt(c);
     if (c->w) lbw_notify(c);
 }
@@ -47,11 +53,18 @@ ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
         return lb_err(ncclInvalidArgument,
                       "%s : invalid revokeFlags %d (must be NCCL_REVOKE_DEFAULT, 0)", opname,
                       revokeFlags);
-    if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING)
+    if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING || lb_gjob_pending(c))
         return lb_err(ncclInvalidArgument, k_not_ready, opname);
+    /* NCCL: no revoke once destroy/finalize or another revoke is under way */
+    if (c->finalized || __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED)
+        return lb_err(ncclInvalidArgument, "%s : communicator %p was already %s", opname,
+                      (void *)comm, c->finalized ? "finalized" : "revoked");
     stop_ops(c, LB_STOP_REVOKED);
     if (!c->blocking) return ncclInProgress; /* ncclCommGetAsyncError says when it is quiet */
+    /* Every issued operation has left its stream: queued ones end at once, and the one
+     * in flight stops as its waits see the revoke. */
     lb_comm_drain(c);
+    __atomic_store_n(&c->cancel, 0, __ATOMIC_RELEASE);
     return ncclSuccess;
 }
 LB_ALIAS(ncclCommRevoke)
@@ -73,8 +86,12 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeR
                                      "NCCL_SHRINK_ABORT)",
                                      opname, shrinkFlags));
     const int R = p->nranks;
-    if (excludeRanksCount < 0 || excludeRanksCount >= R ||
-        (excludeRanksCount > 0 && excludeRanksList == NULL))
+    if (excludeRanksList == NULL || excludeRanksCount <= 0) /* NCCL: PtrCheck, then count > 0 */
+        return lb_group_error(lb_err(ncclInvalidArgument,
+                                     "%s : invalid excludeRanksCount %d with excludeRanksList "
+                                     "%p: the exclusion list must name at least one rank",
+                                     opname, excludeRanksCount, (void *)excludeRanksList));
+    if (excludeRanksCount >= R)
         return lb_group_error(lb_err(ncclInvalidArgument,
                                      "%s : invalid excludeRanksCount %d with excludeRanksList %p "
                                      "(the communicator has %d ranks)",
@@ -101,8 +118,7 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeR
         below += x < p->rank;
         salt += lb_mix64((uint64_t)x + 1); /* the same whatever the list's order */
     }
-    if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) == LBC_JOINING ||
-        __atomic_load_n(&p->nb_pending, __ATOMIC_ACQUIRE))
+    if (__atomic_load_n(&p->state, __ATOMIC_ACQUIRE) == LBC_JOINING || lb_comm_in_progress(p))
         return lb_group_error(lb_err(ncclInvalidArgument, k_not_ready, opname));
     if ((r = lb_fail_init_injected(opname)) != ncclSuccess) return lb_group_error(r);
     ncclConfig_t cfg;
@@ -111,12 +127,21 @@ ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeR
     } else {
         lb_config_of(p, &cfg); /* NULL config: inherit the parent's */
     }
+    int revoked = __atomic_load_n(&p->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED;
     if (shrinkFlags == NCCL_SHRINK_ABORT) stop_ops(p, LB_STOP_SHRUNK);
-    lb_comm_drain(p); /* DEFAULT: the parent's operations finish first */
+    /* DEFAULT: the parent's operations finish first (a hung one keeps this waiting);
+     * ABORT: they stop, then the abort flags are reset */
+    lb_comm_drain(p);
+    if (shrinkFlags == NCCL_SHRINK_ABORT) __atomic_store_n(&p->cancel, 0, __ATOMIC_RELEASE);
     unsigned char uid[NCCL_UNIQUE_ID_BYTES];
     lb_derive_uid(p->uid, lb_mix64(salt ^ ++p->nshrinks), uid);
-    return lb_comm_start(uid, R - excludeRanksCount, p->rank - below, p->dev, &cfg, opname,
-                         newcomm);
+    r = lb_comm_start(uid, R - excludeRanksCount, p->rank - below, p->dev, &cfg, opname,
+                      newcomm);
+    /* NCCL shares the parent's resources in default mode with shrinkShare, never once
+     * revoked */
+    if (*newcomm && shrinkFlags == NCCL_SHRINK_DEFAULT && p->shrink_share && !revoked)
+        lb_comm_share_memory((*newcomm)->c, p);
+    return r;
 }
 LB_ALIAS(ncclCommShrink)
 #endif

@@ -106,7 +106,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
     if (r != ncclSuccess) return lb_group_error(r);
     if (newcomm == NULL)
         return lb_group_error(lb_err(ncclInvalidArgument, "%s : newcomm argument is NULL", opname));
-    r = lb_comm_ensure_ready(p, opname);
+    r = lb_comm_ensure_ready_revoked(p, opname); /* revoked: "safe for ... split" */
     if (r != ncclSuccess) return lb_group_error(r);
     *newcomm = NULL;
     if (color < 0 && color != NCCL_SPLIT_NOCOLOR)
@@ -179,6 +179,11 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
         return ncclSuccess;
     }
     int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
+    if (a == ncclSuccess && lb_gjob_pending(c)) { /* a non-blocking group end or finalize */
+        lb_gjob_polled(c);
+        *asyncError = ncclInProgress;
+        return ncclSuccess;
+    }
     if (a == ncclSuccess && __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE)) {
         *asyncError = ncclInProgress;
         return ncclSuccess;
@@ -202,7 +207,7 @@ static ncclResult_t query(ncclComm_t comm, int *out, const char *opname, const c
     if (r != ncclSuccess) return r;
     if (out == NULL) return lb_err(ncclInvalidArgument, "%s : %s argument is NULL", opname, argname);
     int st = __atomic_load_n(&(*cp)->state, __ATOMIC_ACQUIRE);
-    if (st == LBC_JOINING)
+    if (st == LBC_JOINING || lb_gjob_pending(*cp))
         return lb_err(ncclInvalidArgument,
                       "%s : Attempt to use communicator before the previous operation returned "
                       "ncclSuccess",

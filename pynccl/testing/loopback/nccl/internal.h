@@ -77,7 +77,7 @@ struct lb_op {
 /* ---- shared memory world (world.c) ------------------------------------- */
 
 #define LBW_MAGIC 0x314457424c4e4350ULL /* "PCNLBWD1" */
-#define LBW_LAYOUT 1
+#define LBW_LAYOUT 2
 #define LBW_SHM_PREFIX "pynccl-lb-"
 #define LB_CACHELINE 64
 
@@ -115,6 +115,8 @@ struct lbw_rank {
     struct lbw_desc desc[2] __attribute__((aligned(LB_CACHELINE)));
     struct lbw_winpost win __attribute__((aligned(LB_CACHELINE))); /* window.c */
     uint64_t enc_hash; /* ncclSetEncryption key digest (crypto.c), 0 = none */
+    /* 1 once this rank entered a non-abort ncclCommFinalize/Destroy (teardown.c) */
+    uint32_t teardown __attribute__((aligned(LB_CACHELINE)));
 };
 
 /* One direction of a p2p channel: bytes written by the sender and consumed by the
@@ -200,7 +202,7 @@ struct lb_comm {
     int direct;        /* collectives read peers' buffers directly (all ranks in-process) */
 
     /* config */
-    int blocking, strict, split_share;
+    int blocking, strict, split_share, shrink_share;
     const char *comm_name;
 
     /* state */
@@ -208,13 +210,20 @@ struct lb_comm {
     int async;        /* ncclResult_t, atomic */
     int halt;         /* atomic: pending and future tasks do nothing */
     int aborted;      /* atomic */
+    int cancel;       /* atomic: waits give up (revoke / abortive shrink, until quiescent) */
     int finalized;
+    int barrier_done; /* passed (or skipped) NCCL 2.31.2's teardown barrier (teardown.c) */
     int nb_polls_left;
     uint64_t init_deadline_ns;
 
     /* tasks (mu) */
     uint64_t issued, completed;
+    uint64_t retired; /* tasks that ran, or were dropped, whatever their order */
     int running;
+    size_t fifo_used, fifo_cap; /* the work queue, in NCCL work-FIFO bytes (launch.c) */
+    int graph_refs;   /* live CUDA-graph copies of captured tasks (NCCL: localPersistentRefs) */
+    struct lb_gjob *gjob; /* a non-blocking group end or finalize in flight (gjob.c) */
+    int *mm_refs;     /* communicators sharing this one's memory (split_share), shared count */
 
     /* executor state: only the task holding the turn touches these */
     uint64_t gchunk, cseq, nexec;
@@ -283,6 +292,8 @@ ncclResult_t lb_err(ncclResult_t r, const char *fmt, ...) LBN_PRINTF(2, 3);
 /* communicator helpers */
 ncclResult_t lb_comm_get(ncclComm_t comm, const char *opname, struct lb_comm **out);
 ncclResult_t lb_comm_ensure_ready(struct lb_comm *c, const char *opname);
+/* The same, but a revoked comm (once quiescent) is ready: split and shrink may use it. */
+ncclResult_t lb_comm_ensure_ready_revoked(struct lb_comm *c, const char *opname);
 void lb_comm_ref(struct lb_comm *c);
 void lb_comm_unref(struct lb_comm *c);
 /* Set the async error (first one wins), stop pending work, tell the other ranks. */
@@ -301,7 +312,8 @@ void lb_split_defer(struct lb_split *s);
 uint64_t lb_now_ns(void);
 long long lb_env_ll(const char *name, long long dflt);
 void lb_comm_halt(struct lb_comm *c);
-/* Wait until every task issued on c has completed (or the comm halted) and none runs. */
+/* Wait until every task issued on c has retired (run, or been dropped; a halted comm's
+ * tasks retire as their streams reach them) and none runs (teardown.c). */
 void lb_comm_drain(struct lb_comm *c);
 void lb_make_uid(unsigned char *uid);
 int lb_uid_valid(const unsigned char *uid);
@@ -333,6 +345,9 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname);
 int lbw_all_joined(struct lb_comm *c);
 ncclResult_t lbw_check_joined(struct lb_comm *c, const char *opname);
 ncclResult_t lbw_wait_joined(struct lb_comm *c, const char *opname);
+/* Tell the other ranks this one left (state: LBR_LEFT or LBR_FAILED, first one wins);
+ * leave also unmaps the world (at the last reference: a call may still be waiting in it). */
+void lbw_depart(struct lb_comm *c, enum lbw_rank_state state);
 void lbw_leave(struct lb_comm *c, enum lbw_rank_state state);
 void lbw_notify(struct lb_comm *c);
 /* Mark the world broken (first caller wins): other ranks adopt `code`. set_local also
@@ -390,9 +405,14 @@ void lb_win_publish(struct lb_comm *c, struct lb_win *w);
 void lb_win_unlink(struct lb_comm *c, struct lb_win *w);
 /* A comm's windows are released at teardown. */
 void lb_win_release_all(struct lb_comm *c);
-/* winreg.c: window calls queued in the calling thread's group run at its outermost
- * end (discard: the group failed, drop them). */
-ncclResult_t lb_win_group_end(int discard);
+/* winreg.c: window registrations queued in the calling thread's group run at its
+ * outermost end. take: hand them over (the count; *ops owns their comm refs); run: run
+ * and free them (the first failure); drop: release them unrun. */
+struct lb_wop;
+int lb_win_group_take(struct lb_wop **ops);
+ncclResult_t lb_win_run(struct lb_wop *ops, int n);
+void lb_win_drop(struct lb_wop *ops, int n);
+struct lb_comm *lb_win_op_comm(const struct lb_wop *ops, int i);
 /* The window containing [p, p+bytes) among c's windows with all `flags`, or NULL (mu). */
 struct lb_win *lb_win_find(struct lb_comm *c, const void *p, size_t bytes, int flags);
 /* 1 if win is a live window of c; then its user pointer/size and, for peer, the address
@@ -446,6 +466,41 @@ ncclResult_t lb_comm_create(const unsigned char *uid, int nranks, int rank, int 
                             const ncclConfig_t *cfg, const char *opname, struct lb_comm **out);
 void lb_comm_abandon(struct lb_comm *c);
 void lb_splits_progress_all(void);
+/* Leave the world and kill the handle (the comm's tasks must have stopped). */
+void lb_comm_teardown(struct lb_comm *c, enum lbw_rank_state state);
+/* child shares parent's memory (NCCL's memory manager with splitShare/shrinkShare). */
+void lb_comm_share_memory(struct lb_comm *child, struct lb_comm *parent);
+/* Set the async error (first one wins) and stop pending work, without telling the other
+ * ranks (a non-blocking group end that failed: NCCL's ncclCommSetAsyncError). */
+void lb_comm_set_async(struct lb_comm *c, ncclResult_t r);
+
+/* ---- teardown (teardown.c) ---------------------------------------------------------- */
+
+/* NCCL's "in progress" async state: a non-blocking group end or finalize in flight,
+ * a revoke not yet quiescent, or non-blocking splits of this parent pending. */
+int lb_comm_in_progress(struct lb_comm *c);
+/* Every task the comm issued has retired (1) or not (0). */
+int lb_comm_quiescent(struct lb_comm *c);
+/* What ncclCommFinalize waits for: the comm's work, the CUDA graphs that captured it,
+ * and (NCCL >= 2.31.2, after an abortive shrink) every rank's teardown. */
+void lb_comm_finalize_sync(struct lb_comm *c);
+
+/* ---- non-blocking group ends and finalize (gjob.c) --------------------------------- */
+
+struct lb_gitem;
+struct lb_gjob;
+
+/* Launch items[0..n) (group.c's OP items; INIT/SPLIT items are only released) and ops
+ * from a worker thread, after PYNCCL_LOOPBACK_NONBLOCKING_DELAY polls; every comm
+ * involved reads ncclInProgress until then. Takes everything; returns ncclInProgress. */
+ncclResult_t lb_gjob_group(struct lb_gitem *items, int n, struct lb_wop *ops, int nops);
+/* ncclCommFinalize of a non-blocking comm: lb_comm_finalize_sync on a worker thread. */
+ncclResult_t lb_gjob_finalize(struct lb_comm *c);
+/* 1 while a job of c is in flight; polled: one ncclCommGetAsyncError returned InProgress. */
+int lb_gjob_pending(struct lb_comm *c);
+void lb_gjob_polled(struct lb_comm *c);
+/* ncclCommAbort: hurry c's job (no more delay) and wait until it is done. */
+void lb_gjob_abort_wait(struct lb_comm *c);
 
 /* ---- groups (group.c) and launching them (launch.c) -------------------------------- */
 
@@ -464,6 +519,8 @@ void lb_group_release(struct lb_gitem *items, int n);
 ncclResult_t lb_group_pop(struct lb_gitem **items, int *n, int *blocking, ncclResult_t *err);
 ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, const int *idx,
                              int n);
+/* Enqueue the OP items of items[0..n), one task per communicator (launch.c). */
+ncclResult_t lb_launch_ops(struct lb_gitem *items, int n);
 
 #pragma GCC visibility pop
 

@@ -2,7 +2,15 @@
  * Launching the loopback libnccl's operations: tasks on the loopback streams, and
  * ncclGroupEnd / ncclGroupSimulateEnd, which launch the items of the thread's group
  * (group.c); an op issued outside a group is launched at once as a group of one
- * (enqueue.c checks its arguments first).
+ * (enqueue.c checks its arguments first). A non-blocking group's launch is a worker
+ * thread's (gjob.c).
+ *
+ * Each communicator has a bounded work queue, as NCCL's work FIFO: a launch takes the
+ * FIFO bytes of its work items until it has run, and a launch that finds the queue full
+ * blocks the issuing thread (NCCL_WORK_FIFO_BYTES). Tasks are counted as they retire (run
+ * or are dropped), which is what finalize, revoke and default shrink wait for; graph
+ * copies of captured tasks are counted as the communicator's persistent references,
+ * which destroy and abort wait for (teardown.c).
  *
  * A launch makes one task per communicator (its collectives in issue order, then all
  * its p2p ops, which progress together) and enqueues it on the stream of the comm's
@@ -31,8 +39,43 @@ struct lb_task {
     int ran;
     int tmpl;          /* a graph's template (captured): never run, has no ticket */
     int nops, ncoll;   /* ops[0..ncoll) collectives, then p2p */
+    size_t fifo_bytes; /* its room in the comm's work queue (0: a graph launch's copy) */
     struct lb_op ops[];
 };
+
+/* The bytes a launch takes in NCCL's work FIFO (src/include/device.h): one
+ * ncclDevWorkBatch, then an ncclDevWorkColl per collective, an ncclDevWorkP2p per p2p. */
+#define LB_WORK_BATCH_BYTES 16
+#define LB_WORK_COLL_BYTES 144
+#define LB_WORK_P2P_BYTES 48
+
+static size_t work_bytes(int ncoll, int np2p) {
+    return LB_WORK_BATCH_BYTES + (size_t)ncoll * LB_WORK_COLL_BYTES +
+           (size_t)np2p * LB_WORK_P2P_BYTES;
+}
+
+/* Wait (c->mu held) for room in c's work queue, as NCCL's waitWorkFifoAvailable spins
+ * until the device consumed enough: the issuing thread blocks while earlier work of the
+ * comm has not run. A launch bigger than the whole queue waits for it to be empty. */
+static ncclResult_t fifo_reserve(struct lb_comm *c, size_t bytes, const char *what) {
+    while (c->fifo_used > 0 && c->fifo_used + bytes > c->fifo_cap) {
+        if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE))
+            return lb_err(ncclInternalError,
+                          "%s : communicator aborted while its work queue (NCCL_WORK_FIFO_BYTES "
+                          "= %zu) was full",
+                          what, c->fifo_cap);
+        pthread_cond_wait(&c->cv, &c->mu);
+    }
+    c->fifo_used += bytes;
+    return ncclSuccess;
+}
+
+static void graph_ref(struct lb_comm *c, int delta) {
+    pthread_mutex_lock(&c->mu);
+    c->graph_refs += delta;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
 
 static void task_exec(struct lb_comm *c, struct lb_task *t) {
     for (int i = 0; i < t->nops; i++) {
@@ -80,14 +123,24 @@ static void task_run(void *arg) {
 
 static void task_release(void *arg) {
     struct lb_task *t = arg;
-    if (!t->tmpl && !t->ran && !__atomic_load_n(&t->c->halt, __ATOMIC_ACQUIRE)) {
+    struct lb_comm *c = t->c;
+    if (!t->tmpl && !t->ran && !__atomic_load_n(&c->halt, __ATOMIC_ACQUIRE)) {
         /* it holds a ticket that will never run: the peers (and later tasks) would wait */
-        lb_comm_fail(t->c, ncclInvalidUsage,
+        lb_comm_fail(c, ncclInvalidUsage,
                      "rank %d: a %s was dropped before it ran (its stream was destroyed, or a "
                      "CUDA graph launch failed part way)",
-                     t->c->rank, lb_kind_name(t->ops[0].kind));
+                     c->rank, lb_kind_name(t->ops[0].kind));
     }
-    lb_comm_unref(t->c);
+    pthread_mutex_lock(&c->mu);
+    if (t->tmpl) {
+        c->graph_refs--; /* a graph (or capture) that held this copy is gone */
+    } else {
+        c->retired++;
+        c->fifo_used -= t->fifo_bytes;
+    }
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+    lb_comm_unref(c);
     free(t);
 }
 
@@ -103,12 +156,14 @@ static void *task_clone(void *arg, int launch) {
     copy->ran = 0;
     copy->tmpl = !launch;
     copy->seq = 0;
+    copy->fifo_bytes = 0; /* NCCL keeps a graph's work in persistent buffers */
     lb_comm_ref(t->c);
-    if (launch) {
-        pthread_mutex_lock(&t->c->mu);
+    pthread_mutex_lock(&t->c->mu);
+    if (launch)
         copy->seq = t->c->issued++;
-        pthread_mutex_unlock(&t->c->mu);
-    }
+    else
+        t->c->graph_refs++; /* NCCL's localPersistentRefs: destroy waits for it */
+    pthread_mutex_unlock(&t->c->mu);
     return copy;
 }
 
@@ -157,6 +212,7 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
     t->seq = 0;
     t->nops = n;
     t->ncoll = ncoll;
+    t->fifo_bytes = 0;
     int a = 0, b = ncoll;
     cudaEvent_t launch_event = NULL;
     for (int k = 0; k < n; k++) {
@@ -200,8 +256,10 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
     if (ret == ncclSuccess && capturing) {
         t->tmpl = 1;
         lb_comm_ref(c);
+        graph_ref(c, 1);
         int e = pynccl_lb_stream_enqueue2(streams[0], task_run, task_release, task_clone, t, 1);
         if (e != 0) {
+            graph_ref(c, -1);
             lb_comm_unref(c);
             ret = lb_err(ncclUnhandledCudaError,
                          "%s : Cuda failure '%s' capturing on stream %p (%s)",
@@ -211,17 +269,26 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
             t = NULL; /* the capture owns the template */
         }
     } else if (ret == ncclSuccess) {
-        lb_comm_ref(c);
         pthread_mutex_lock(&c->mu);
-        t->seq = c->issued++;
+        ret = fifo_reserve(c, work_bytes(ncoll, n - ncoll), lb_kind_name(items[idx[0]].op.kind));
+        if (ret == ncclSuccess) {
+            t->fifo_bytes = work_bytes(ncoll, n - ncoll);
+            t->seq = c->issued++;
+        }
         pthread_mutex_unlock(&c->mu);
+    }
+    if (t && ret == ncclSuccess && !capturing) {
+        lb_comm_ref(c);
         int e = pynccl_lb_stream_enqueue2(streams[0], task_run, task_release, task_clone, t, 0);
         if (e != 0) {
             pthread_mutex_lock(&c->mu);
-            if (c->issued == t->seq + 1)
+            c->fifo_used -= t->fifo_bytes;
+            if (c->issued == t->seq + 1) {
                 c->issued--;
-            else
+            } else { /* a later ticket exists: this one can never run in order */
                 __atomic_store_n(&c->halt, 1, __ATOMIC_RELEASE);
+                c->retired++;
+            }
             pthread_cond_broadcast(&c->cv);
             pthread_mutex_unlock(&c->mu);
             lb_comm_unref(c);
@@ -240,10 +307,38 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
     return ret;
 }
 
-/* Launch a group's items (taken from the thread-local list by the caller). */
-static ncclResult_t group_launch(struct lb_gitem *items, int n, int blocking, int simulate) {
+ncclResult_t lb_launch_ops(struct lb_gitem *items, int n) {
+    int nops = 0;
+    for (int i = 0; i < n; i++) nops += items[i].type == LBG_OP;
+    if (!nops) return ncclSuccess;
     ncclResult_t ret = ncclSuccess;
-    /* inits and splits first: a split's child joins its world before anyone waits */
+    int *idx = malloc((size_t)nops * sizeof *idx);
+    char *done = calloc((size_t)n, 1);
+    if (!idx || !done) {
+        ret = lb_err(ncclSystemError, "ncclGroupEnd : out of memory");
+    } else {
+        for (int i = 0; i < n && ret == ncclSuccess; i++) {
+            if (items[i].type != LBG_OP || done[i]) continue;
+            int m = 0;
+            for (int j = i; j < n; j++) {
+                if (items[j].type == LBG_OP && items[j].c == items[i].c) {
+                    idx[m++] = j;
+                    done[j] = 1;
+                }
+            }
+            ret = lb_enqueue_task(items[i].c, items, idx, m);
+        }
+    }
+    free(done);
+    free(idx);
+    return ret;
+}
+
+/* Inits and splits of a group's items: a blocking group waits for them, a non-blocking
+ * one leaves them to the polls of ncclCommGetAsyncError (comm.c). */
+static ncclResult_t group_comms(struct lb_gitem *items, int n, int blocking) {
+    ncclResult_t ret = ncclSuccess;
+    /* a split's child joins its world before anyone waits */
     for (int i = 0; i < n && ret == ncclSuccess; i++)
         if (items[i].type == LBG_SPLIT && blocking) ret = lb_split_stage_join(items[i].split);
     for (int i = 0; i < n; i++) {
@@ -261,53 +356,40 @@ static ncclResult_t group_launch(struct lb_gitem *items, int n, int blocking, in
             }
         }
     }
-    int *idx = NULL;
-    int nops = 0;
-    for (int i = 0; i < n; i++) nops += items[i].type == LBG_OP;
-    if (nops && !simulate && ret == ncclSuccess) {
-        idx = malloc((size_t)nops * sizeof *idx);
-        char *done = calloc((size_t)n, 1);
-        if (!idx || !done) {
-            ret = lb_err(ncclSystemError, "ncclGroupEnd : out of memory");
-        } else {
-            for (int i = 0; i < n && ret == ncclSuccess; i++) {
-                if (items[i].type != LBG_OP || done[i]) continue;
-                int m = 0;
-                for (int j = i; j < n; j++) {
-                    if (items[j].type == LBG_OP && items[j].c == items[i].c) {
-                        idx[m++] = j;
-                        done[j] = 1;
-                    }
-                }
-                ret = lb_enqueue_task(items[i].c, items, idx, m);
-            }
-        }
-        free(done);
-    }
-    free(idx);
-    lb_group_release(items, n);
-    if (ret == ncclSuccess && !blocking && n > 0) ret = ncclInProgress;
     return ret;
 }
 
+/* The outermost group end: the group's items (group.c) and window registrations
+ * (winreg.c), its first error so far; launched, or given to a worker (gjob.c). */
+static ncclResult_t group_finish(struct lb_gitem *items, int n, int blocking, struct lb_wop *ops,
+                                 int nops, ncclResult_t err, int simulate) {
+    if (err == ncclSuccess) err = group_comms(items, n, blocking);
+    if (err != ncclSuccess) {
+        lb_group_release(items, n);
+        lb_win_drop(ops, nops);
+        return err;
+    }
+    int launches = nops;
+    for (int i = 0; i < n; i++) launches += items[i].type == LBG_OP;
+    if (!blocking && launches && !simulate) return lb_gjob_group(items, n, ops, nops);
+    ncclResult_t r = nops ? lb_win_run(ops, nops) : ncclSuccess; /* windows first, as NCCL */
+    if (r == ncclSuccess && !simulate) r = lb_launch_ops(items, n);
+    lb_group_release(items, n);
+    if (r == ncclSuccess && !blocking && n > 0) r = ncclInProgress;
+    return r;
+}
 
-ncclResult_t ncclGroupEnd(void) {
+static ncclResult_t group_end(int simulate) {
     struct lb_gitem *items;
     int n, blocking = 1;
     ncclResult_t err, r = lb_group_pop(&items, &n, &blocking, &err);
     if (r != ncclSuccess || lb_group_depth() > 0) return r;
-    if (err != ncclSuccess) {
-        r = err;
-        lb_group_release(items, n);
-        lb_win_group_end(1);
-        return r;
-    }
-    if ((r = lb_win_group_end(0)) != ncclSuccess) { /* window calls first, as in NCCL */
-        lb_group_release(items, n);
-        return r;
-    }
-    return group_launch(items, n, blocking, 0);
+    struct lb_wop *ops;
+    int nops = lb_win_group_take(&ops);
+    return group_finish(items, n, blocking, ops, nops, err, simulate);
 }
+
+ncclResult_t ncclGroupEnd(void) { return group_end(0); }
 LB_ALIAS(ncclGroupEnd)
 
 #if LB_AT_LEAST(2, 22, 3)
@@ -316,39 +398,29 @@ ncclResult_t ncclGroupSimulateEnd(ncclSimInfo_t *simInfo) {
     int n, blocking = 1;
     ncclResult_t err, r = lb_group_pop(&items, &n, &blocking, &err);
     if (r != ncclSuccess || lb_group_depth() > 0) return r; /* nested: simInfo is ignored */
-    if (err != ncclSuccess) {
-        r = err;
-        lb_group_release(items, n);
-        lb_win_group_end(1);
-        return r;
-    }
-    if ((r = lb_win_group_end(0)) != ncclSuccess) {
-        lb_group_release(items, n);
-        return r;
-    }
+    struct lb_wop *ops;
+    int nops = lb_win_group_take(&ops);
     ncclSimInfo_t info;
     size_t real = 0;
-    if (simInfo) {
+    if (simInfo && err == ncclSuccess) {
         memcpy(&real, &simInfo->size, sizeof real);
         if (real > sizeof info) real = sizeof info;
         memset(&info, 0, sizeof info);
         memcpy(&info, simInfo, real);
-        if (info.magic != 0x74685283u) {
-            lb_group_release(items, n);
-            return lb_err(ncclInvalidArgument,
-                          "ncclSimInfo_t argument not initialized via NCCL_SIM_INFO_INITIALIZER");
-        }
+        if (info.magic != 0x74685283u)
+            err = lb_err(ncclInvalidArgument,
+                         "ncclSimInfo_t argument not initialized via NCCL_SIM_INFO_INITIALIZER");
     }
     /* a crude model of a fast interconnect: 5 us per op plus 20 GB/s (us) */
     double us = 0;
-    int nops = 0;
+    int nsim = 0;
     for (int i = 0; i < n; i++) {
         if (items[i].type != LBG_OP) continue;
-        nops++;
+        nsim++;
         us += 5.0 + (double)(items[i].op.count * lb_type_size(items[i].op.dtype)) / 20e3;
     }
-    r = group_launch(items, n, blocking, 1);
-    if (simInfo && nops && (r == ncclSuccess || r == ncclInProgress)) {
+    r = group_finish(items, n, blocking, ops, nops, err, 1);
+    if (simInfo && nsim && (r == ncclSuccess || r == ncclInProgress)) {
         info.estimatedTime = (float)us;
         memcpy(simInfo, &info, real);
     }

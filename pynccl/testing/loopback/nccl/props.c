@@ -88,7 +88,9 @@ ncclResult_t ncclCommQueryProperties(ncclComm_t comm, ncclCommProperties_t *prop
     if (props->version > LB_V(2, 29, 3)) { /* NCCL fills these for newer callers only */
         LB_PUT(ginType, 0);
         LB_PUT(nLsaTeams, 1);
-        LB_PUT(hostRmaSupport, 0);
+        /* NCCL: numRmaCtx > 0 and symmetric memory with one LSA team, which every
+         * loopback world is; ncclPutSignal/Signal/WaitSignal refuse host RMA without it */
+        LB_PUT(hostRmaSupport, c->rma_ctx > 0);
         LB_PUT(railedGinType, 0);
     }
     LB_PUT(commHash, c->hash);

@@ -29,6 +29,7 @@ enum { LBS_PUT, LBS_SIGNAL, LBS_WAIT };
 struct lb_sigtask {
     struct lb_comm *c; /* ref held */
     int kind;
+    int tmpl; /* a CUDA graph's copy (counted in the comm's graph_refs), never run */
     int peer, sig, ctx;
     const void *src;
     size_t bytes, off;
@@ -84,8 +85,8 @@ static ncclResult_t exec_put(struct lb_comm *c, const struct lb_sigtask *t) {
         size_t size = 0;
         pthread_mutex_lock(&c->mu); /* the window stays mapped while we copy */
         int live = lb_win_lookup(c, t->win, NULL, &size, t->peer, &base);
-        if (live && base && t->off <= size && t->bytes <= size - t->off)
-            memcpy((char *)base + t->off, t->src, t->bytes);
+        if (live && base && t->off <= size && t->bytes <= size - t->off) /* to self: may overlap */
+            memmove((char *)base + t->off, t->src, t->bytes);
         pthread_mutex_unlock(&c->mu);
         if (!live || !base)
             return lb_err(ncclInvalidUsage,
@@ -113,8 +114,16 @@ static void sig_run(void *arg) {
     pthread_mutex_unlock(&c->mu);
 }
 
+static void graph_ref(struct lb_comm *c, int delta) {
+    pthread_mutex_lock(&c->mu);
+    c->graph_refs += delta;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
 static void sig_release(void *arg) {
     struct lb_sigtask *t = arg;
+    if (t->tmpl) graph_ref(t->c, -1);
     lb_comm_unref(t->c);
     free(t);
 }
@@ -124,12 +133,14 @@ static size_t task_size(const struct lb_sigtask *t) {
 }
 
 static void *sig_clone(void *arg, int launch) {
-    (void)launch; /* no per-run resources: a wait reserves its counts when it runs */
+    /* no per-run resources: a wait reserves its counts when it runs */
     const struct lb_sigtask *t = arg;
     struct lb_sigtask *copy = malloc(task_size(t));
     if (!copy) return NULL;
     memcpy(copy, t, task_size(t));
+    copy->tmpl = !launch;
     lb_comm_ref(t->c);
+    if (!launch) graph_ref(t->c, 1); /* a graph keeps this comm: destroy waits for it */
     return copy;
 }
 
@@ -148,10 +159,13 @@ static ncclResult_t sig_enqueue(struct lb_comm *c, cudaStream_t stream, struct l
     }
     int capturing = pynccl_lb_stream_capturing(stream) > 0;
     t->c = c;
+    t->tmpl = capturing;
     lb_comm_ref(c);
+    if (capturing) graph_ref(c, 1);
     int e = pynccl_lb_stream_enqueue2(stream, sig_run, sig_release, sig_clone, t, capturing);
     if (switched) cudaSetDevice(cur);
     if (e != 0) {
+        if (capturing) graph_ref(c, -1);
         lb_comm_unref(c);
         free(t);
         return lb_err(ncclUnhandledCudaError, "%s : Cuda failure '%s' on stream %p (%s)", opname,
@@ -182,6 +196,15 @@ static ncclResult_t check_index(const struct lb_comm *c, int sig, int ctx, const
     return ncclSuccess;
 }
 
+/* NCCL's rmaTaskAppend: host RMA needs ncclCommProperties_t.hostRmaSupport (props.c). */
+static ncclResult_t check_host_rma(const struct lb_comm *c, const char *opname) {
+    if (c->rma_ctx > 0) return ncclSuccess;
+    return lb_err(ncclInvalidArgument,
+                  "%s : One sided RMA: host RMA is not supported in this communicator "
+                  "(numRmaCtx=0)",
+                  opname);
+}
+
 static ncclResult_t check_peer(const struct lb_comm *c, int peer, const char *opname) {
     if (peer < 0 || peer >= c->nranks)
         return lb_err(ncclInvalidArgument, "%s : invalid peer %d (peer should be in the 0..%d range)",
@@ -196,6 +219,7 @@ static ncclResult_t common_checks(ncclComm_t comm, int peer, int sig, int ctx, u
     struct lb_comm *c = *out;
     if ((r = lb_comm_ensure_ready(c, opname)) != ncclSuccess) return r;
     if ((r = check_peer(c, peer, opname)) != ncclSuccess) return r;
+    if ((r = check_host_rma(c, opname)) != ncclSuccess) return r;
     if ((r = check_index(c, sig, ctx, opname, "")) != ncclSuccess) return r;
     if (flags != 0) return lb_err(ncclInvalidArgument, "%s : Flags %u is invalid (must be 0)", opname, flags);
     return lb_check_stream(c, stream, opname);
@@ -283,6 +307,7 @@ ncclResult_t ncclWaitSignal(int nDesc, ncclWaitSignalDesc_t *signalDescs, ncclCo
             return lb_group_error(lb_err(ncclInvalidArgument,
                                          "%s: descriptor %d has invalid opCnt %d", opname, i, d->opCnt));
         if ((r = check_peer(c, d->peer, opname)) != ncclSuccess) return lb_group_error(r);
+        if ((r = check_host_rma(c, opname)) != ncclSuccess) return lb_group_error(r);
         if ((r = check_index(c, d->sigIdx, d->ctx, opname, where)) != ncclSuccess)
             return lb_group_error(r);
     }

@@ -13,7 +13,13 @@
  * system (MADV_REMOVE punches them out of the shared memory; the ring buffers only
  * when no sent message waits to be received). The first rank to resume reserves them
  * again (MADV_POPULATE_WRITE, so that exhausted memory is an error here rather than
- * a SIGBUS in a collective). ncclCommMemStats reports the shares as they are now.
+ * a SIGBUS in a collective).
+ *
+ * ncclCommMemStats reports the tracked totals, as NCCL's memory manager does
+ * (src/mem_manager.cc): suspending releases memory without changing them; only
+ * ncclStatGpuMemSuspended says whether the comm is suspended. Like NCCL, suspend and
+ * resume refuse a communicator whose memory is shared (splitShare / shrinkShare with a
+ * live child or parent) with ncclInvalidUsage.
  */
 #include "internal.h"
 
@@ -68,6 +74,15 @@ static ncclResult_t get_ready(ncclComm_t comm, const char *opname, struct lb_com
     return ncclSuccess;
 }
 
+/* NCCL refuses to release a memory manager other communicators use too. */
+static ncclResult_t shared_memory(struct lb_comm *c, const char *what) {
+    int refs = __atomic_load_n(c->mm_refs, __ATOMIC_ACQUIRE);
+    if (refs <= 1) return ncclSuccess;
+    return lb_err(ncclInvalidUsage,
+                  "Memory %s not supported with split_share communicators (refCount=%d)", what,
+                  refs);
+}
+
 ncclResult_t ncclCommSuspend(ncclComm_t comm, int flags) {
     const char *opname = "ncclCommSuspend";
     struct lb_comm *c;
@@ -76,6 +91,7 @@ ncclResult_t ncclCommSuspend(ncclComm_t comm, int flags) {
     if (flags != NCCL_SUSPEND_MEM)
         return lb_err(ncclInvalidArgument, "%s : invalid flags 0x%x (NCCL_SUSPEND_MEM is 0x%x)",
                       opname, (unsigned)flags, (unsigned)NCCL_SUSPEND_MEM);
+    if ((r = shared_memory(c, "suspend")) != ncclSuccess) return r;
     if (__atomic_load_n(&c->suspended, __ATOMIC_ACQUIRE))
         return lb_err(ncclInvalidUsage, "%s : communicator %p is already suspended", opname,
                       (void *)comm);
@@ -100,6 +116,7 @@ ncclResult_t ncclCommResume(ncclComm_t comm) {
     struct lb_comm *c;
     ncclResult_t r = get_ready(comm, opname, &c);
     if (r != ncclSuccess) return r;
+    if ((r = shared_memory(c, "resume")) != ncclSuccess) return r;
     if (!__atomic_load_n(&c->suspended, __ATOMIC_ACQUIRE))
         return lb_err(ncclInvalidUsage, "%s : communicator %p is not suspended", opname,
                       (void *)comm);
@@ -131,10 +148,10 @@ ncclResult_t ncclCommMemStats(ncclComm_t comm, ncclCommMemStat_t stat, uint64_t 
     if (value == NULL) return lb_err(ncclInvalidArgument, "%s : value argument is NULL", opname);
     const struct lbw_hdr *w = c->w;
     const uint64_t R = (uint64_t)c->nranks;
-    uint32_t mask = __atomic_load_n(&w->released, __ATOMIC_ACQUIRE);
+    /* tracked totals: a release while suspended does not change them */
     uint64_t persist = w->slots_off / R;
-    uint64_t slots = mask & LB_REL_SLOTS ? 0 : 2 * w->slot_bytes;
-    uint64_t rings = mask & LB_REL_RINGS ? 0 : R * w->ring_bytes;
+    uint64_t slots = 2 * w->slot_bytes;
+    uint64_t rings = R * w->ring_bytes;
     switch ((int)stat) {
     case ncclStatGpuMemSuspend: *value = slots + rings; break;
     case ncclStatGpuMemSuspended: *value = (uint64_t)__atomic_load_n(&c->suspended, __ATOMIC_ACQUIRE); break;

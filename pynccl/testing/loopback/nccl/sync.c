@@ -154,8 +154,8 @@ ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns) {
  * and then fails with the returned error. */
 ncclResult_t lbw_trouble(struct lb_comm *c, int blocker, int *recheck) {
     *recheck = 0;
-    if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE) || __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE))
-        return LB_ABORTED; /* aborted, revoked, or shrunk with NCCL_SHRINK_ABORT */
+    if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE) || __atomic_load_n(&c->cancel, __ATOMIC_ACQUIRE))
+        return LB_ABORTED; /* aborted, or revoked / shrunk with NCCL_SHRINK_ABORT until quiet */
     ncclResult_t r = lbw_broken(c);
     if (r != ncclSuccess) return r;
     if (blocker >= 0 && blocker != c->rank) {

@@ -1,18 +1,27 @@
 /*
- * Window registration and deregistration in the loopback libnccl (collective, NCCL 2.27.3+).
+ * Window registration and deregistration in the loopback libnccl (NCCL 2.27.3+).
  *
- * Each call is one operation of two rounds over the world's per-rank posts (struct
- * lbw_winpost). Round 1: every rank posts its buffer (or its deregistration) with the
- * result of its own checks; everyone checks every post the same way (matching calls,
- * flags, and for NCCL_WIN_COLL_SYMMETRIC equal sizes and 4096-byte alignment) and maps
- * its peers' memory (window.c). Round 2: every rank posts whether its part
- * succeeded, so that all return the same result.
+ * Registration is collective. Each call is one operation of two rounds over the world's
+ * per-rank posts (struct lbw_winpost). Round 1: every rank posts its buffer with the
+ * result of its own checks; everyone checks every post the same way (matching flags;
+ * below 2.30.7, equal sizes for NCCL_WIN_COLL_SYMMETRIC) and maps its peers' memory
+ * (window.c). Round 2: every rank posts whether its part succeeded, so that all return
+ * the same result (NCCL would leave the others in its bootstrap barrier).
  *
- * Inside ncclGroupStart/End the operations queue in the calling thread and run at the
- * outermost group end, in waves of one operation per communicator whose posts all go
- * out before anyone waits: one thread may drive every rank (ncclCommInitAll), as NCCL
- * allows. Outside a group an operation is a wave of one. ncclWinGetUserPtr (2.29.2)
- * closes the file.
+ * What a rank may register, as NCCL's ncclDevrWindowRegisterInGroup (dev_runtime.cc):
+ * only memory of ncclMemAlloc (NCCL: cuMem/VMM allocations; cudaMalloc memory fails in
+ * cuMemRetainAllocationHandle), at NCCL_WIN_REQUIRED_ALIGNMENT from the allocation's
+ * start, whatever the flags. PYNCCL_LOOPBACK_STRICT=0 lifts these buffer rules.
+ *
+ * Deregistration is local to the rank, at once, outside any group, as in NCCL.
+ *
+ * Inside ncclGroupStart/End registrations queue in the calling thread and run at the
+ * outermost group end (launch.c), in waves of one operation per communicator whose posts
+ * all go out before anyone waits: one thread may drive every rank (ncclCommInitAll), as
+ * NCCL allows; a non-blocking group runs them on its worker thread (gjob.c). Outside a
+ * group an operation is a group of one. Both calls switch the thread to relaxed capture
+ * mode, as NCCL does, so that they are legal during a CUDA-graph capture.
+ * ncclWinGetUserPtr (2.29.2) closes the file.
  */
 #include "internal.h"
 
@@ -27,8 +36,23 @@
 #define LB_PAGE 4096
 #define LB_WIN_FLAGS_KNOWN 0x0f /* NCCL_WIN_COLL_SYMMETRIC .. NCCL_WIN_CFT_COUNTED */
 #define LB_WIN_SYMMETRIC 0x01
-#define LB_WIN_ALIGN 4096
-enum { LBW_REGISTER = 1, LBW_DEREGISTER = 2 };
+#define LB_WIN_ALIGN 4096 /* NCCL_WIN_REQUIRED_ALIGNMENT */
+enum { LBW_REGISTER = 1 };
+
+/* cudart's, weak: a loopback cudart without it has no capture rules to relax. */
+#pragma weak cudaThreadExchangeStreamCaptureMode
+extern cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode);
+
+/* Relaxed capture mode for the calling thread; returns the mode to restore. */
+static enum cudaStreamCaptureMode relax_capture(void) {
+    enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (cudaThreadExchangeStreamCaptureMode) cudaThreadExchangeStreamCaptureMode(&mode);
+    return mode;
+}
+
+static void restore_capture(enum cudaStreamCaptureMode mode) {
+    if (cudaThreadExchangeStreamCaptureMode) cudaThreadExchangeStreamCaptureMode(&mode);
+}
 
 static __thread struct lb_wop *t_ops; /* the thread's group's queued operations */
 static __thread int t_nops, t_capops;
@@ -38,15 +62,15 @@ static __thread int t_nops, t_capops;
 
 static size_t page_up(size_t v) { return (v + LB_PAGE - 1) / LB_PAGE * LB_PAGE; }
 
-/* One registration or deregistration. */
+/* One registration. */
 struct lb_wop {
     struct lb_comm *c; /* ref held */
     int kind;
     void *buff;
     size_t size;
     int flags;
-    ncclWindow_t *out;  /* register: receives the handle */
-    struct lb_win *win; /* deregister: the window; register: the one being built */
+    ncclWindow_t *out;  /* receives the handle */
+    struct lb_win *win; /* the one being built */
     uint64_t seq;       /* round posted */
     ncclResult_t r;     /* result so far */
     const char *opname;
@@ -140,17 +164,30 @@ static ncclResult_t local_checks(struct lb_comm *c, void *buff, size_t size, int
     if (c->strict && !pynccl_lb_find_alloc(buff, size, &dev))
         return lb_err(ncclInvalidArgument,
                       "%s : buffer %p (%zu bytes) does not lie inside a loopback device "
-                      "allocation (ncclMemAlloc / cudaMalloc)",
+                      "allocation (ncclMemAlloc)",
                       opname, buff, size);
     if (c->strict && dev != c->dev)
         return lb_err(ncclInvalidArgument, "%s : buffer %p is on device %d but the communicator is on device %d",
                       opname, buff, dev, c->dev);
-    int fd;
-    size_t off;
-    if (lb_mem_find(buff, size, &fd, &off)) {
+    int fd = -1;
+    size_t off = 0;
+    int vmm = lb_mem_find(buff, size, &fd, &off);
+    if (vmm) {
         post->fd = fd;
         post->fdoff = off;
     }
+    if (c->strict && !vmm)
+        return lb_err(ncclUnhandledCudaError,
+                      "%s : Cuda failure 'invalid argument' (cuMemRetainAllocationHandle): "
+                      "buffer %p (%zu bytes) does not lie in one ncclMemAlloc allocation; NCCL "
+                      "registers windows only from cuMem (VMM) memory, never cudaMalloc's",
+                      opname, buff, size);
+    if (c->strict && off % LB_WIN_ALIGN != 0) /* off: from the allocation's start */
+        return lb_err(ncclInvalidArgument,
+                      "%s : Window address must be suitably aligned: buffer %p is %zu bytes into "
+                      "its allocation, not a multiple of NCCL_WIN_REQUIRED_ALIGNMENT (%d), "
+                      "whatever the window flags",
+                      opname, buff, off, LB_WIN_ALIGN);
     for (int s = 0; s < c->nranks; s++) {
         if (c->ranks[s].pid != c->pid && post->fd < 0)
             return lb_err(ncclInvalidArgument,
@@ -166,11 +203,6 @@ static ncclResult_t global_checks(struct lb_comm *c, const char *opname) {
     const struct lbw_winpost *p0 = &c->ranks[0].win;
     for (int s = 0; s < c->nranks; s++) {
         const struct lbw_winpost *p = &c->ranks[s].win;
-        if (p->kind != 1)
-            return lb_err(ncclInvalidUsage,
-                          "%s : rank %d called ncclCommWindowDeregister while rank %d registers "
-                          "a window: window calls must match on every rank",
-                          opname, s, c->rank);
         if (p->status != ncclSuccess)
             return s == c->rank ? (ncclResult_t)p->status
                                 : lb_err((ncclResult_t)p->status,
@@ -180,20 +212,17 @@ static ncclResult_t global_checks(struct lb_comm *c, const char *opname) {
                           "%s : window flags differ between ranks (rank 0: 0x%x, rank %d: 0x%x)",
                           opname, p0->flags, s, p->flags);
     }
+#if !LB_AT_LEAST(2, 30, 7) /* from 2.30.7 "size may differ across ranks" */
     if (!(p0->flags & LB_WIN_SYMMETRIC)) return ncclSuccess;
     for (int s = 0; s < c->nranks; s++) {
         const struct lbw_winpost *p = &c->ranks[s].win;
         if (p->size != p0->size)
             return lb_err(ncclInvalidUsage,
-                          "%s : NCCL_WIN_COLL_SYMMETRIC needs the same size on every rank, but "
-                          "rank 0 registers %llu bytes and rank %d %llu",
+                          "%s : NCCL_WIN_COLL_SYMMETRIC needs the same size on every rank before "
+                          "NCCL 2.30.7, but rank 0 registers %llu bytes and rank %d %llu",
                           opname, (unsigned long long)p0->size, s, (unsigned long long)p->size);
-        if (p->addr % LB_WIN_ALIGN != 0)
-            return lb_err(ncclInvalidUsage,
-                          "%s : NCCL_WIN_COLL_SYMMETRIC needs buffers aligned to "
-                          "NCCL_WIN_REQUIRED_ALIGNMENT (%d bytes), but rank %d's buffer 0x%llx is not",
-                          opname, LB_WIN_ALIGN, s, (unsigned long long)p->addr);
     }
+#endif
     return ncclSuccess;
 }
 
@@ -258,29 +287,19 @@ static void first_post(struct lb_wop *o) {
 static void first_conclude(struct lb_wop *o) {
     struct lb_comm *c = o->c;
     if (!round_wait(o)) return;
-    ncclResult_t v = ncclSuccess;
-    if (o->kind == LBW_DEREGISTER) {
-        for (int s = 0; s < c->nranks && v == ncclSuccess; s++)
-            if (c->ranks[s].win.kind != LBW_DEREGISTER)
-                v = lb_err(ncclInvalidUsage,
-                           "%s : rank %d registers a window while rank %d deregisters one: "
-                           "window calls must match on every rank",
-                           o->opname, s, c->rank);
-    } else {
-        v = global_checks(c, o->opname);
-        if (v == ncclSuccess) {
-            struct lb_win *w = calloc(1, sizeof *w);
-            if (!w) {
-                v = lb_err(ncclSystemError, "%s : out of memory", o->opname);
-            } else {
-                w->c = c;
-                w->user = o->buff;
-                w->size = o->size;
-                w->flags = o->flags;
-                w->nranks = c->nranks;
-                o->win = w;
-                v = map_peers(c, w, o->opname);
-            }
+    ncclResult_t v = global_checks(c, o->opname);
+    if (v == ncclSuccess) {
+        struct lb_win *w = calloc(1, sizeof *w);
+        if (!w) {
+            v = lb_err(ncclSystemError, "%s : out of memory", o->opname);
+        } else {
+            w->c = c;
+            w->user = o->buff;
+            w->size = o->size;
+            w->flags = o->flags;
+            w->nranks = c->nranks;
+            o->win = w;
+            v = map_peers(c, w, o->opname);
         }
     }
     round_done(o);
@@ -313,15 +332,10 @@ static void second_conclude(struct lb_wop *o) {
 }
 
 static void finish(struct lb_wop *o) {
-    if (o->kind == LBW_REGISTER) {
-        if (o->r == ncclSuccess) {
-            lb_win_publish(o->c, o->win);
-            *o->out = (ncclWindow_t)(void *)o->win;
-        } else {
-            lb_win_free(o->win);
-        }
-    } else if (o->r == ncclSuccess) {
-        lb_win_unlink(o->c, o->win);
+    if (o->r == ncclSuccess) {
+        lb_win_publish(o->c, o->win);
+        *o->out = (ncclWindow_t)(void *)o->win;
+    } else {
         lb_win_free(o->win);
     }
     lb_comm_unref(o->c);
@@ -361,9 +375,19 @@ static ncclResult_t run_ops(struct lb_wop *ops, int n) {
     return first;
 }
 
-/* Queue o in the thread's group, or run it now. Takes the comm ref o holds. */
+/* Queue o in the thread's group, or run it now (a non-blocking comm: a group of one,
+ * launched by a worker). Takes the comm ref o holds. */
 static ncclResult_t submit(struct lb_wop *o) {
-    if (lb_group_depth() == 0) return run_ops(o, 1);
+    if (lb_group_depth() == 0) {
+        if (o->c->blocking) return run_ops(o, 1);
+        struct lb_wop *one = malloc(sizeof *one);
+        if (!one) {
+            lb_comm_unref(o->c);
+            return lb_err(ncclSystemError, "%s : out of memory", o->opname);
+        }
+        *one = *o;
+        return lb_gjob_group(NULL, 0, one, 1);
+    }
     ncclResult_t r = lb_group_join_mode(o->c->blocking, o->opname);
     if (r != ncclSuccess) {
         lb_comm_unref(o->c);
@@ -398,51 +422,75 @@ ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size, nc
     if ((r = lb_comm_ensure_ready(c, opname)) != ncclSuccess) return lb_group_error(r);
     struct lb_wop o = {c, LBW_REGISTER, buff, size, winFlags, win, NULL, 0, ncclSuccess, opname};
     lb_comm_ref(c);
-    return lb_group_error(submit(&o));
+    enum cudaStreamCaptureMode mode = relax_capture();
+    r = lb_group_error(submit(&o));
+    restore_capture(mode);
+    return r;
 }
 LB_ALIAS(ncclCommWindowRegister)
 
+/* Local to this rank, at once: the peers' views of this rank's window stay theirs to drop
+ * (a process world keeps the memory mapped until they do). */
 ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) {
     const char *opname = "ncclCommWindowDeregister";
     struct lb_comm *c;
     ncclResult_t r = lb_comm_get(comm, opname, &c);
-    if (r != ncclSuccess) return lb_group_error(r);
+    if (r != ncclSuccess) return r;
     if (win == NULL) return ncclSuccess;
+    enum cudaStreamCaptureMode mode = relax_capture();
     pthread_mutex_lock(&c->mu);
     int known = lb_win_lookup(c, win, NULL, NULL, -1, NULL);
     pthread_mutex_unlock(&c->mu);
+    if (known) {
+        struct lb_win *w = (struct lb_win *)(void *)win;
+        lb_win_unlink(c, w);
+        lb_win_free(w);
+    }
+    restore_capture(mode);
     if (!known)
-        return lb_group_error(lb_err(ncclInvalidArgument,
-                                     "%s : window %p is not registered with communicator %p",
-                                     opname, (void *)win, (void *)comm));
-    if ((r = lb_comm_ensure_ready(c, opname)) != ncclSuccess) return lb_group_error(r);
-    struct lb_wop o = {c, LBW_DEREGISTER, NULL, 0, 0, NULL, (struct lb_win *)(void *)win,
-                       0, ncclSuccess, opname};
-    lb_comm_ref(c);
-    return lb_group_error(submit(&o));
+        return lb_err(ncclInvalidArgument, "%s : window %p is not registered with communicator %p",
+                      opname, (void *)win, (void *)comm);
+    return ncclSuccess;
 }
 LB_ALIAS(ncclCommWindowDeregister)
 #endif /* 2.27.3 */
 
-ncclResult_t lb_win_group_end(int discard) {
-    struct lb_wop *ops = t_ops;
+int lb_win_group_take(struct lb_wop **ops) {
     int n = t_nops;
+    *ops = t_ops;
     t_ops = NULL;
     t_nops = t_capops = 0;
+    return n;
+}
+
+ncclResult_t lb_win_run(struct lb_wop *ops, int n) {
     ncclResult_t r = ncclSuccess;
 #if LB_AT_LEAST(2, 27, 3)
-    if (discard) {
-        for (int i = 0; i < n; i++) lb_comm_unref(ops[i].c);
-    } else if (n) {
-        r = run_ops(ops, n);
-    }
+    if (n) r = run_ops(ops, n);
 #else
-    (void)discard, (void)n;
+    (void)n;
 #endif
     free(ops);
     return r;
 }
 
+void lb_win_drop(struct lb_wop *ops, int n) {
+#if LB_AT_LEAST(2, 27, 3)
+    for (int i = 0; i < n; i++) lb_comm_unref(ops[i].c);
+#else
+    (void)n;
+#endif
+    free(ops);
+}
+
+struct lb_comm *lb_win_op_comm(const struct lb_wop *ops, int i) {
+#if LB_AT_LEAST(2, 27, 3)
+    return ops[i].c;
+#else
+    (void)ops, (void)i;
+    return NULL;
+#endif
+}
 
 #if LB_AT_LEAST(2, 29, 2)
 ncclResult_t ncclWinGetUserPtr(ncclComm_t comm, ncclWindow_t win, void **outUserPtr) {

@@ -422,14 +422,24 @@ ncclResult_t lbw_wait_joined(struct lb_comm *c, const char *opname) {
     }
 }
 
-void lbw_leave(struct lb_comm *c, enum lbw_rank_state state) {
-    struct lbw_hdr *w = c->w;
-    if (!w) return;
+void lbw_depart(struct lb_comm *c, enum lbw_rank_state state) {
+    if (!c->w) return;
     if (c->ranks) {
-        __atomic_store_n(&c->ranks[c->rank].state, (uint32_t)state, __ATOMIC_RELEASE);
+        uint32_t *st = &c->ranks[c->rank].state;
+        uint32_t cur = __atomic_load_n(st, __ATOMIC_ACQUIRE);
+        while (cur != LBR_LEFT && cur != LBR_FAILED &&
+               !__atomic_compare_exchange_n(st, &cur, (uint32_t)state, 0, __ATOMIC_SEQ_CST,
+                                            __ATOMIC_SEQ_CST)) {
+        }
         lbw_notify(c);
     }
     lbw_rendezvous_close(c);
+}
+
+void lbw_leave(struct lb_comm *c, enum lbw_rank_state state) {
+    struct lbw_hdr *w = c->w;
+    if (!w) return;
+    lbw_depart(c, state);
     munmap(w, c->wsize);
     c->w = NULL;
     c->ranks = NULL;
