@@ -233,11 +233,16 @@ static ncclResult_t ensure(struct lb_comm *c, const char *opname, int revoked_ok
     if (st == LBC_FAILED) return (ncclResult_t)__atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
     int revoked = __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED;
     if (st != LBC_READY || __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE) ||
-        lb_gjob_pending(c) || (revoked && lb_comm_revoke_state(c) == ncclInProgress))
+        lb_gjob_pending(c) || (revoked && lb_comm_revoke_state(c) == ncclInProgress)) {
+        /* NCCL's failed call on a non-blocking comm also sets its async result (until the
+         * group job in flight ends and sets it again): the polls read the error meanwhile */
+        if (!c->blocking && lb_gjob_pending(c))
+            __atomic_store_n(&c->poison, (int)ncclInvalidArgument, __ATOMIC_RELEASE);
         return lb_err(ncclInvalidArgument,
                       "%s : Attempt to use communicator before the previous operation returned "
                       "ncclSuccess",
                       opname);
+    }
     int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
     if (a != ncclSuccess) return (ncclResult_t)a;
     ncclResult_t b = lbw_broken(c);

@@ -53,13 +53,14 @@ ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
         return lb_err(ncclInvalidArgument,
                       "%s : invalid revokeFlags %d (must be NCCL_REVOKE_DEFAULT, 0)", opname,
                       revokeFlags);
-    if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING || lb_gjob_pending(c))
+    if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING)
         return lb_err(ncclInvalidArgument, k_not_ready, opname);
     /* NCCL: no revoke once destroy/finalize or another revoke is under way */
     if (c->finalized || __atomic_load_n(&c->stopped, __ATOMIC_ACQUIRE) == LB_STOP_REVOKED)
         return lb_err(ncclInvalidArgument, "%s : communicator %p was already %s", opname,
                       (void *)comm, c->finalized ? "finalized" : "revoked");
     stop_ops(c, LB_STOP_REVOKED);
+    lb_gjob_abort_wait(c); /* NCCL aborts a group job in flight (ncclGroupJobAbort) */
     if (!c->blocking) return ncclInProgress; /* ncclCommGetAsyncError says when it is quiet */
     /* Every issued operation has left its stream: queued ones end at once, and the one
      * in flight stops as its waits see the revoke. */

@@ -8,14 +8,15 @@
  * own (groupLaunchNonBlocking): window registrations first, then one task per
  * communicator on its streams. Until that thread is done, ncclCommGetAsyncError reads
  * ncclInProgress and every call that checks readiness (ncclCommEnsureReady) is refused
- * with ncclInvalidArgument; the operations are not on their streams yet, so a stream
- * synchronize then returns before they even started. A failed launch becomes every
- * communicator's async error. ncclCommFinalize of a non-blocking communicator likewise
- * waits on a thread of its own.
+ * with ncclInvalidArgument, which NCCL also stores as the comm's async result: the polls
+ * read that error until the job ends and stores its own. The operations are not on their
+ * streams yet, so a stream synchronize meanwhile returns before they even started. A
+ * failed launch becomes every communicator's async error. ncclCommFinalize of a
+ * non-blocking communicator likewise waits on a thread of its own.
  *
  * PYNCCL_LOOPBACK_NONBLOCKING_DELAY=<K>, read at the group end (or finalize), holds the
- * job until K ncclCommGetAsyncError calls on its communicators have read ncclInProgress,
- * so that tests see the window; an abort of one of them ends the wait.
+ * job until K ncclCommGetAsyncError calls on its communicators were made meanwhile, so
+ * that tests see the window; an abort of one of them ends the wait.
  */
 #include "internal.h"
 #include "lb_env.h"
@@ -82,8 +83,12 @@ static void *job_main(void *arg) {
             for (int i = 0; i < j->ncomms; i++) lb_comm_set_async(j->comms[i], r);
     }
     pthread_mutex_lock(&g_mu);
-    for (int i = 0; i < j->ncomms; i++)
-        if (j->comms[i]->gjob == j) __atomic_store_n(&j->comms[i]->gjob, NULL, __ATOMIC_RELEASE);
+    for (int i = 0; i < j->ncomms; i++) {
+        if (j->comms[i]->gjob != j) continue;
+        /* the job's own result replaces what a call refused meanwhile set */
+        __atomic_store_n(&j->comms[i]->poison, 0, __ATOMIC_RELEASE);
+        __atomic_store_n(&j->comms[i]->gjob, NULL, __ATOMIC_RELEASE);
+    }
     pthread_cond_broadcast(&g_cv);
     pthread_mutex_unlock(&g_mu);
     job_free(j);

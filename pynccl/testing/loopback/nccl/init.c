@@ -180,8 +180,9 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
     }
     int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
     if (a == ncclSuccess && lb_gjob_pending(c)) { /* a non-blocking group end or finalize */
-        lb_gjob_polled(c);
-        *asyncError = ncclInProgress;
+        int poison = __atomic_load_n(&c->poison, __ATOMIC_ACQUIRE);
+        *asyncError = poison ? (ncclResult_t)poison : ncclInProgress;
+        lb_gjob_polled(c); /* after the read: this poll's answer is the in-progress one */
         return ncclSuccess;
     }
     if (a == ncclSuccess && __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE)) {

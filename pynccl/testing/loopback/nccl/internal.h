@@ -223,6 +223,7 @@ struct lb_comm {
     size_t fifo_used, fifo_cap; /* the work queue, in NCCL work-FIFO bytes (launch.c) */
     int graph_refs;   /* live CUDA-graph copies of captured tasks (NCCL: localPersistentRefs) */
     struct lb_gjob *gjob; /* a non-blocking group end or finalize in flight (gjob.c) */
+    int poison;       /* atomic: what the polls read until gjob ends (a call refused meanwhile) */
     int *mm_refs;     /* communicators sharing this one's memory (split_share), shared count */
 
     /* executor state: only the task holding the turn touches these */
@@ -396,11 +397,14 @@ struct lb_win { /* an ncclWindow_t */
     size_t *psize;   /* each rank's window size */
     void **maps;     /* mappings of peers' memfds (NULL where the peer is in-process) */
     size_t *maplens;
+    char *mapreg;    /* 1 where the cudart knows maps[p] as device memory */
 };
 
 /* The memfd and offset backing [p, p + bytes), if it lies in one ncclMemAlloc block. */
 int lb_mem_find(const void *p, size_t bytes, int *fd, size_t *off);
 void lb_win_free(struct lb_win *w); /* unmaps the peers; w must be unlinked */
+/* Make w->maps[peer] device memory of `device` for the cudart's checks (window.c). */
+void lb_win_map_register(struct lb_win *w, int peer, int device);
 void lb_win_publish(struct lb_comm *c, struct lb_win *w);
 void lb_win_unlink(struct lb_comm *c, struct lb_win *w);
 /* A comm's windows are released at teardown. */

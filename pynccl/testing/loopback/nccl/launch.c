@@ -251,6 +251,7 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
         cudaSetDevice(c->dev);
         switched = 1;
     }
+    lb_comm_ref(c); /* an abort may release a launch blocked on the full queue: keep c */
     ncclResult_t ret = join_streams(streams, ns, 1);
     if (ret == ncclSuccess && launch_event && cudaEventRecord) cudaEventRecord(launch_event, streams[0]);
     if (ret == ncclSuccess && capturing) {
@@ -304,6 +305,7 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
     }
     free(t);
     if (switched) cudaSetDevice(cur);
+    lb_comm_unref(c);
     return ret;
 }
 

@@ -226,6 +226,14 @@ static ncclResult_t global_checks(struct lb_comm *c, const char *opname) {
     return ncclSuccess;
 }
 
+/* This process's ordinal of a physical device (CUDA_VISIBLE_DEVICES may renumber it),
+ * or fallback when it is not visible here. */
+static int local_device(int phys, int fallback) {
+    for (int d = 0; d < pynccl_lb_device_count(); d++)
+        if (pynccl_lb_device_physical(d) == phys) return d;
+    return fallback;
+}
+
 /* Build this rank's view of everyone's window from the posts. */
 static ncclResult_t map_peers(struct lb_comm *c, struct lb_win *w, const char *opname) {
     int R = c->nranks;
@@ -233,7 +241,8 @@ static ncclResult_t map_peers(struct lb_comm *c, struct lb_win *w, const char *o
     w->psize = calloc((size_t)R, sizeof *w->psize);
     w->maps = calloc((size_t)R, sizeof *w->maps);
     w->maplens = calloc((size_t)R, sizeof *w->maplens);
-    if (!w->peer || !w->psize || !w->maps || !w->maplens)
+    w->mapreg = calloc((size_t)R, 1);
+    if (!w->peer || !w->psize || !w->maps || !w->maplens || !w->mapreg)
         return lb_err(ncclSystemError, "%s : out of memory", opname);
     for (int s = 0; s < R; s++) {
         const struct lbw_winpost *p = &c->ranks[s].win;
@@ -259,6 +268,7 @@ static ncclResult_t map_peers(struct lb_comm *c, struct lb_win *w, const char *o
         w->maps[s] = m;
         w->maplens[s] = len;
         w->peer[s] = (char *)m + (p->fdoff - moff);
+        lb_win_map_register(w, s, local_device(c->ranks[s].phys, c->dev));
     }
     return ncclSuccess;
 }
