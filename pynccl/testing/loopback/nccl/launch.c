@@ -58,14 +58,18 @@ static size_t work_bytes(int ncoll, int np2p) {
  * until the device consumed enough: the issuing thread blocks while earlier work of the
  * comm has not run. A launch bigger than the whole queue waits for it to be empty. */
 static ncclResult_t fifo_reserve(struct lb_comm *c, size_t bytes, const char *what) {
+    int waited = 0;
     while (c->fifo_used > 0 && c->fifo_used + bytes > c->fifo_cap) {
-        if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE))
-            return lb_err(ncclInternalError,
-                          "%s : communicator aborted while its work queue (NCCL_WORK_FIFO_BYTES "
-                          "= %zu) was full",
-                          what, c->fifo_cap);
+        waited = 1;
+        if (__atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE)) break;
         pthread_cond_wait(&c->cv, &c->mu);
     }
+    /* an abort while this launch waited ends it (the room an abort frees comes after) */
+    if (waited && __atomic_load_n(&c->aborted, __ATOMIC_ACQUIRE))
+        return lb_err(ncclInternalError,
+                      "%s : communicator aborted while its work queue (NCCL_WORK_FIFO_BYTES = "
+                      "%zu) was full",
+                      what, c->fifo_cap);
     c->fifo_used += bytes;
     return ncclSuccess;
 }
