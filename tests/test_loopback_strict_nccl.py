@@ -5,19 +5,15 @@ Each test shows what NCCL does, read from its source (src/group.cc, init.cc, enq
 dev_runtime.cc, mem_manager.cc) and nccl.h 2.32.3, and fails on the lenient loopback
 that came before; data is checked against numpy. Calls that block are made on helper
 threads and checked with generous bounds ("not returned after 1 s", "returned within
-20 s"). A hang NCCL never ends (2.31.2's teardown barrier) runs in a child process, this
-module run as a script, which the test kills.
+20 s"). A hang NCCL never ends (2.31.2's teardown barrier) runs in a child process
+(tests/_lb_strict.py), which the test kills.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from ctypes import byref, c_int, c_uint64, c_void_p
 from pathlib import Path
 from typing import Any
@@ -26,8 +22,6 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).resolve().parent
-if __name__ == "__main__":  # a child: make the repository importable
-    sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from _lb_nccl import (  # noqa: E402
@@ -43,10 +37,20 @@ from _lb_nccl import (  # noqa: E402
     make_input,
 )
 from _lb_rma import CUDA_ERR, WIN_SYMMETRIC, Rank, read_f32, threads, write_f32  # noqa: E402
+from _lb_strict import (  # noqa: E402
+    Bg,
+    allreduce_group,
+    child_events,
+    child_self_put,
+    next_event,
+    nonblocking_world,
+    poll_ready,
+)
 
 from pynccl._capi.nccl_device import make_comm_properties  # noqa: E402
 from pynccl._capi.structs import make_config  # noqa: E402
 
+STRICT_HELPER = str(HERE / "_lb_strict.py")
 FLOAT32 = 7
 SHRINK_DEFAULT, SHRINK_ABORT = 0, 1
 SUSPEND_MEM = 1
@@ -61,66 +65,6 @@ def lib() -> Lib:
 
     b = _build()
     return Lib(b.nccl, b.cudart)
-
-
-class Bg:
-    """fn() on a daemon thread: ``done(t)`` waits up to t seconds for it to return."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.result: Any = None
-        self._event = threading.Event()
-
-        def body() -> None:
-            try:
-                self.result = fn()
-            except BaseException as exc:  # handed to the test by done()
-                self.result = exc
-            self._event.set()
-
-        threading.Thread(target=body, daemon=True).start()
-
-    def done(self, timeout: float) -> bool:
-        ok = self._event.wait(timeout)
-        if ok and isinstance(self.result, BaseException):
-            raise self.result
-        return ok
-
-
-def poll_ready(lib: Lib, comm: int, allow: tuple[int, ...] = (IN_PROGRESS,)) -> int:
-    """ncclCommGetAsyncError until it reads something not in allow; that result."""
-    for _ in range(200_000):
-        e = lib.async_error(comm)
-        if e not in allow:
-            return e
-    raise AssertionError("still in progress after 200000 polls")
-
-
-def nonblocking_world(lib: Lib, n: int) -> list[int]:
-    """n non-blocking communicators, rank r on device r, made in one group; ready."""
-    cfg = make_config({"blocking": 0})
-    uid = lib.unique_id()
-    comms = [c_void_p() for _ in range(n)]
-    assert lib.ncclGroupStart() == 0
-    for r in range(n):
-        lib.set_device(r)
-        assert lib.ncclCommInitRankConfig(byref(comms[r]), n, uid, r, byref(cfg)) == IN_PROGRESS
-    lib.set_device(0)
-    assert lib.ncclGroupEnd() == IN_PROGRESS
-    for c in comms:
-        assert poll_ready(lib, int(c.value or 0)) == SUCCESS, lib.last_error()
-    return [int(c.value or 0) for c in comms]
-
-
-def allreduce_group(
-    lib: Lib, comms: list[int], streams: list[int], bufs: list[int], count: int
-) -> list[int]:
-    """An in-place float32 sum all-reduce on every comm, in one group; the call codes."""
-    assert lib.ncclGroupStart() == 0
-    codes = [
-        int(lib.ncclAllReduce(bufs[r], bufs[r], count, FLOAT32, SUM, c, streams[r]))
-        for r, c in enumerate(comms)
-    ]
-    return [*codes, int(lib.ncclGroupEnd())]
 
 
 # ---- non-blocking group ends (src/group.cc: ncclGroupEndInternal, groupLaunchNonBlocking) --
@@ -357,29 +301,6 @@ def test_teardown_waits_while_a_graph_that_captured_the_comm_lives(lib: Lib, end
 # ---- NCCL >= 2.31.2: the parent's destroy after an abortive shrink ----------------------------
 
 
-def _child_events(proc: subprocess.Popen[str]) -> queue.Queue[dict[str, Any]]:
-    out: queue.Queue[dict[str, Any]] = queue.Queue()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("{"):
-                out.put(json.loads(line))
-
-    threading.Thread(target=pump, daemon=True).start()
-    return out
-
-
-def _next(events: queue.Queue[dict[str, Any]], name: str, timeout: float) -> dict[str, Any] | None:
-    try:
-        while True:
-            e = events.get(timeout=timeout)
-            if e["event"] == name:
-                return e
-    except queue.Empty:
-        return None
-
-
 @pytest.mark.parametrize(
     "version, how, hangs",
     [(None, "abort", True), ("2.30.7", "abort", False), (None, "destroy", False)],
@@ -397,21 +318,21 @@ def test_parent_destroy_after_an_abortive_shrink(
     b = _build(version)
     env = {**os.environ, "PYNCCL_NCCL_LIBRARY": b.nccl, "PYNCCL_CUDART_LIBRARY": b.cudart}
     proc = subprocess.Popen(
-        [sys.executable, __file__, "barrier", how],
+        [sys.executable, STRICT_HELPER, "barrier", how],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
     try:
-        events = _child_events(proc)
-        shrunk = _next(events, "shrunk", 60)
+        events = child_events(proc)
+        shrunk = next_event(events, "shrunk", 60)
         assert shrunk and shrunk["rcs"] == [0, 0] and shrunk["ok"]
         if how == "abort":
-            aborted = _next(events, "aborted", 30)
+            aborted = next_event(events, "aborted", 30)
             assert aborted and aborted["rc"] == 0 and aborted["seconds"] < 10
-        assert _next(events, "destroying", 30)
-        done = _next(events, "destroyed", 3.0 if hangs else 30)
+        assert next_event(events, "destroying", 30)
+        done = next_event(events, "destroyed", 3.0 if hangs else 30)
         if hangs:
             assert done is None, done
         else:
@@ -419,37 +340,6 @@ def test_parent_destroy_after_an_abortive_shrink(
     finally:
         proc.kill()
         proc.wait(timeout=30)
-
-
-def _child_barrier(lib: Lib, how: str) -> None:
-    w = GroupWorld(lib, 3)
-    if how == "abort":  # the excluded rank behaves as a failed one: it aborts the parent
-        assert lib.ncclCommAbort(w.comms[2]) == 0
-    excl = (c_int * 1)(2)
-    kids = [c_void_p(), c_void_p()]
-    assert lib.ncclGroupStart() == 0
-    rcs = [
-        int(lib.ncclCommShrink(w.comms[r], excl, 1, byref(kids[r]), None, SHRINK_ABORT))
-        for r in range(2)
-    ]
-    rcs.append(int(lib.ncclGroupEnd()))
-    ok = all(lib.ncclCommDestroy(k.value) == 0 for k in kids)
-    _emit(event="shrunk", rcs=rcs[:2] if rcs[2] == 0 else rcs, ok=ok)
-    survivors = [0, 1]
-    if how == "abort":
-        import time
-
-        t0 = time.monotonic()
-        rc = int(lib.ncclCommAbort(w.comms[1]))
-        _emit(event="aborted", rc=rc, seconds=time.monotonic() - t0)
-        survivors = [0]
-    destroys = [Bg(lambda r=r: int(lib.ncclCommDestroy(w.comms[r]))) for r in survivors]
-    if how == "destroy":
-        destroys.append(Bg(lambda: int(lib.ncclCommDestroy(w.comms[2]))))
-    _emit(event="destroying")
-    for d in destroys:
-        d.done(3600)
-    _emit(event="destroyed", rcs=[d.result for d in destroys])
 
 
 # ---- NCCL's semantics: windows, split, shrink, suspend, host RMA ------------------------------
@@ -673,7 +563,7 @@ def test_put_signal_to_itself_may_overlap(lib: Lib) -> None:
     """The copy is a memmove: the bytes of the source as they were, at the destination.
     Checked here and in a child under AddressSanitizer (a memcpy of overlapping ranges
     aborts there)."""
-    assert _child_self_put(lib)
+    assert child_self_put(lib)
     from pynccl.testing import loopback
 
     try:
@@ -681,45 +571,11 @@ def test_put_signal_to_itself_may_overlap(lib: Lib) -> None:
     except loopback.LoopbackBuildError as exc:
         pytest.skip(f"no sanitized build: {exc}")
     proc = subprocess.run(
-        [sys.executable, __file__, "self_put"], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, STRICT_HELPER, "self_put"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"ok": true' in proc.stdout
-
-
-def _child_self_put(lib: Lib) -> bool:
-    r = Rank(lib, lib.unique_id(), 1, 0)
-    n = 4096
-    buf = r.mem_alloc(n * 4)
-    start = np.arange(n, dtype=np.float32)
-    write_f32(buf, start)
-    rc, win = r.register(buf, n * 4)
-    assert rc == 0, lib.last_error()
-    assert r.put(buf, n - 16, 0, win, 64) == 0  # 16 floats up, onto itself
-    assert r.wait((1, 0, 0, 0)) == 0 and r.sync() == 0
-    want = start.copy()
-    want[16:] = start[: n - 16]
-    got = read_f32(buf, n)
-    r.close()
-    return bool(np.array_equal(got, want))
-
-
-# ---- the child process ----------------------------------------------------------------------
-
-
-def _emit(**event: Any) -> None:
-    print(json.dumps(event), flush=True)
-
-
-def _child(argv: list[str]) -> int:
-    lib = Lib(os.environ["PYNCCL_NCCL_LIBRARY"], os.environ["PYNCCL_CUDART_LIBRARY"])
-    if argv[0] == "barrier":
-        _child_barrier(lib, argv[1])
-        return 0
-    ok = _child_self_put(lib)
-    _emit(event="self_put", ok=ok)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(_child(sys.argv[1:]))
