@@ -247,6 +247,9 @@ def _scenario_ring(lib: Lib, r: Rank, args: list[str]) -> bool:
             rc, addr = r.peer_pointer(win, 0, p, lsa)
             assert rc == 0, lib.last_error()
             np.testing.assert_array_equal(read_f32(addr, count), pattern(p, count, 7))
+            # a UVA device address on a GPU: cudaMemcpy takes it (the mapping is registered)
+            got = lib.download(addr, np.float32, count)
+            np.testing.assert_array_equal(got, pattern(p, count, 7))
     assert r.wait_all_peers_signal() == 0, lib.last_error()  # all read before anyone writes
     # each rank writes its rank into element `me` of every peer's window
     for p in range(n):

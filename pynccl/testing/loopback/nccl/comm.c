@@ -528,6 +528,13 @@ ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname) {
     return ncclSuccess;
 }
 
+int lb_comm_quiescent(struct lb_comm *c) {
+    pthread_mutex_lock(&c->mu);
+    int q = c->retired >= c->issued && c->running == 0 && c->rma_running == 0;
+    pthread_mutex_unlock(&c->mu);
+    return q;
+}
+
 ncclResult_t lb_comm_revoke_state(struct lb_comm *c) {
     int a = __atomic_load_n(&c->async, __ATOMIC_ACQUIRE);
     if (a != ncclSuccess) return (ncclResult_t)a;

@@ -19,14 +19,13 @@
  * exec.c (collectives over the world), p2p.c (send/recv rings), window.c (ncclMemAlloc,
  * window objects, a comm's RMA state), comm.c and group.c (communicator objects and
  * the calling thread's open group: the one cycle, as in NCCL, since a comm made inside
- * a group is deferred to its end and a group item holds its comm), teardown.c (finalize,
- * destroy, abort and what they wait for), init.c (init, split, queries), fault.c (revoke,
- * shrink, grow), suspend.c, redop.c (registration, user reduction ops), props.c
- * (properties, teams), signal.c (one-sided put/signal/wait), winreg.c (window
- * registration), launch.c (tasks on the streams, the work queue, ncclGroupEnd), gjob.c
- * (non-blocking group ends and finalize on worker threads: launch.c and teardown.c call
- * it and it calls them, like comm.c and group.c), enqueue.c (the collective and p2p
- * entry points).
+ * a group is deferred to its end and a group item holds its comm), gjob.c (jobs on worker
+ * threads: non-blocking group ends and finalize), teardown.c (finalize, destroy, abort
+ * and what they wait for), init.c (init, split, queries), fault.c (revoke, shrink, grow),
+ * suspend.c, redop.c (registration, user reduction ops), props.c (properties, teams),
+ * signal.c (one-sided put/signal/wait), winreg.c (window registration), launch.c (tasks
+ * on the streams, the work queue, ncclGroupEnd), enqueue.c (the collective and p2p entry
+ * points).
  *
  * Build-time macros:
  *   LB_NCCL_VERSION_CODE  release to emulate (default 23203 = 2.32.3): ncclGetVersion,

@@ -139,7 +139,7 @@ static ncclResult_t submit(struct lb_comm *c, cudaStream_t stream, const struct 
         if (!one) return lb_err(ncclSystemError, "%s : out of memory", opname);
         *one = it;
         lb_comm_ref(c);
-        return lb_gjob_group(one, 1, NULL, 0);
+        return lb_launch_async(one, 1, NULL, 0);
     }
     int idx = 0;
     return lb_enqueue_task(c, &it, &idx, 1);

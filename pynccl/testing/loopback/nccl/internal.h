@@ -338,6 +338,8 @@ ncclResult_t lb_check_stream(const struct lb_comm *c, cudaStream_t stream, const
 /* fault tolerance and suspend (fault.c, suspend.c) */
 /* ncclInvalidUsage while the comm is revoked, shrunk with NCCL_SHRINK_ABORT or suspended. */
 ncclResult_t lb_comm_check_stopped(struct lb_comm *c, const char *opname);
+/* Every task the comm issued has retired, and no signal task runs (1), or not (0). */
+int lb_comm_quiescent(struct lb_comm *c);
 /* A revoked comm's async state: its error, else ncclInProgress until quiescent. */
 ncclResult_t lb_comm_revoke_state(struct lb_comm *c);
 
@@ -483,28 +485,23 @@ void lb_comm_set_async(struct lb_comm *c, ncclResult_t r);
 /* NCCL's "in progress" async state: a non-blocking group end or finalize in flight,
  * a revoke not yet quiescent, or non-blocking splits of this parent pending. */
 int lb_comm_in_progress(struct lb_comm *c);
-/* Every task the comm issued has retired (1) or not (0). */
-int lb_comm_quiescent(struct lb_comm *c);
 /* What ncclCommFinalize waits for: the comm's work, the CUDA graphs that captured it,
  * and (NCCL >= 2.31.2, after an abortive shrink) every rank's teardown. */
 void lb_comm_finalize_sync(struct lb_comm *c);
 
-/* ---- non-blocking group ends and finalize (gjob.c) --------------------------------- */
+/* ---- jobs on worker threads: non-blocking group ends and finalize (gjob.c) --------- */
 
-struct lb_gitem;
-struct lb_gjob;
-
-/* Launch items[0..n) (group.c's OP items; INIT/SPLIT items are only released) and ops
- * from a worker thread, after PYNCCL_LOOPBACK_NONBLOCKING_DELAY polls; every comm
- * involved reads ncclInProgress until then. Takes everything; returns ncclInProgress. */
-ncclResult_t lb_gjob_group(struct lb_gitem *items, int n, struct lb_wop *ops, int nops);
-/* ncclCommFinalize of a non-blocking comm: lb_comm_finalize_sync on a worker thread. */
-ncclResult_t lb_gjob_finalize(struct lb_comm *c);
-/* 1 while a job of c is in flight; polled: one ncclCommGetAsyncError returned InProgress. */
-int lb_gjob_pending(struct lb_comm *c);
+typedef ncclResult_t (*lb_job_fn)(void *arg);
+/* Run run(arg) on a worker thread, after PYNCCL_LOOPBACK_NONBLOCKING_DELAY polls, with
+ * comms[0..n) in progress until it returns (its error becomes theirs); ncclInProgress. */
+ncclResult_t lb_gjob_start(struct lb_comm *const *comms, int n, lb_job_fn run, void *arg);
+/* One ncclCommGetAsyncError of c while its job is pending. */
 void lb_gjob_polled(struct lb_comm *c);
-/* ncclCommAbort: hurry c's job (no more delay) and wait until it is done. */
+/* An abort or revoke: hurry c's job (no more delay) and wait until it is done. */
 void lb_gjob_abort_wait(struct lb_comm *c);
+static inline int lb_gjob_pending(struct lb_comm *c) {
+    return __atomic_load_n(&c->gjob, __ATOMIC_ACQUIRE) != NULL;
+}
 
 /* ---- groups (group.c) and launching them (launch.c) -------------------------------- */
 
@@ -525,6 +522,9 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
                              int n);
 /* Enqueue the OP items of items[0..n), one task per communicator (launch.c). */
 ncclResult_t lb_launch_ops(struct lb_gitem *items, int n);
+/* A non-blocking group's launch (window registrations, then items' OP items) on a worker
+ * (gjob.c); takes items and ops; ncclInProgress. */
+ncclResult_t lb_launch_async(struct lb_gitem *items, int n, struct lb_wop *ops, int nops);
 
 #pragma GCC visibility pop
 

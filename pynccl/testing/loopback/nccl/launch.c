@@ -340,6 +340,42 @@ ncclResult_t lb_launch_ops(struct lb_gitem *items, int n) {
     return ret;
 }
 
+struct group_job {
+    struct lb_gitem *items;
+    int n;
+    struct lb_wop *ops;
+    int nops;
+};
+
+static ncclResult_t group_job_run(void *arg) {
+    struct group_job *g = arg;
+    ncclResult_t r = g->nops ? lb_win_run(g->ops, g->nops) : ncclSuccess; /* windows first */
+    if (r == ncclSuccess) r = lb_launch_ops(g->items, g->n);
+    lb_group_release(g->items, g->n);
+    free(g);
+    return r;
+}
+
+ncclResult_t lb_launch_async(struct lb_gitem *items, int n, struct lb_wop *ops, int nops) {
+    struct group_job *g = malloc(sizeof *g);
+    struct lb_comm **comms = malloc((size_t)(n + nops + 1) * sizeof *comms);
+    if (!g || !comms) {
+        free(g);
+        free(comms);
+        lb_group_release(items, n);
+        lb_win_drop(ops, nops);
+        return lb_err(ncclSystemError, "ncclGroupEnd : out of memory");
+    }
+    int nc = 0;
+    for (int i = 0; i < n; i++)
+        if (items[i].type == LBG_OP) comms[nc++] = items[i].c;
+    for (int i = 0; i < nops; i++) comms[nc++] = lb_win_op_comm(ops, i);
+    *g = (struct group_job){items, n, ops, nops};
+    ncclResult_t r = lb_gjob_start(comms, nc, group_job_run, g);
+    free(comms);
+    return r;
+}
+
 /* Inits and splits of a group's items: a blocking group waits for them, a non-blocking
  * one leaves them to the polls of ncclCommGetAsyncError (comm.c). */
 static ncclResult_t group_comms(struct lb_gitem *items, int n, int blocking) {
@@ -377,7 +413,7 @@ static ncclResult_t group_finish(struct lb_gitem *items, int n, int blocking, st
     }
     int launches = nops;
     for (int i = 0; i < n; i++) launches += items[i].type == LBG_OP;
-    if (!blocking && launches && !simulate) return lb_gjob_group(items, n, ops, nops);
+    if (!blocking && launches && !simulate) return lb_launch_async(items, n, ops, nops);
     ncclResult_t r = nops ? lb_win_run(ops, nops) : ncclSuccess; /* windows first, as NCCL */
     if (r == ncclSuccess && !simulate) r = lb_launch_ops(items, n);
     lb_group_release(items, n);

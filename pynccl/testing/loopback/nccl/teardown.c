@@ -19,13 +19,6 @@
  */
 #include "internal.h"
 
-int lb_comm_quiescent(struct lb_comm *c) {
-    pthread_mutex_lock(&c->mu);
-    int q = c->retired >= c->issued && c->running == 0 && c->rma_running == 0;
-    pthread_mutex_unlock(&c->mu);
-    return q;
-}
-
 int lb_comm_in_progress(struct lb_comm *c) {
     if (lb_gjob_pending(c) || __atomic_load_n(&c->nb_pending, __ATOMIC_ACQUIRE)) return 1;
 #if LB_HAS_IN_PROGRESS
@@ -88,6 +81,11 @@ void lb_comm_finalize_sync(struct lb_comm *c) {
     }
 }
 
+static ncclResult_t finalize_job(void *arg) {
+    lb_comm_finalize_sync(arg);
+    return ncclSuccess;
+}
+
 static const char k_in_progress[] =
     "%s : Attempt to use communicator before the previous operation returned ncclSuccess";
 
@@ -109,7 +107,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING || lb_comm_in_progress(c))
         return lb_err(ncclInvalidArgument, k_in_progress, opname);
     c->finalized = 1;
-    if (!c->blocking) return lb_gjob_finalize(c); /* ncclInProgress until done */
+    if (!c->blocking) return lb_gjob_start(&c, 1, finalize_job, c); /* in progress till done */
     lb_comm_ref(c); /* an abort from another thread may tear it down meanwhile */
     lb_comm_finalize_sync(c);
     lb_comm_unref(c);

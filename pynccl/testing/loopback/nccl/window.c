@@ -127,16 +127,11 @@ LB_ALIAS(ncclMemFree)
 static pthread_mutex_t g_win_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct lb_win *g_wins;
 
-/* The cudart's, weak (older loopback cudarts lack them): a peer's window mapped here is
- * device memory of the peer's device for the cudart's checks, as a UVA peer pointer is
- * on a GPU (cudaMemcpy, cudaPointerGetAttributes). */
-extern int pynccl_lb_register_foreign_range(void *ptr, size_t size, int device)
-    __attribute__((weak));
-extern int pynccl_lb_unregister_foreign_range(void *ptr) __attribute__((weak));
-
+/* A peer's window mapped into this process is device memory of the peer's device for
+ * the cudart's checks (cudaMemcpy, cudaPointerGetAttributes), as a UVA peer pointer is
+ * on a GPU. */
 void lb_win_map_register(struct lb_win *w, int peer, int device) {
-    w->mapreg[peer] = pynccl_lb_register_foreign_range &&
-                      pynccl_lb_register_foreign_range(w->maps[peer], w->maplens[peer],
+    w->mapreg[peer] = pynccl_lb_register_foreign_range(w->maps[peer], w->maplens[peer],
                                                        device) == 0;
 }
 
@@ -144,8 +139,7 @@ void lb_win_free(struct lb_win *w) {
     if (!w) return;
     for (int p = 0; w->maps && p < w->nranks; p++) {
         if (!w->maps[p]) continue;
-        if (w->mapreg[p] && pynccl_lb_unregister_foreign_range)
-            pynccl_lb_unregister_foreign_range(w->maps[p]);
+        if (w->mapreg[p]) pynccl_lb_unregister_foreign_range(w->maps[p]);
         munmap(w->maps[p], w->maplens[p]);
     }
     free(w->mapreg);

@@ -39,19 +39,16 @@
 #define LB_WIN_ALIGN 4096 /* NCCL_WIN_REQUIRED_ALIGNMENT */
 enum { LBW_REGISTER = 1 };
 
-/* cudart's, weak: a loopback cudart without it has no capture rules to relax. */
-#pragma weak cudaThreadExchangeStreamCaptureMode
-extern cudaError_t cudaThreadExchangeStreamCaptureMode(enum cudaStreamCaptureMode *mode);
-
-/* Relaxed capture mode for the calling thread; returns the mode to restore. */
-static enum cudaStreamCaptureMode relax_capture(void) {
+/* Relaxed capture mode for the calling thread (dev_runtime.cc does the same around
+ * window registration); returns the mode to restore. */
+LBN_UNUSED static enum cudaStreamCaptureMode relax_capture(void) {
     enum cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    if (cudaThreadExchangeStreamCaptureMode) cudaThreadExchangeStreamCaptureMode(&mode);
+    cudaThreadExchangeStreamCaptureMode(&mode);
     return mode;
 }
 
-static void restore_capture(enum cudaStreamCaptureMode mode) {
-    if (cudaThreadExchangeStreamCaptureMode) cudaThreadExchangeStreamCaptureMode(&mode);
+LBN_UNUSED static void restore_capture(enum cudaStreamCaptureMode mode) {
+    cudaThreadExchangeStreamCaptureMode(&mode);
 }
 
 static __thread struct lb_wop *t_ops; /* the thread's group's queued operations */
@@ -385,6 +382,12 @@ static ncclResult_t run_ops(struct lb_wop *ops, int n) {
     return first;
 }
 
+static ncclResult_t one_job(void *arg) {
+    ncclResult_t r = run_ops(arg, 1);
+    free(arg);
+    return r;
+}
+
 /* Queue o in the thread's group, or run it now (a non-blocking comm: a group of one,
  * launched by a worker). Takes the comm ref o holds. */
 static ncclResult_t submit(struct lb_wop *o) {
@@ -396,7 +399,7 @@ static ncclResult_t submit(struct lb_wop *o) {
             return lb_err(ncclSystemError, "%s : out of memory", o->opname);
         }
         *one = *o;
-        return lb_gjob_group(NULL, 0, one, 1);
+        return lb_gjob_start(&one->c, 1, one_job, one);
     }
     ncclResult_t r = lb_group_join_mode(o->c->blocking, o->opname);
     if (r != ncclSuccess) {
