@@ -271,11 +271,12 @@ def test_nonblocking_finalize_is_in_progress_until_the_work_is_done(lib: Lib) ->
 # ---- teardown with a live graph (init.cc: localPersistentRefs) ------------------------------
 
 
-@pytest.mark.parametrize("end", ["ncclCommDestroy", "ncclCommAbort"])
+@pytest.mark.parametrize("end", ["ncclCommDestroy", "ncclCommAbort", "revoked"])
 def test_teardown_waits_while_a_graph_that_captured_the_comm_lives(lib: Lib, end: str) -> None:
     """commDestroySync polls until every graph that captured the communicator is
     destroyed, for destroy and abort alike (commReclaim): a graph, and each executable
-    graph made from it, holds the communicator."""
+    graph made from it, holds the communicator. After ncclCommRevoke (finalizeCalled)
+    destroy skips commDestroySync: it returns with the graph alive."""
     rt = lib.cudart
     w = GroupWorld(lib, 1)
     comm, s = w.comms[0], w.streams[0]
@@ -288,10 +289,15 @@ def test_teardown_waits_while_a_graph_that_captured_the_comm_lives(lib: Lib, end
     assert rt.raw("cudaGraphInstantiate")(byref(exe), graph, 0) == 0
     assert rt.raw("cudaGraphLaunch")(exe, s) == 0 and lib.sync(s) == 0
     np.testing.assert_array_equal(lib.download(x, np.float32, 16), np.arange(16, dtype=np.float32))
-    ending = Bg(lambda: getattr(lib, end)(comm))
-    assert not ending.done(1.0)
+    if end == "revoked":
+        assert lib.ncclCommRevoke(comm, 0) == 0
+        ending = Bg(lambda: lib.ncclCommDestroy(comm))
+        assert ending.done(20) and ending.result == SUCCESS
+    else:
+        ending = Bg(lambda: getattr(lib, end)(comm))
+        assert not ending.done(1.0)
     assert rt.raw("cudaGraphExecDestroy")(exe) == 0
-    assert not ending.done(0.5)  # the graph itself still holds it
+    assert end == "revoked" or not ending.done(0.5)  # the graph itself still holds it
     assert rt.raw("cudaGraphDestroy")(graph) == 0
     assert ending.done(20) and ending.result == SUCCESS
     w.comms = []

@@ -60,6 +60,7 @@ ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
         return lb_err(ncclInvalidArgument, "%s : communicator %p was already %s", opname,
                       (void *)comm, c->finalized ? "finalized" : "revoked");
     stop_ops(c, LB_STOP_REVOKED);
+    c->finalize_called = 1; /* as NCCL's revoke: destroy then skips commDestroySync */
     lb_gjob_abort_wait(c); /* NCCL aborts a group job in flight (ncclGroupJobAbort) */
     if (!c->blocking) return ncclInProgress; /* ncclCommGetAsyncError says when it is quiet */
     /* Every issued operation has left its stream: queued ones end at once, and the one

@@ -212,7 +212,7 @@ struct lb_comm {
     int aborted;      /* atomic */
     int cancel;       /* atomic: waits give up (revoke / abortive shrink, until quiescent) */
     int finalized;
-    int barrier_done; /* passed (or skipped) NCCL 2.31.2's teardown barrier (teardown.c) */
+    int finalize_called; /* NCCL's: finalize or revoke ran; destroy/abort skip its waits */
     int nb_polls_left;
     uint64_t init_deadline_ns;
 

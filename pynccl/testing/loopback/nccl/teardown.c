@@ -13,8 +13,10 @@
  *     arrive, so the survivors' finalize or destroy of the parent never returns. Every
  *     rank's non-abort teardown marks its arrival.
  *
- * A non-blocking communicator finalizes on a worker thread (gjob.c) and reads
- * ncclInProgress meanwhile. Destroy, like every call, is refused with
+ * commDestroySync runs once: in ncclCommFinalize, else in destroy or abort (the abort
+ * flag set: the work stops at once and there is no barrier); never after ncclCommRevoke,
+ * which does its own waiting. A non-blocking communicator finalizes on a worker thread
+ * (gjob.c) and reads ncclInProgress meanwhile. Destroy, like every call, is refused with
  * ncclInvalidArgument while the communicator is in progress (ncclCommEnsureReady).
  */
 #include "internal.h"
@@ -75,10 +77,7 @@ static void teardown_barrier(struct lb_comm *c) {
 void lb_comm_finalize_sync(struct lb_comm *c) {
     lb_comm_drain(c);
     wait_graphs(c);
-    if (!c->barrier_done) {
-        c->barrier_done = 1;
-        teardown_barrier(c);
-    }
+    teardown_barrier(c);
 }
 
 static ncclResult_t finalize_job(void *arg) {
@@ -106,7 +105,7 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
                       opname, (void *)comm);
     if (__atomic_load_n(&c->state, __ATOMIC_ACQUIRE) == LBC_JOINING || lb_comm_in_progress(c))
         return lb_err(ncclInvalidArgument, k_in_progress, opname);
-    c->finalized = 1;
+    c->finalized = c->finalize_called = 1;
     if (!c->blocking) return lb_gjob_start(&c, 1, finalize_job, c); /* in progress till done */
     lb_comm_ref(c); /* an abort from another thread may tear it down meanwhile */
     lb_comm_finalize_sync(c);
@@ -124,7 +123,10 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     if (r != ncclSuccess) return r;
     if (lb_comm_in_progress(c)) return lb_err(ncclInvalidArgument, k_in_progress, opname);
     lb_comm_ref(c);
-    if (!c->finalized) lb_comm_finalize_sync(c); /* the implicit finalize */
+    if (!c->finalize_called) { /* the implicit finalize (commReclaim -> commDestroySync) */
+        c->finalize_called = 1;
+        lb_comm_finalize_sync(c);
+    }
     int failed = __atomic_load_n(&c->state, __ATOMIC_ACQUIRE) != LBC_READY;
     lb_comm_teardown(c, failed ? LBR_FAILED : LBR_LEFT);
     lb_comm_unref(c);
@@ -147,7 +149,7 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
                   "rank %d called ncclCommAbort", c->rank);
     lb_gjob_abort_wait(c);
     wait_running(c); /* running tasks see the abort within a sleep period */
-    wait_graphs(c);  /* commReclaim -> commDestroySync, abort included */
+    if (!c->finalize_called) wait_graphs(c); /* commReclaim -> commDestroySync, abort too */
     lb_comm_teardown(c, LBR_FAILED);
     lb_comm_unref(c);
     return ncclSuccess;
