@@ -276,7 +276,8 @@ def test_multi_stream_group_under_capture_is_refused(stream: Stream) -> None:
 
 def test_graph_outlives_its_communicator(stream: Stream) -> None:
     # destroy() with a live graph that captured the communicator is refused (NCCL's
-    # destroy would wait for the graph: tests/test_teardown.py); abort() proceeds.
+    # destroy would wait for the graph: tests/test_teardown.py); abort() closes the graph
+    # (NCCL's abort waits for it too, and a replay would use the freed communicator).
     comm = Communicator(1, UniqueId(), 0, device=0)
     x = DeviceBuffer.from_numpy(np.ones(N, np.float32), stream=stream)
     y = DeviceBuffer.from_numpy(np.zeros(N, np.float32), stream=stream)
@@ -286,10 +287,11 @@ def test_graph_outlives_its_communicator(stream: Stream) -> None:
     with pytest.raises(NcclInvalidUsage, match="live CUDA graph"):
         comm.destroy()
     comm.abort()
-    g.replay()  # the captured collective finds its communicator gone: it does nothing
+    assert not g.captured and comm.state == "aborted"
+    with pytest.raises(ValueError, match="closed"):
+        g.replay()
     stream.synchronize()
-    assert not y.to_numpy().any()
-    g.close()  # drops the last reference to the communicator
+    assert not y.to_numpy().any()  # the captured collective never ran
     for b in (x, y):
         b.close()
 

@@ -427,7 +427,14 @@ class Communicator(
             self._teardown(kind, reason)
 
     def abort(self) -> None:
-        """``ncclCommAbort``: stop pending work and free the communicator (also when hung)."""
+        """``ncclCommAbort``: stop pending work and free the communicator (also when hung).
+
+        The :class:`pynccl.cuda.Graph` objects that captured its calls are closed first:
+        NCCL's abort, like its destroy, waits until every CUDA graph that captured the
+        communicator is destroyed, and a replay after the abort would hand the freed
+        communicator to the GPU."""
+        for graph in self._live_graphs():
+            graph.close()
         self._close_resources(abort=True)
         self._teardown("abort")
 

@@ -348,7 +348,7 @@ class Observed(CommHandle):
                 "ncclCommDestroy",
                 f"cannot destroy communicator rank {self._rank}: {len(graphs)} live CUDA "
                 f"graph(s) captured its calls ({names}); NCCL's destroy waits until they "
-                "are destroyed: close them first (Graph.close()), or abort()",
+                "are destroyed: close them first (Graph.close()), or abort() (which closes them)",
             )
         if self._shrunk:
             return "abort", None
