@@ -1,12 +1,25 @@
 """NCCL group calls: ``with pynccl.group(): ...`` and ``group_start()``/``group_end()``.
 
-Groups are thread-local in NCCL (depth and queued operations belong to the
-calling thread), and so is the bookkeeping here. Only the outermost
-``ncclGroupEnd`` launches the queued operations: the buffer objects of the operations
-queued in a group (a temporary ``DeviceBuffer``, say) are kept alive until it has
-returned. Communicators take part through a small interface (:class:`GroupMember`).
-``group(simulate=True)`` ends with ``ncclGroupSimulateEnd`` instead: NCCL estimates the
-group's time and launches nothing.
+Groups are thread-local in NCCL (depth and queued operations belong to the calling
+thread), and so is the bookkeeping here. Only the outermost ``ncclGroupEnd`` launches the
+queued operations. ``group(simulate=True)`` ends with ``ncclGroupSimulateEnd`` instead:
+NCCL estimates the group's time and launches nothing.
+
+What the outermost end must know, each call made inside the group tells the thread's
+state (cheaply: one append, and only while a group is open):
+
+* **its communicator** — a non-blocking ``ncclGroupEnd`` that returns ``ncclInProgress``
+  puts *every* communicator of the group in progress (NCCL launches from its own thread;
+  the calls inside the group returned success), so each of them waits for readiness
+  before its next call and in ``synchronize()`` (:class:`GroupMember`);
+* **the objects it uses and the stream it was issued on** — the buffers of a queued
+  operation (a temporary ``DeviceBuffer``, an array of a stream-ordered caching
+  allocator) must live until the operation has *run*, not only until it was launched: at
+  the end an event is recorded on each stream the group used (once NCCL has launched, for
+  a non-blocking group), and the objects are let go once every event has completed —
+  checked without waiting at later group ends of the thread (or :func:`release_done`),
+  never by a thread of its own. Work captured into a CUDA graph is kept for good (the
+  graph may replay it at any time).
 
 The group calls are the hot path of every send/recv exchange, so they call the bare
 ctypes functions of the loaded libnccl (bound once per library) and check the result
@@ -34,11 +47,18 @@ if TYPE_CHECKING:
     class GroupMember(Protocol):
         """What a group needs from a communicator used inside it."""
 
+        @property
+        def _device(self) -> int | None: ...
+
+        @property
+        def _state(self) -> str: ...
+
         def group_in_progress(self) -> None:
             """The outermost group end returned ncclInProgress: poll before the next call."""
 
 
 __all__ = [
+    "JOIN",
     "KEEP_ALIVE",
     "Group",
     "SimulatedGroup",
@@ -48,6 +68,8 @@ __all__ = [
     "group_start",
     "in_progress_later",
     "keep_alive",
+    "kept_objects",
+    "release_done",
 ]
 
 #: First release with ncclGroupSimulateEnd / ncclSimInfo_t.
@@ -59,19 +81,27 @@ _IN_PROGRESS = Result.IN_PROGRESS
 class _GroupState:
     """One thread's group bookkeeping (a plain object: attribute access is cheap)."""
 
-    __slots__ = ("depth", "gid", "ident", "keep", "pending")
+    __slots__ = ("comms", "depth", "gid", "held", "ident", "keep")
 
     def __init__(self) -> None:
         self.depth = 0
         self.ident = get_ident()  # the thread's, for OPEN
-        # Non-blocking communicators used inside the open group: after a group end
-        # that returns ncclInProgress they must be polled before their next call.
-        self.pending: list[GroupMember] = []
-        # Buffer objects of the queued operations: alive until the outermost group end.
-        self.keep: list[object] = []
+        # Communicators that issued inside the open outermost group (calls that keep
+        # nothing alive; those that do are in `keep`).
+        self.comms: list[GroupMember] = []
+        # One entry per call that keeps objects alive: (communicator or None, stream or
+        # None, *objects). The stream is a handle (int) or its shared c_void_p.
+        self.keep: list[tuple[Any, ...]] = []
         # The outermost open group's number, for the flight recorder: not 0 exactly while
         # depth > 0 (which is what keep_alive tests).
         self.gid = 0
+        # Ended groups whose kept objects wait for their streams (pynccl.comm._held).
+        self.held: list[Any] = []
+
+    def __del__(self) -> None:
+        # The thread is gone: what it still holds waits in any other thread's release.
+        if self.held:
+            _ORPHANS.extend(self.held)
 
 
 class _Local(_ThreadLocal):
@@ -109,35 +139,57 @@ def group_depth() -> int:
     return _local.s.depth
 
 
-def keep_alive(objs: object) -> int:
-    """Keep ``objs`` referenced until the calling thread's outermost group has ended
-    (called for operations queued inside a group; nothing happens outside one). Returns
-    that group's number (0: none), which the flight recorder stores with the operation.
-    :data:`KEEP_ALIVE` is the same, inline."""
+def keep_alive(objs: object, comm: GroupMember | None = None, stream: object = None) -> int:
+    """Keep ``objs`` referenced until the work of the calling thread's outermost group
+    has run on ``stream`` (a handle; ``None``: every stream the group used), and count
+    ``comm`` among the group's communicators (called for operations queued inside a
+    group; nothing happens outside one). Returns that group's number (0: none), which
+    the flight recorder stores with the operation. :data:`KEEP_ALIVE` is the same, inline.
+    """
     st = _local.s
     gid = st.gid
     if gid:
-        st.keep.append(objs)
+        st.keep.append((comm, stream, *objs) if type(objs) is tuple else (comm, stream, objs))
     return gid
+
+
+def kept_objects() -> list[object]:
+    """The objects the calling thread's open group keeps alive so far (what
+    :func:`keep_alive` and the generated calls kept), in order."""
+    return [obj for entry in _local.s.keep for obj in entry[2:]]
 
 
 #: :func:`keep_alive` as source lines for generated hot paths, whose globals bind
 #: ``_GROUPS`` to this module's thread-local state and ``_OPEN`` to :data:`OPEN` (no
-#: thread has a group open: nothing to look up): ``{objs}`` kept, ``gid`` bound.
+#: thread has a group open: nothing to look up): ``{comm}`` joins the group, ``{objs}``
+#: (names separated by commas) are kept until stream ``{stream}`` passes, ``gid`` is bound.
 KEEP_ALIVE = (
     "gid = 0",
     "if _OPEN:",
     "    st = _GROUPS.s",
     "    gid = st.gid",
     "    if gid:",
-    "        st.keep.append({objs})",
+    "        st.keep.append(({comm}, {stream}, {objs}))",
+)
+#: The same for a call that keeps nothing alive (raw pointers): ``{comm}`` joins the
+#: group, ``gid`` is bound.
+JOIN = (
+    "gid = 0",
+    "if _OPEN:",
+    "    st = _GROUPS.s",
+    "    gid = st.gid",
+    "    if gid:",
+    "        st.comms.append({comm})",
 )
 
 
 def in_progress_later(comm: GroupMember) -> None:
-    """``comm`` returned ncclInProgress inside the open group: tell it at the group end
-    if the group as a whole is still in progress."""
-    _local.s.pending.append(comm)
+    """``comm`` issued inside the open group (its call may even have returned
+    ncclInProgress): if the outermost end returns ncclInProgress, ``comm`` waits for
+    readiness before its next call. Nothing happens outside a group."""
+    st = _local.s
+    if st.gid:
+        st.comms.append(comm)
 
 
 def group_start() -> None:
@@ -149,7 +201,8 @@ def group_end() -> Result:
     """``ncclGroupEnd``: close the innermost group; the outermost one launches the work.
 
     Returns ``Result.IN_PROGRESS`` when a non-blocking communicator's operations
-    are still being set up (the communicators then wait before their next call).
+    are still being set up (every communicator of the group then waits before its next
+    call).
     """
     st = _local.s
     depth = st.depth
@@ -162,25 +215,49 @@ def group_end() -> Result:
     if _library._nccl is not _bound:  # an end without a start through pynccl
         _bind()
     rc = _ge()
-    if rc or (depth == 0 and (st.keep or st.pending)):
+    if rc or (depth == 0 and (st.keep or st.comms or st.held)):
         return _ended(st, depth, rc, "ncclGroupEnd")
     return _SUCCESS
 
 
-def _ended(st: _GroupState, depth: int, rc: int, function: str) -> Result:
-    """After the C end call has returned: release what the outermost group kept alive,
-    then raise for an error, or tell the pending communicators about ncclInProgress."""
-    pending: list[GroupMember] = []
+def _ended(st: _GroupState, depth: int, rc: int, function: str, launched: bool = True) -> Result:
+    """After the C end call has returned: at the outermost end, tell every communicator
+    of the group that it is in progress (ncclInProgress), hand what the group kept to
+    the streams it used (nothing ran if not ``launched``: let it go) and release what
+    earlier groups kept whose streams have passed; then raise for an error."""
     if depth == 0:
-        st.keep.clear()
-        pending, st.pending = st.pending, []
+        keep, comms = st.keep, st.comms
+        if rc == _IN_PROGRESS:  # a non-blocking simulated end launches too (NCCL's thread)
+            waiting = _members(comms, keep)
+            st.keep, st.comms = [], []
+            for comm in waiting:
+                comm.group_in_progress()
+            if keep:
+                (_HELD or _held()).hold(st.held, keep, waiting)
+        else:
+            if keep:
+                if launched and (_HELD or _held()).hold(st.held, keep, ()):
+                    st.keep = []  # taken by the held list
+                else:
+                    keep.clear()
+            if comms:
+                comms.clear()
+        if st.held or _ORPHANS:
+            release_done()
     if not rc:
         return _SUCCESS
-    result: Result = _fail(rc, function)
-    if result == _IN_PROGRESS:
-        for comm in pending:
-            comm.group_in_progress()
-    return result
+    return _fail(rc, function)  # type: ignore[no-any-return]
+
+
+def _members(comms: list[GroupMember], keep: list[tuple[Any, ...]]) -> list[GroupMember]:
+    """Every communicator that issued in the group, once each, in order."""
+    found: dict[int, GroupMember] = {}
+    for comm in comms:
+        found.setdefault(id(comm), comm)
+    for entry in keep:
+        if entry[0] is not None:
+            found.setdefault(id(entry[0]), entry[0])
+    return list(found.values())
 
 
 def _fail(rc: int, function: str) -> Any:
@@ -244,16 +321,16 @@ class Group:
             st.gid = 0
             _open_discard(st.ident)
             rc = _ge()
-            if rc or st.pending:
+            if rc or st.keep or st.held:
                 _ended(st, 0, rc, "ncclGroupEnd")
-            elif st.keep:
-                st.keep.clear()  # the launched operations' buffers
+            elif st.comms:
+                st.comms.clear()  # launched, and nothing kept: the members need nothing
         else:  # nested (or unbalanced: no group open through pynccl)
             if depth > 0:
                 depth -= 1
                 st.depth = depth
             rc = _ge()
-            if rc or (depth == 0 and (st.keep or st.pending)):
+            if rc or (depth == 0 and (st.keep or st.comms or st.held)):
                 _ended(st, depth, rc, "ncclGroupEnd")
 
     def __repr__(self) -> str:
@@ -312,7 +389,9 @@ class SimulatedGroup(Group):
                 st.gid = 0
                 _open_discard(st.ident)
         rc = simulate_end(byref(info))
-        result = _ended(st, depth, rc, "ncclGroupSimulateEnd")
+        # Nothing was launched: what the group kept may go (unless NCCL went on
+        # without it: a non-blocking end in progress).
+        result = _ended(st, depth, rc, "ncclGroupSimulateEnd", launched=False)
         estimate = float(info.estimatedTime)  # microseconds; NCCL_UNDEF_FLOAT (-1): none
         self.estimated_time = estimate * 1e-6 if estimate >= 0 else None
         return result
@@ -344,10 +423,41 @@ def group(*, simulate: bool = False) -> Group:
     nested group, whose operations the outer group would launch): opening one inside
     another raises :class:`~pynccl.NcclInvalidUsage`, and on an older library
     :class:`~pynccl.NotSupportedError`, both before ``ncclGroupStart``. Buffers are
-    kept alive and errors raised as in a normal group.
+    kept alive until the end (nothing runs) and errors raised as in a normal group.
     """
     if simulate is False:
         return _PLAIN
     if simulate is not True:
         raise TypeError(f"group(simulate=...) takes True or False, not {simulate!r}")
     return SimulatedGroup()
+
+
+# -- objects kept until the streams of ended groups have passed ------------------------------
+
+#: What threads that ended left held (any thread's release lets it go once done).
+_ORPHANS: list[Any] = []
+_HELD: Any = None
+
+
+def _held() -> Any:
+    """:mod:`pynccl.comm._held`, imported on first use (``from pynccl import group`` stays
+    light; a group that kept something has communicators, so the object API is loaded)."""
+    global _HELD
+    if _HELD is None:
+        from .comm import _held
+
+        _HELD = _held
+    return _HELD
+
+
+def release_done() -> int:
+    """Let go of what ended groups of the calling thread (and of threads that ended)
+    kept, once their streams have passed them; returns how many groups are still held.
+    Never waits, and never disturbs another thread's CUDA-graph capture (see
+    :mod:`pynccl.comm._held`). Group ends call it; call it to release sooner."""
+    held = _local.s.held
+    while _ORPHANS:
+        held.append(_ORPHANS.pop())
+    if held:
+        _held().release(held)
+    return len(held)

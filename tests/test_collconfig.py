@@ -240,8 +240,8 @@ def test_a_group_keeps_the_config_alive(world: ThreadWorld) -> None:
                 comm.all_reduce(x, config=cfg)
                 # Held by the group until it ends (NCCL reads the struct, and records the
                 # event, when the group launches).
-                assert any(cfg in kept for kept in groups._local.s.keep)
-            assert groups._local.s.keep == []
+                assert any(kept is cfg for kept in groups.kept_objects())
+            assert groups.kept_objects() == []
             comm.synchronize(timeout=60)
             np.testing.assert_array_equal(x.to_numpy(), np.full(N, SIZE, np.float32))
         finally:

@@ -21,6 +21,7 @@ from pynccl import DataType, NcclInvalidUsage
 from pynccl.comm import Communicator, UniqueId
 from pynccl.comm._memos import ARRAYS, INTERFACES
 from pynccl.cuda import DeviceBuffer, Stream
+from pynccl.groups import release_done
 
 pytestmark = pytest.mark.usefixtures("lb")
 
@@ -326,5 +327,9 @@ def test_an_array_memo_hit_inside_a_group_keeps_the_arrays_until_it_ends(
         del a, b
         gc.collect()
         assert refs[0]() is not None and refs[1]() is not None
+    # Held until the work queued on them has run (they may be a stream-ordered caching
+    # allocator's memory), released by a later group end or release_done() after that.
+    comm.synchronize()
+    release_done()
     gc.collect()
     assert refs[0]() is None and refs[1]() is None

@@ -271,10 +271,10 @@ def test_inside_a_group_the_operation_is_kept_alive(solo: Communicator) -> None:
         op = solo.all_reduce_init(x)
         with pynccl.group():
             op()
-            assert any(kept is op for kept in groups._local.s.keep)
+            assert any(kept is op for kept in groups.kept_objects())
             op.close()  # closed inside the group: its buffers still live until the end
-            assert any(x in kept for kept in groups._local.s.keep if isinstance(kept, tuple))
-        assert groups._local.s.keep == []
+            assert any(kept is x for kept in groups.kept_objects())
+        assert groups.kept_objects() == []
     finally:
         x.close()
 

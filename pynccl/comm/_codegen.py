@@ -30,6 +30,7 @@ from ._memos import (
     buffer_count,
     cai_memo_hit,
     gated,
+    join,
     keep,
     memo_hit,
     memo_key,
@@ -89,7 +90,6 @@ def _issue(
     slow: str,
     memos: tuple[tuple[str, str, str], ...] = (),
     ptrs: tuple[str, ...] = (),
-    kept: bool = False,
 ) -> list[str]:
     """The shared count argument and the shared pointer arguments of ``ptrs`` (ints, as
     ``c_<name>``), then the gated call (:func:`~._memos.gated`) at indent ``pad``: every argument a
@@ -98,13 +98,13 @@ def _issue(
     the gate is held. With ``memos`` — each ``(index in memo, condition or "", what it
     holds, :data:`~._memos.TAIL` included)`` — the C arguments are remembered for the next
     identical call (see :func:`memo_hit`) in the first memo whose condition holds, in the
-    memo list the call bound first (``memo``). ``kept``: the buffers were kept alive
-    (:func:`~._memos.keep`), which bound ``gid``, the group number to record."""
+    memo list the call bound first (``memo``). The lines before bound ``gid``, the group
+    number to record (:func:`~._memos.keep` or :func:`~._memos.join`)."""
     prepare = [f"args = ({', '.join(cargs)})"]
-    entry = record(i, "args", f"({i}, args)", kept)
+    entry = record(i, "args", f"({i}, args)")
     if memos:
         prepare += [f"entry = ({i}, args)"]
-        entry = record(i, "args", "entry", kept)
+        entry = record(i, "args", "entry")
     for j, (at, condition, items) in enumerate(memos):
         store = f"memo[{at}] = ({items})"
         if not condition:
@@ -149,7 +149,7 @@ def _method_source(spec: CollSpec) -> str:
     lines = [f"def {spec.method}(self, {sig}):"]
     key = memo_key(spec)
     conds = [same(k, f"m{j}") for j, k in enumerate(key)] + ["stream is None", "config is None"]
-    hit = memo_hit("self._memo", conds, len(key), str(i), i, slow_call(spec))
+    hit = memo_hit("self._memo", conds, len(key), str(i), i, slow_call(spec), join())
     lines += ["    " + line for line in hit]
     has_send, has_recv = spec.send != "-", spec.recv != "-"
     recv = "recvbuf"
@@ -170,9 +170,12 @@ def _method_source(spec: CollSpec) -> str:
     ]
     extra = array_key(spec)
     akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
-    kept = keep(bufs)
+    # A memo hit's stream is its C arguments' last (the default stream's shared c_void_p).
+    hit_kept = keep(bufs, "margs[-1]")
     conds = [*akey, "count is None", "dtype is None", "stream is None", "config is None"]
-    hit = memo_hit("self._memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), kept)
+    hit = memo_hit(
+        "self._memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), hit_kept
+    )
     lines.append(f"    if type({first_buf}) is _DeviceBuffer:")
     lines += ["        " + line for line in hit]
     # The memo list every later read and store of this call uses (see _memos.ARRAYS).
@@ -226,11 +229,12 @@ def _method_source(spec: CollSpec) -> str:
     slow = "return " + slow_call(spec)
     bufs_raw = tuple(b for b, _, _, _ in names)
     memo = (str(i), "stream is None", ", ".join([*key, TAIL]))
+    lines += [" " * 20 + line for line in join()]
     lines += _issue([f"c_{b}" for b in bufs_raw] + tail, i, " " * 20, slow, (memo,), bufs_raw)
     # -- arrays with a cached handler ------------------------------------------------------
     lines.append("        elif count is None and dtype is None:")
     # The interface memo (its arrays' types first; a DeviceBuffer's type is never in it).
-    hit = cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), kept)
+    hit = cai_memo_hit([b for b, _, _, _ in names], extra, i, slow_call(spec), hit_kept)
     lines += ["            " + line for line in hit]
     lines += [
         "            if stream is None:",
@@ -322,7 +326,7 @@ def _method_source(spec: CollSpec) -> str:
     lines += [
         f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
-        *["                    " + line for line in kept],
+        *["                    " + line for line in keep(bufs, "cs")],
     ]
     tokens = [f"k_{p}" for _, p, _, _ in names]
     # Remembered when every buffer was an interface the interface memo may remember, or
@@ -334,7 +338,7 @@ def _method_source(spec: CollSpec) -> str:
     amemo = (str(ARRAYS + i), " and ".join([*tokens, "stream is None"]),
              ", ".join([*tokens, *extra, TAIL]))  # fmt: skip
     cargs = [p for _, p, _, _ in names] + tail
-    lines += _issue(cargs, i, " " * 20, slow, (cmemo, amemo), kept=True)
+    lines += _issue(cargs, i, " " * 20, slow, (cmemo, amemo))
     lines.append("    " + slow)
     return "\n".join(lines) + "\n"
 

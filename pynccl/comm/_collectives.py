@@ -53,7 +53,7 @@ class Collectives(Observed):
             comm, spec, sendbuf, recvbuf, op, where, count, dtype, stream, config
         )
         if type(sendbuf) is not int or type(recvbuf) is not int or config is not None:
-            _groups.keep_alive((sendbuf, recvbuf, config))
+            _groups.keep_alive((sendbuf, recvbuf, config), comm, s)
         self._run(plan, s, cfg, config)
         if self._captures:  # a Graph capture under way: it keeps what it captured alive
             self._note_capture(s, (sendbuf, recvbuf, config))
@@ -91,6 +91,9 @@ class Collectives(Observed):
                 raise NotSupportedError(row.cfunc, row.since, self._lib.version)
         else:  # outside the watchdog's slots: it is told below
             fn = self._lib.raw(row.cfunc + "Config")
+
+        if _groups.OPEN:  # one of the group's communicators (see pynccl.groups)
+            _groups.in_progress_later(self)  # type: ignore[arg-type]
 
         def issue(h: int) -> tuple[int, int]:
             seq = self._seq + 1

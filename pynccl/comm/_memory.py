@@ -151,10 +151,12 @@ class Memory(Observed):
                 raise ValueError(f"{handle!r} belongs to another communicator")
             self._deregister(handle)
             return
-        if type(handle) is not int:
+        if isinstance(handle, (bool, float)) or not hasattr(type(handle), "__index__"):
             raise TypeError(
                 f"handle must be a Registration or an int handle, got {type(handle).__name__}"
             )
+        # A void* for NCCL: ctypes would wrap 2**64 + h to h (the real registration).
+        handle = check_pointer(handle, "handle", 0)
         reg = self._regs.get(handle)
         if reg is not None:
             self._deregister(reg)

@@ -8,12 +8,13 @@ frame of every generated C call, which memo hits share with the checked calls.
 from __future__ import annotations
 
 from .._adapt._cai import same_case
-from ..groups import KEEP_ALIVE
+from ..groups import JOIN, KEEP_ALIVE
 from ._recorder import RING_MASK
 from ._spec import COLLECTIVES, CollSpec
 
 __all__ = ["ARRAYS", "INTERFACES", "TAIL", "array_key", "buffer_count", "cai_memo_hit",
-           "empty_memos", "gated", "keep", "memo_hit", "memo_key", "record", "same"]  # fmt: skip
+           "empty_memos", "gated", "join", "keep", "memo_hit", "memo_key", "record",
+           "same"]  # fmt: skip
 
 #: ``self._memo`` is one list of every row's memos: the raw-pointer memo of row ``i`` at
 #: ``i``, its DeviceBuffer memo at ``ARRAYS + i``, its interface memo at ``INTERFACES + i``.
@@ -30,12 +31,11 @@ INTERFACES = 2 * len(COLLECTIVES)
 TAIL = "fn, gate, args, entry"
 
 
-def record(i: int, args: str, entry: str, kept: bool) -> str:
+def record(i: int, args: str, entry: str) -> str:
     """The flight-record entry of a call of row ``i`` whose C arguments are ``args``: the
-    prebuilt ``entry`` (``(i, args)``) outside a group, else ``(i, args, group number)`` —
-    ``gid`` where :func:`keep` bound it (``kept``), else the thread's."""
-    group = "gid) if gid" if kept else "_GROUPS.s.gid) if _OPEN"
-    return f"({i}, {args}, {group} else {entry}"
+    prebuilt ``entry`` (``(i, args)``) outside a group, else ``(i, args, gid)``, the group
+    number :func:`keep` or :func:`join` bound."""
+    return f"({i}, {args}, gid) if gid else {entry}"
 
 
 def gated(
@@ -115,9 +115,9 @@ def memo_hit(
     buffer's is None, a new buffer's a new tuple, and the buffer itself is not kept
     alive (the interface memo, for ``__cuda_array_interface__`` arrays:
     :func:`cai_memo_hit`). ``comm.stream = ...`` forgets them all. Anything else falls
-    through to the checks. The lines ``pre`` (:func:`keep`) bind ``gid``, the group
-    number to record."""
-    entry = record(i, "margs", "mentry", bool(pre))
+    through to the checks. The lines ``pre`` (:func:`keep` or :func:`join`, where
+    ``margs[-1]`` is the stream) bind ``gid``, the group number to record."""
+    entry = record(i, "margs", "mentry")
     names = ", ".join(f"m{j}" for j in range(n))
     body = [
         f"{names}, fn, gate, margs, mentry = {memo}[{at}]",
@@ -128,11 +128,19 @@ def memo_hit(
     return body
 
 
-def keep(bufs: str) -> tuple[str, ...]:
-    """Keeping a call's buffers (``bufs``: a tuple's items) alive until the group it is
-    queued in ends, and binding ``gid``, the group's number (0: none) for the flight
-    record, in one look at the thread's group state (:data:`pynccl.groups.KEEP_ALIVE`)."""
-    return tuple(line.format(objs=f"({bufs})") for line in KEEP_ALIVE)
+def keep(bufs: str, stream: str) -> tuple[str, ...]:
+    """Keeping a call's buffers (``bufs``: a tuple's items) alive until the work of the
+    group it is queued in has run on ``stream`` (an expression: the call's stream
+    argument), counting the communicator among the group's, and binding ``gid``, the
+    group's number (0: none) for the flight record, in one look at the thread's group
+    state (:data:`pynccl.groups.KEEP_ALIVE`)."""
+    return tuple(line.format(comm="self", stream=stream, objs=bufs) for line in KEEP_ALIVE)
+
+
+def join() -> tuple[str, ...]:
+    """:func:`keep` for a call that keeps nothing alive (raw pointers): the communicator
+    joins the open group (:data:`pynccl.groups.JOIN`), ``gid`` is bound."""
+    return tuple(line.format(comm="self") for line in JOIN)
 
 
 def cai_memo_hit(
@@ -163,7 +171,7 @@ def cai_memo_hit(
         pad = "    " * j
         body += [f"{pad}cai = {b}.__cuda_array_interface__"]
         body += [f"{pad}hit = {found}"] if j == len(names) - 1 else [f"{pad}if {found}:"]
-    entry = record(i, "margs", "mentry", True)
+    entry = record(i, "margs", "mentry")
     return [
         f"cm = memo[{INTERFACES + i}]",
         "if " + " and ".join(key) + ":",
@@ -173,8 +181,8 @@ def cai_memo_hit(
         "    except Exception:  # the checks read the interface again and say why",
         "        pass",
         "    if hit:",
-        *["        " + line for line in kept],
         "        fn, gate, margs, mentry = cm[-1]",
+        *["        " + line for line in kept],
         *["        " + line for line in gated(i, [], entry, "fn(*margs)", "return " + slow, False)],
     ]
 

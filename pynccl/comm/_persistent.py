@@ -177,7 +177,7 @@ class PersistentOp(Closable):
             if comm._h is self._h:
                 seq = comm._seq + 1
                 comm._seq = seq
-                if _OPEN and (gid := _keep_alive(self)):
+                if _OPEN and (gid := _keep_alive(self, comm, self._stream)):
                     slot = self._slot
                     comm._ring[seq & _MASK] = (slot[0], slot[1], gid, *slot[3:])
                 else:
@@ -230,7 +230,7 @@ class PersistentOp(Closable):
         self._streams.add(s)
         if self._custom is not None:
             comm._note_op_use(self._custom, s)
-        _groups.keep_alive(self)
+        _groups.keep_alive(self, comm, s)
         comm._run(self._plan, s, self._cfg, self._config)
         if comm._captures:  # a Graph capturing it keeps what it uses alive
             comm._note_capture(s, (self, self._keep, self._config))

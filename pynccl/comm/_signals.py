@@ -14,7 +14,7 @@ from .._adapt import as_buffer, as_stream, check_device
 from .._capi.structs import ncclWaitSignalDesc_t
 from .._limits import C_INT_MAX, check_c_int, check_index
 from ..enums import Result, WinFlag
-from ..errors import NotSupportedError
+from ..errors import NcclInvalidUsage, NotSupportedError
 from ._window import Window, Windows
 
 __all__ = ["SignalWait", "Signals", "rma_limits"]
@@ -123,14 +123,38 @@ class Signals(Windows):
     def _peer(self, peer: object, name: str = "peer") -> int:
         return check_index(peer, name, self._size, f"for a communicator of size {self._size}")
 
-    def _rma_issue(self, fn: Any, function: str, s: int, *args: object) -> None:
+    def _rma_issue(
+        self,
+        fn: Any,
+        function: str,
+        s: int,
+        *args: object,
+        window: tuple[Window, int] | None = None,
+    ) -> None:
         """``fn(*args, comm, s)`` under the gate (as the collectives' issue path: the
-        handle is read under it, so a teardown on another thread never passes a freed one)."""
-        rc = self._under_gate(lambda h: fn(*args, h, s))
+        handle is read under it, so a teardown on another thread never passes a freed one;
+        nor a ``window`` (with the handle read before) that another thread's close
+        deregistered meanwhile: checked again under the gate, which the deregistration
+        holds)."""
+
+        def issue(h: object) -> int:
+            if window is not None:
+                win, handle = window
+                if win._closed or win._out.value != handle:
+                    raise NcclInvalidUsage(
+                        Result.INVALID_USAGE,
+                        function,
+                        f"{win!r} was closed by another thread before this call could "
+                        "use it; close a window only once no call may use it any more",
+                    )
+                win._streams.add(s)  # its close waits for this stream
+            return int(fn(*args, h, s))
+
+        # One of the open group's communicators (NCCL returns success inside a group).
+        _groups.in_progress_later(self)  # type: ignore[arg-type]
+        rc = self._under_gate(issue)
         if rc == Result.IN_PROGRESS:
-            if _groups.group_depth() > 0:
-                _groups.in_progress_later(self)  # type: ignore[arg-type]
-            else:
+            if _groups.group_depth() == 0:
                 self._mark_pending()
         elif rc:
             raise self._lib.make_error(rc, function)
@@ -160,8 +184,10 @@ class Signals(Windows):
         off = window._byte_offset(offset, n, dt.itemsize)
         sig, ctx = self._indices(signal, context)
         self._source_window(ptr, n * dt.itemsize)
-        self._rma_issue(fn, "ncclPutSignal", s, ptr, n, int(dt), p, h, off, sig, ctx, 0)
-        _groups.keep_alive((sendbuf, window))
+        _groups.keep_alive((sendbuf, window), self, s)  # type: ignore[arg-type]
+        self._rma_issue(
+            fn, "ncclPutSignal", s, ptr, n, int(dt), p, h, off, sig, ctx, 0, window=(window, h)
+        )
 
     def _source_window(self, ptr: int, nbytes: int) -> None:
         """NCCL reads a put's source through a symmetric window: refuse one outside them."""

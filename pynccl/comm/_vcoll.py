@@ -241,7 +241,9 @@ class VCollectives(Extras):
         size = dt.itemsize * lanes
         blocks = [(j, send[0] + displs[j] * size, counts[j] * lanes) for j in range(self._size)]
         reduce = self.reduce  # type: ignore[attr-defined]
-        _groups.keep_alive((sendbuf, recvbuf))
+        # Inside an outer group the buffers live until its work has run on s (the
+        # reduces below are issued with raw pointers, which keep nothing).
+        _groups.keep_alive((sendbuf, recvbuf), self, s)  # type: ignore[arg-type]
         with _groups.group():
             for root, sp, n in blocks:
                 if n:  # NCCL writes recvbuff on the root only: elsewhere pass sp (unused)
@@ -261,7 +263,7 @@ class VCollectives(Extras):
         rank's own block too: NCCL copies a send-to-self within the group)."""
         send = self.send  # type: ignore[attr-defined]
         recv = self.recv  # type: ignore[attr-defined]
-        _groups.keep_alive(keep)
+        _groups.keep_alive(keep, self, s)  # type: ignore[arg-type]
         with _groups.group():
             for (peer, rp, rn), (_, sp, sn) in zip(recvs, sends):
                 if rn:

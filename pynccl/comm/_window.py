@@ -1,14 +1,21 @@
 """Memory windows: ``register_window`` (``ncclCommWindowRegister``, NCCL >= 2.27), the
 :class:`Window` it returns and ``comm.windows``.
 
-Registration and deregistration are collective. Before the C call every rank learns
-every other rank's (size, alignment, flags, whether it already holds that range) through
-one small ``all_gather``, so a mistake on one rank makes *every* rank raise the same
-``ValueError`` instead of leaving its peers waiting inside NCCL (inside a group, where
-nothing can be waited for, only this rank's own values are checked). The same
-(pointer, size, flags) registered again returns the same :class:`Window` with one more
-reference (NCCL's symmetric address space is finite: registering one allocation twice
-would spend it twice); :meth:`Window.close` drops one, and the last deregisters.
+Registration is collective. Before the C call every rank learns every other rank's
+(alignment, flags, whether it already holds that range, size) through one small
+``all_gather`` on the communicator's stream, so a mistake on one rank makes *every* rank
+raise the same ``ValueError`` instead of leaving its peers waiting inside NCCL (inside a
+group, or while this thread's stream is captured into a CUDA graph, where nothing can be
+waited for, only this rank's own values are checked). The same (pointer, size, flags)
+registered again returns the same :class:`Window` with one more reference (NCCL's
+symmetric address space is finite: registering one allocation twice would spend it
+twice); :meth:`Window.close` drops one, and the last deregisters.
+
+Deregistration is local to the rank (NCCL: no peer takes part, so one rank may close
+while another still calls collectives). NCCL frees the window at once, so the close
+first waits for the work this rank queued that may use it: the communicator's stream
+and each stream a one-sided call on the window was issued on. Both are allowed during a
+CUDA-graph capture (NCCL switches the thread to relaxed capture mode for them).
 """
 
 from __future__ import annotations
@@ -27,12 +34,18 @@ __all__ = ["Window", "Windows"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import weakref
     from typing import Any
 
+    from ..cuda import DeviceBuffer
     from ..typing import BufferLike
 
 _WINDOWS = (2, 27, 3)  # ncclCommWindowRegister
 _PEER_POINTER = (2, 29, 2)  # ncclGetPeerDevicePointer, ncclWinGetUserPtr
+#: From this release a symmetric window's size may differ across ranks (user guide 2.30.7).
+_SIZES_MAY_DIFFER = (2, 30, 7)
+_H2D, _D2H = 1, 2  # cudaMemcpyKind
+_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
 class Window(Closable):
@@ -40,9 +53,9 @@ class Window(Closable):
 
     ``handle`` is the ``ncclWindow_t`` as an int, ``user_ptr`` / ``nbytes`` the range it
     covers, ``dtype`` the element type of the registered buffer (offsets count in it).
-    :meth:`close` (collective, like the registration) drops one reference and
-    deregisters at the last; a ``with`` block closes it too. It keeps the registered
-    buffer referenced while registered.
+    :meth:`close` (local to the rank) drops one reference and deregisters at the last; a
+    ``with`` block closes it too. It keeps the registered buffer referenced while
+    registered.
     """
 
     __slots__ = (
@@ -57,6 +70,7 @@ class Window(Closable):
         "_out",
         "_ptr",
         "_refs",
+        "_streams",
     )
 
     def __init__(
@@ -72,6 +86,8 @@ class Window(Closable):
         self._refs = 1
         self._closed = False
         self._key = (ptr, nbytes, flags)
+        # Streams one-sided calls on this window were issued on: close() waits for them.
+        self._streams: set[int] = set()
 
     @property
     def handle(self) -> int:
@@ -188,10 +204,11 @@ class Window(Closable):
 
     def close(self) -> None:
         """Drop one reference; the last deregisters (``ncclCommWindowDeregister``, NCCL >=
-        2.27, collective: every rank closes its window). Idempotent once closed."""
+        2.27; local to the rank), once the work this rank queued that may use the window
+        has run: the communicator's stream and the streams of the one-sided calls on it
+        (work on other streams with buffers in the window: synchronize those first).
+        Idempotent once closed."""
         self._comm._close_window(self)
-
-
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"refs={self._refs}"
@@ -221,11 +238,16 @@ class Windows(Memory):
         """``ncclCommWindowRegister`` (NCCL >= 2.27), collective: every rank registers its
         buffer (``nbytes=`` for a raw pointer, or to register the first bytes only).
 
-        ``symmetric=True`` adds ``NCCL_WIN_COLL_SYMMETRIC``: the buffers must have the
-        same size on every rank and start on ``WIN_REQUIRED_ALIGNMENT`` (4096) bytes
-        (:meth:`mem_alloc` memory does); ``flags`` adds other ``WinFlag`` bits. A range
-        already registered with the same flags returns the same :class:`Window`, with
-        one more reference. Not while a CUDA graph is being captured.
+        The memory must come from ``ncclMemAlloc`` (:meth:`mem_alloc`, a ``DeviceBuffer``
+        with ``allocator="nccl"``) or the CUDA VMM API, and every window must start on
+        ``WIN_REQUIRED_ALIGNMENT`` (4096) bytes (:meth:`mem_alloc` memory does). A
+        ``DeviceBuffer`` from ``cudaMalloc`` is refused here; for other buffers pynccl
+        cannot tell ``cudaMalloc`` memory from VMM memory (that needs the driver API), and
+        NCCL refuses it. ``symmetric=True`` adds ``NCCL_WIN_COLL_SYMMETRIC``; before NCCL
+        2.30.7 such a window needs the same size on every rank. ``flags`` adds other
+        ``WinFlag`` bits. A range already registered with the same flags returns the same
+        :class:`Window`, with one more reference. Allowed during a CUDA-graph capture
+        (NCCL registers in relaxed capture mode; only this rank's values are checked).
         """
         self._live()
         ptr, size, dt = buffer_range(self, buf, nbytes, "register_window")
@@ -234,62 +256,102 @@ class Windows(Memory):
         bits = _flag_bits(flags) | (WinFlag.COLL_SYMMETRIC if symmetric else 0)
         if not size:
             raise ValueError("register_window needs a buffer of at least 1 byte, got 0 bytes")
+        _refuse_cuda_malloc(buf)
         self._lib.require("ncclCommWindowRegister", _WINDOWS)
-        self._refuse_if_capturing("ncclCommWindowRegister")
         key = (ptr, size, bits)
         known = self._wins.get(key)
         if known is not None and known.closed:
             known = None
-        if _groups.group_depth() == 0 and self._size > 1:
+        if self._size > 1 and self._can_agree():
             self._agree(ptr, size, bits, known is not None)
-        elif bits & WinFlag.COLL_SYMMETRIC and ptr % WIN_REQUIRED_ALIGNMENT:
+        elif ptr % WIN_REQUIRED_ALIGNMENT:
             raise ValueError(_misaligned(self._rank, ptr))
         if known is not None:
             known._refs += 1
             return known
         win = Window(self, ptr, size, bits, dt, buf)
         rc = self._call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
+        # Inside a group NCCL registers at the end: the communicator is one of the group's.
+        _groups.keep_alive((win, buf), self)  # type: ignore[arg-type]
         self._settle(rc)
-        _groups.keep_alive((win, buf))
         self._wins[key] = win
         return win
 
+    def _can_agree(self) -> bool:
+        """Whether the agreement's all_gather can run and be waited for now: not inside a
+        group (it would be queued), not while this communicator's stream — or the legacy
+        stream of its device — is captured (it would be captured), not while another
+        capture forbids the wait and the thread cannot switch to relaxed mode."""
+        if _groups.group_depth() > 0:
+            return False
+        from ..cuda import _capture_blocks, _unsafe_calls_prohibited
+
+        s = self._stream
+        if (s not in (0, 1) and _capture_blocks(s)) or _capture_blocks(0):
+            return False
+        return not _unsafe_calls_prohibited() or _exchange_mode(-1) is not None
+
     def _agree(self, ptr: int, size: int, bits: int, known: bool) -> None:
         """Exchange (size, misaligned, flags, known) with every rank (one all_gather of
-        4 int64 each) and raise the same ValueError on every rank if they disagree."""
+        4 int64 each, on the communicator's stream) and raise the same ValueError on every
+        rank if they disagree."""
         from .. import library
-        from ..cuda import DeviceBuffer
+        from ..cuda._device import _DeviceScope
 
         n = self._size
         mine = (c_int64 * 4)(size, ptr % WIN_REQUIRED_ALIGNMENT, bits, int(known))
         everyone = (c_int64 * (4 * n))()
+        dev = self._agreement_buffer(n)
         rt = library.cudart()
-        with DeviceBuffer((4 * (n + 1),), "int64", self.device) as dev:
-            rt.cudaMemcpy(dev.ptr, byref(mine), sizeof(mine), 1)
-            comm: Any = self
-            comm.all_gather(dev.ptr, dev.ptr + sizeof(mine), count=4, dtype="int64")
-            self.synchronize()
-            rt.cudaMemcpy(byref(everyone), dev.ptr + sizeof(mine), sizeof(everyone), 2)
-        rows = [tuple(everyone[4 * r : 4 * r + 4]) for r in range(n)]
-        for r, (sz, mis, fl, kn) in enumerate(rows):
-            if fl != rows[0][2]:
-                raise ValueError(
-                    f"register_window: window flags differ between ranks (rank 0: "
-                    f"{rows[0][2]:#x}, rank {r}: {fl:#x}); every rank must pass the same"
-                )
-            if kn != rows[0][3]:
-                has, lacks = (r, 0) if kn else (0, r)
-                raise ValueError(
-                    f"register_window: rank {has} has this range registered already and "
-                    f"rank {lacks} does not; every rank must register the same windows"
-                )
-            if bits & WinFlag.COLL_SYMMETRIC and mis:
-                raise ValueError(_misaligned(r, None))
-            if bits & WinFlag.COLL_SYMMETRIC and sz != rows[0][0]:
-                raise ValueError(
-                    f"register_window: a symmetric window needs the same size on every rank, "
-                    f"but rank 0 registers {rows[0][0]} bytes and rank {r} {sz}"
-                )
+        s = self._stream
+        comm: Any = self
+        # The copies are ordered with the all_gather on the communicator's stream (on a
+        # GPU a legacy-stream copy would not be), with its device current (the default
+        # streams are per device), in relaxed capture mode as NCCL's own registration.
+        previous = _exchange_mode(_RELAXED)
+        try:
+            with _DeviceScope(self.device):
+                rt.cudaMemcpyAsync(dev, byref(mine), sizeof(mine), _H2D, s)
+                comm.all_gather(dev, dev + sizeof(mine), count=4, dtype="int64")
+                # Non-blocking: the all_gather is on the stream only once NCCL is ready.
+                self._live()
+                rt.cudaMemcpyAsync(byref(everyone), dev + sizeof(mine), sizeof(everyone), _D2H, s)
+                self.synchronize()
+        finally:
+            if previous is not None and previous != _RELAXED:
+                _exchange_mode(previous)
+        _check_agreement([tuple(everyone[4 * r : 4 * r + 4]) for r in range(n)], bits, self)
+
+    def _agreement_buffer(self, n: int) -> int:
+        """The device scratch of the agreement (4 * (n + 1) int64), made once per
+        communicator and freed with it: no allocation or free (which synchronizes the
+        device) in the agreement itself."""
+        global _SCRATCH
+        if _SCRATCH is None:
+            import weakref  # not at import: `from pynccl import Communicator` stays light
+
+            _SCRATCH = weakref.WeakKeyDictionary()
+        buf = _SCRATCH.get(self)
+        if buf is None or buf.closed:
+            from ..cuda import DeviceBuffer
+
+            buf = _SCRATCH[self] = DeviceBuffer((4 * (n + 1),), "int64", self.device)
+        return buf.ptr
+
+    def _teardown(self, kind: str, reason: BaseException | None = None) -> None:
+        """The one teardown, then the agreement's scratch goes once the handle is retired
+        (an abort first stops what may still use it)."""
+        try:
+            super()._teardown(kind, reason)
+        finally:
+            if self._state in TERMINAL and _SCRATCH is not None:
+                buf = _SCRATCH.pop(self, None)
+                if buf is not None:
+                    try:
+                        buf.close()
+                    except Exception:  # a dead context at exit, or the watchdog thread
+                        if kind != "watchdog":
+                            raise
 
     def _close_window(self, win: Window) -> None:
         if win._closed:
@@ -300,11 +362,37 @@ class Windows(Memory):
         if win._refs > 1:
             win._refs -= 1
             return
-        self._refuse_if_capturing("ncclCommWindowDeregister")
         h = win.handle
-        self._settle(self._call_locked("ncclCommWindowDeregister", HANDLE, h))
-        _groups.keep_alive((win, win._buf))
-        self._forget(win)
+        self._wait_for_window(win)
+        raw = self._lib.raw("ncclCommWindowDeregister")
+
+        def deregister(comm_handle: object) -> int:
+            if win._closed:  # another thread closed it meanwhile
+                return 0
+            rc = int(raw(comm_handle, h))
+            if rc == 0 or rc == Result.IN_PROGRESS:
+                # Closed under the gate: a one-sided call that takes the gate after this
+                # sees it closed and refuses instead of passing a freed window to NCCL.
+                self._forget(win)
+            return rc
+
+        self._live()
+        rc = self._under_gate(deregister)
+        if rc and rc != Result.IN_PROGRESS:
+            raise self._lib.make_error(rc, "ncclCommWindowDeregister")
+        self._settle(rc)
+
+    def _wait_for_window(self, win: Window) -> None:
+        """Wait for the work this rank queued that may use ``win``: the communicator's
+        stream and the streams of the one-sided calls on it. A stream being captured has
+        run nothing yet (its graph runs later): nothing to wait for there."""
+        if self._h is None and self._state.value != "initializing":
+            return  # revoked, suspended: the deregistration itself says what is allowed
+        from ..cuda import _capture_blocks
+
+        for s in dict.fromkeys((self._stream, *sorted(win._streams))):
+            if not _capture_blocks(s):  # 0: also while a blocking stream captures
+                self.synchronize(s)
 
     def _call_value(self, function: str) -> Any:
         """A value-returning host function of ``nccl_device/host.h`` taking only the
@@ -330,20 +418,68 @@ class Windows(Memory):
             del self._wins[win._key]
 
     def _close_windows(self, abort: bool) -> None:
-        """Before destroy (deregister every open window, collectively) or abort (only
-        mark them closed: the abort frees them)."""
-        wins = list(self._wins.values())
-        call = not abort and self._h is not None
-        first: BaseException | None = None
-        for win in wins:
-            if call and first is None and win._out.value:
-                try:
-                    self._call_locked("ncclCommWindowDeregister", HANDLE, win._out.value)
-                except BaseException as exc:  # destroy goes on; it frees the rest
-                    first = exc
+        """Before destroy or abort: only mark them closed. NCCL frees the windows left at
+        destroy itself (after the communicator's work has finished), and the abort frees
+        them too; nothing is called that could hang or free a window still in use."""
+        del abort
+        for win in list(self._wins.values()):
             self._forget(win)
-        if first is not None:
-            raise first
+
+
+#: The agreement's device scratch per communicator (see Windows._agreement_buffer): a
+#: ``weakref.WeakKeyDictionary`` from the first registration on.
+_SCRATCH: weakref.WeakKeyDictionary[Windows, DeviceBuffer] | None = None
+
+
+def _check_agreement(rows: list[tuple[int, ...]], bits: int, comm: Windows) -> None:
+    """Raise the same ValueError on every rank if the ranks' (size, misaligned, flags,
+    known) rows disagree."""
+    for r, (sz, mis, fl, kn) in enumerate(rows):
+        if fl != rows[0][2]:
+            raise ValueError(
+                f"register_window: window flags differ between ranks (rank 0: "
+                f"{rows[0][2]:#x}, rank {r}: {fl:#x}); every rank must pass the same"
+            )
+        if kn != rows[0][3]:
+            has, lacks = (r, 0) if kn else (0, r)
+            raise ValueError(
+                f"register_window: rank {has} has this range registered already and "
+                f"rank {lacks} does not; every rank must register the same windows"
+            )
+        if mis:
+            raise ValueError(_misaligned(r, None))
+        if bits & WinFlag.COLL_SYMMETRIC and sz != rows[0][0]:
+            if comm._lib.version < _SIZES_MAY_DIFFER:
+                raise ValueError(
+                    f"register_window: a symmetric window needs the same size on every "
+                    f"rank before NCCL 2.30.7 (this is {_release(comm._lib.version)}), but "
+                    f"rank 0 registers {rows[0][0]} bytes and rank {r} {sz}"
+                )
+
+
+def _release(version: tuple[int, ...]) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def _exchange_mode(mode: int) -> int | None:
+    """:func:`._held.exchange_mode` on the loaded libcudart."""
+    from .. import library
+    from ._held import exchange_mode
+
+    return exchange_mode(library.cudart(), mode)
+
+
+def _refuse_cuda_malloc(buf: object) -> None:
+    """NCCL registers windows only from ncclMemAlloc or VMM memory: a DeviceBuffer tells
+    which allocator made it."""
+    from ..cuda import DeviceBuffer
+
+    if isinstance(buf, DeviceBuffer) and buf.allocator != "nccl":
+        raise ValueError(
+            f"register_window: buf is a DeviceBuffer from cudaMalloc (allocator="
+            f"{buf.allocator!r}); NCCL registers windows only in memory from ncclMemAlloc "
+            "(comm.mem_alloc, or DeviceBuffer(..., allocator='nccl')) or the CUDA VMM API"
+        )
 
 
 def _flag_bits(flags: object) -> int:
@@ -360,7 +496,7 @@ def _flag_bits(flags: object) -> int:
 def _misaligned(rank: int, ptr: int | None) -> str:
     where = f"rank {rank}'s buffer" + ("" if ptr is None else f" {ptr:#x}")
     return (
-        f"register_window: a symmetric window must start on WIN_REQUIRED_ALIGNMENT "
+        f"register_window: a window must start on WIN_REQUIRED_ALIGNMENT "
         f"({WIN_REQUIRED_ALIGNMENT}) bytes, but {where} does not "
         "(allocate it with comm.mem_alloc)"
     )

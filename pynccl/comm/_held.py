@@ -1,0 +1,244 @@
+"""What ended groups kept alive, held until the streams their work ran on have passed it.
+
+An operation queued in a group runs after ``ncclGroupEnd`` returns: its buffers must live
+until it has *run* on its stream, not only until it was launched — a stream-ordered
+caching allocator (torch's, CuPy's, cuda.core's) hands a freed block out again at once.
+:func:`hold` records one event per stream the group used (after the end; for a
+non-blocking group still in progress, once none of its communicators is in progress any
+more: NCCL launches from its own thread) and :func:`release` lets the objects go once
+every event has completed. Nothing waits and no thread of its own runs: group ends of
+the same thread (:func:`pynccl.groups.release_done`) poll, oldest first.
+
+Queries run with the thread in relaxed CUDA-graph capture mode
+(``cudaThreadExchangeStreamCaptureMode``, restored after), so another thread's global
+capture is never invalidated; where libcudart lacks the switch, nothing is queried while
+a capture begun through :class:`pynccl.cuda.Graph` forbids it. Work captured into a
+graph keeps its objects for good (the graph may replay it at any time).
+"""
+
+from __future__ import annotations
+
+from ctypes import byref, c_int, c_void_p
+
+from .. import library as _library
+from ..cuda import DeviceBuffer
+from ._collconfig import CollConfig
+from ._persistent import PersistentOp
+from ._window import Window
+
+__all__ = ["Held", "exchange_mode", "hold", "needs_order", "release"]
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from ..groups import GroupMember
+
+# cudaEventDisableTiming; cudaErrorNotReady; the capture errors (900..908: a query refused
+# because of a capture, not an answer about the work); cudaStreamCaptureModeRelaxed.
+_EVENT_DISABLE_TIMING = 0x2
+_NOT_READY = 600
+_CAPTURE_ERRORS = range(900, 909)
+_RELAXED = 2
+#: Free events per device (handles), reused: a group end records one per stream it used.
+_POOL: dict[int, list[int]] = {}
+#: Objects whose work was captured into a CUDA graph: a graph may replay it at any time.
+_FOREVER: list[object] = []
+#: Types whose objects can go once NCCL has launched the work (see needs_order).
+_SAFE: set[type] = {type(None), int, str, CollConfig, Window}
+
+
+class Held:
+    """One ended group's kept objects, let go once an event recorded after the group on
+    each stream it used (``streams``: (device, handle); -1: the current device) has
+    completed. ``waiting``: the communicators of a non-blocking group still in progress
+    (the events are recorded once none of them is in progress any more)."""
+
+    __slots__ = ("events", "objs", "streams", "waiting")
+
+    def __init__(
+        self, objs: object, streams: list[tuple[int, int]], waiting: list[GroupMember]
+    ) -> None:
+        self.objs = objs
+        self.streams = streams
+        self.waiting = waiting
+        self.events: list[tuple[int, int]] = []
+
+
+def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMember]) -> bool:
+    """Hold what an ended group kept (``keep``: (communicator, stream, *objects) entries)
+    until every stream it used has passed the group, appending to ``held``; True if
+    ``keep`` was taken (else the caller may let it go now). Once NCCL has launched, only
+    objects whose memory a free could hand out while the work runs need that (see
+    :func:`needs_order`); while a non-blocking group is in progress (``waiting``) nothing
+    is on the streams yet, so everything waits."""
+    if not waiting:
+        # The common case first, inlined: every object is of pynccl's own safe kinds.
+        safe = _SAFE
+        for entry in keep:
+            if entry[1] is not None:
+                for obj in entry[2:]:
+                    kind = type(obj)
+                    if kind is DeviceBuffer:
+                        if obj._nccl:
+                            break
+                    elif kind not in safe and (
+                        kind is not PersistentOp
+                        or (obj._keep is not None and needs_order(obj._keep))
+                    ):
+                        break
+                else:
+                    continue
+                break  # this entry needs order
+        else:
+            return False
+    streams: dict[tuple[int, int], None] = {}
+    for entry in keep:
+        comm, stream = entry[0], entry[1]
+        if comm is not None and stream is not None and (waiting or needs_order(entry[2:])):
+            handle = stream if type(stream) is int else (stream.value or 0)
+            device = comm._device
+            streams[(-1 if device is None else device, handle)] = None
+    if not streams:
+        return False  # nothing stream-ordered to wait for
+    item = Held(keep, list(streams), waiting)
+    if waiting or _record(item):
+        held.append(item)
+    return True
+
+
+def needs_order(objs: tuple[Any, ...]) -> bool:
+    """Whether ``objs`` must outlive the work queued on them. A ``DeviceBuffer`` from
+    ``cudaMalloc`` need not (``cudaFree`` waits for the device), nor a config (read at
+    the launch) or a window (its communicator holds it); anything else may be memory of
+    a stream-ordered caching allocator, and a persistent operation is as the buffers it
+    holds (closed: its close kept them itself)."""
+    for obj in objs:
+        kind = type(obj)
+        if kind in _SAFE or (kind is DeviceBuffer and not obj._nccl):
+            continue
+        if kind is PersistentOp and (obj._keep is None or not needs_order(obj._keep)):
+            continue
+        return True
+    return False
+
+
+def _record(item: Held) -> bool:
+    """Record an event on each stream of ``item``; False when there is nothing to wait
+    for. A stream being captured keeps the objects for good. A stream's device is made
+    current where that matters: for the per-device default streams (0, 1, 2), and to
+    make an event there."""
+    rt = _library.cudart()
+    current = now = -2  # not asked yet
+    capturing, status, out = False, c_int(0), c_void_p()
+    record, is_capturing = rt.raw("cudaEventRecord"), rt.raw("cudaStreamIsCapturing")
+    try:
+        for device, handle in item.streams:
+            free = _POOL.setdefault(device, [])
+            if device >= 0 and device != now and (handle <= 2 or not free):
+                if current == -2:
+                    value = c_int(-1)
+                    rt.raw("cudaGetDevice")(byref(value))
+                    current = now = value.value
+                if device != now:
+                    rt.cudaSetDevice(device)
+                    now = device
+            # 906 (the legacy stream while a blocking stream of the device captures):
+            # the work went into that capture too.
+            rc = is_capturing(handle, byref(status))
+            if rc or status.value:
+                if rc:
+                    rt.raw("cudaGetLastError")()
+                capturing = True
+                continue
+            if free:
+                event = free.pop()
+            else:
+                rt.cudaEventCreateWithFlags(byref(out), _EVENT_DISABLE_TIMING)
+                event = out.value or 0
+            if record(event, handle):  # a stream gone or broken: nothing left to wait for
+                rt.raw("cudaGetLastError")()
+                free.append(event)
+            else:
+                item.events.append((device, event))
+    finally:
+        if now != current:
+            rt.cudaSetDevice(current)
+    if capturing:
+        _FOREVER.append(item.objs)
+        item.objs = None
+    return bool(item.events) and item.objs is not None
+
+
+def release(held: list[Held]) -> None:
+    """One pass over ``held``, oldest first, in relaxed capture mode: a group that was in
+    progress is recorded once ready; recorded ones are let go once their events have
+    completed."""
+    rt = _library.cudart()
+    previous = exchange_mode(rt, _RELAXED)
+    if previous is None:
+        from ..cuda import _unsafe_calls_prohibited
+
+        if _unsafe_calls_prohibited():
+            return
+    try:
+        _release(rt, held)
+    finally:
+        if previous is not None and previous != _RELAXED:
+            exchange_mode(rt, previous)
+
+
+def _release(rt: Any, held: list[Held]) -> None:
+    query = rt.raw("cudaEventQuery")
+    done: list[Held] = []
+    for item in list(held):
+        if item.waiting:
+            # Ready (its wait_ready ran: the next call or synchronize) or torn down.
+            if any(comm._state == "initializing" for comm in item.waiting):
+                continue
+            item.waiting = []
+            if not _record(item):
+                done.append(item)
+            continue
+        finished = True
+        for _, event in item.events:
+            rc = query(event)
+            if rc == _NOT_READY or rc in _CAPTURE_ERRORS:
+                finished = False
+            if rc and rc != _NOT_READY:  # an error leaves nothing of that stream to run
+                rt.raw("cudaGetLastError")()
+            if not finished:
+                break
+        if not finished:
+            break  # the thread's later groups are behind this one on its streams
+        done.append(item)
+    for item in done:
+        held.remove(item)
+        for device, event in item.events:
+            _POOL.setdefault(device, []).append(event)
+        item.events = []
+        item.objs = None  # the last reference: a buffer's memory may go now
+
+
+_EXCHANGE: tuple[object, Any] = (None, None)  # (libcudart, its function or None)
+
+
+def exchange_mode(rt: Any, mode: int) -> int | None:
+    """``cudaThreadExchangeStreamCaptureMode``: make ``mode`` the calling thread's capture
+    interaction mode (2: relaxed); the previous one, or None where libcudart ``rt`` lacks
+    the call (``mode=-1``: only tell whether it has it, as 0, changing nothing)."""
+    global _EXCHANGE
+    lib, fn = _EXCHANGE
+    if lib is not rt:
+        has = rt.has("cudaThreadExchangeStreamCaptureMode")
+        fn = rt.raw("cudaThreadExchangeStreamCaptureMode") if has else None
+        _EXCHANGE = (rt, fn)
+    if fn is None:
+        return None
+    if mode < 0:
+        return 0
+    value = c_int(mode)
+    if fn(byref(value)):
+        rt.raw("cudaGetLastError")()
+        return None
+    return int(value.value)
