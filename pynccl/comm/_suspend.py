@@ -7,14 +7,20 @@ release (``SuspendFlag.MEM``); every call but :meth:`Suspend.resume`,
 :meth:`Suspend.mem_stats`, ``destroy()`` and ``abort()`` raises
 :class:`~pynccl.NcclInvalidUsage` saying so. Every rank suspends and resumes (NCCL
 releases the memory of the world once all of them are suspended).
+
+Communicators that share NCCL's memory manager — a parent made with
+``Config(split_share=True)`` and the children of its splits (or ``shrink_share`` and
+non-aborting shrinks) — cannot be suspended or resumed while more than one of them is
+alive (NCCL refuses: ``src/mem_manager.cc``); pynccl tracks them and refuses first.
 """
 
 from __future__ import annotations
 
+import os
 from ctypes import byref, c_uint64
 
 from .._limits import check_c_int
-from ..enums import MemStat, Result, SuspendFlag
+from ..enums import MemStat, Result, ShrinkFlag, SuspendFlag
 from ..errors import NcclInvalidUsage
 from ._handle import HANDLE, TERMINAL, State
 from ._observe import Observed
@@ -23,13 +29,21 @@ __all__ = ["Suspend", "Suspension"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import weakref
     from types import TracebackType
+    from typing import Any
+
+    from ._config import Config
 
 _ALL_FLAGS = 0
 for _flag in SuspendFlag:
     _ALL_FLAGS |= int(_flag)
 #: ``mem_stats()``'s keys, with the ncclCommMemStat_t each reads.
 _STATS = tuple((stat.name.lower(), int(stat)) for stat in MemStat)
+_UNDEF = -(1 << 31)  # NCCL_CONFIG_UNDEF_INT
+#: The communicators sharing one NCCL memory manager: each member -> the group's WeakSet
+#: (a ``weakref.WeakKeyDictionary``, made by the first split that shares).
+_SHARED: weakref.WeakKeyDictionary[Suspend, weakref.WeakSet[Suspend]] | None = None
 
 
 class Suspension:
@@ -60,6 +74,8 @@ class Suspend(Observed):
 
     __slots__ = ()
 
+    _config: object  # the ncclConfig_t it was made with (Extras), or None
+
     def suspend(self, flags: SuspendFlag | int = SuspendFlag.MEM) -> None:
         """``ncclCommSuspend`` (NCCL >= 2.29): wait for this rank's operations, then
         release the communicator's dynamic GPU memory (``SuspendFlag.MEM``, the only
@@ -77,6 +93,7 @@ class Suspend(Observed):
                 f"communicator rank {self._rank} is already suspended; call resume() first",
             )
         self._live()
+        self._refuse_if_shared("ncclCommSuspend", "suspend")
         self._refuse_if_capturing("ncclCommSuspend")
         rc = self._call_locked("ncclCommSuspend", HANDLE, value, then=State.SUSPENDED)
         if rc == Result.IN_PROGRESS:
@@ -96,6 +113,7 @@ class Suspend(Observed):
                     "suspend()",
                 )
             self._gone()
+        self._refuse_if_shared("ncclCommResume", "resume")
         self._refuse_if_capturing("ncclCommResume")
         self._call_locked("ncclCommResume", HANDLE, ready=False, then=State.READY)
 
@@ -105,12 +123,14 @@ class Suspend(Observed):
         return Suspension(self, flags)
 
     def mem_stats(self) -> dict[str, int]:
-        """``ncclCommMemStats`` (NCCL >= 2.29): the GPU memory NCCL holds for this
+        """``ncclCommMemStats`` (NCCL >= 2.29): the GPU memory NCCL tracks for this
         communicator, by :class:`~pynccl.enums.MemStat` name in lower case:
-        ``gpu_mem_suspend`` (bytes a suspend can release, 0 once released),
-        ``gpu_mem_suspended`` (1 while suspended), ``gpu_mem_persist`` (bytes that stay)
-        and ``gpu_mem_total``. Works while suspended or revoked; it touches no stream,
-        so also while a CUDA graph is being captured."""
+        ``gpu_mem_suspend`` (bytes a suspend releases), ``gpu_mem_suspended`` (1 while
+        they are released), ``gpu_mem_persist`` (bytes that stay) and ``gpu_mem_total``
+        (the sum). As in NCCL (``src/mem_manager.cc``), a suspend changes only
+        ``gpu_mem_suspended``: the tracked totals stay what they were (the memory is
+        still accounted for, and comes back at resume). Works while suspended or revoked;
+        it touches no stream, so also while a CUDA graph is being captured."""
         self._require("mem_stats", "ncclCommMemStats")
         if self._state is State.INITIALIZING or self._state in TERMINAL:
             self._live()
@@ -120,3 +140,72 @@ class Suspend(Observed):
             self._call_locked("ncclCommMemStats", HANDLE, stat, byref(value), ready=False)
             out[name] = value.value
         return out
+
+    # -- communicators sharing NCCL's memory manager --------------------------------------
+
+    def _new_comm(
+        self,
+        function: str,
+        pre: tuple[object, ...],
+        post: tuple[object, ...],
+        config: Config | None,
+        ready: bool = True,
+    ) -> Any:
+        """A split, shrink or grow (:meth:`~._extras.Extras._new_comm`); a child that
+        shares this communicator's memory manager joins its group."""
+        shares = self._shares_memory(function, post)
+        child = super()._new_comm(function, pre, post, config, ready)  # type: ignore[misc]
+        if child is not None and shares:
+            global _SHARED
+            if _SHARED is None:
+                import weakref  # not at import: `from pynccl import Communicator` stays light
+
+                _SHARED = weakref.WeakKeyDictionary()
+                group = None
+            else:
+                group = _SHARED.get(self)
+            if group is None:
+                import weakref
+
+                group = _SHARED[self] = weakref.WeakSet([self])
+            group.add(child)
+            _SHARED[child] = group
+        return child
+
+    def _shares_memory(self, function: str, post: tuple[object, ...]) -> bool:
+        """Whether the child ``function`` makes shares this communicator's memory manager
+        (NCCL, ``src/init.cc``: a split with the parent's splitShare, a shrink without
+        NCCL_SHRINK_ABORT with its shrinkShare — each overridden by its environment
+        variable — and never from a revoked parent)."""
+        if self._state is State.REVOKED:
+            return False
+        if function == "ncclCommSplit":
+            field, env = "splitShare", "NCCL_COMM_SPLIT_SHARE_RESOURCES"
+        elif function == "ncclCommShrink":
+            if post and int(post[0]) & ShrinkFlag.ABORT:  # type: ignore[call-overload]
+                return False
+            field, env = "shrinkShare", "NCCL_COMM_SHRINK_SHARE_RESOURCES"
+        else:
+            return False
+        value = getattr(self._config, field, _UNDEF)
+        text = os.environ.get(env, "").strip()
+        if text.lstrip("-").isdigit():
+            value = int(text)
+        return bool(value == 1)
+
+    def _refuse_if_shared(self, function: str, verb: str) -> None:
+        """NCCL refuses to suspend or resume a memory manager more than one live
+        communicator shares; say so before the call."""
+        group = None if _SHARED is None else _SHARED.get(self)
+        if group is None:
+            return
+        live = [c for c in list(group) if c._state not in TERMINAL]
+        if len(live) > 1:
+            others = ", ".join(repr(c) for c in live if c is not self)
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                function,
+                f"Memory {verb} not supported with split_share communicators "
+                f"(refCount={len(live)}): this communicator shares NCCL's memory with "
+                f"{others}; destroy those first",
+            )

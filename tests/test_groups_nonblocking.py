@@ -1,0 +1,282 @@
+"""Groups as NCCL runs them: after the group end, on other threads and streams.
+
+* A non-blocking ``ncclGroupEnd`` that returns ``ncclInProgress`` puts *every*
+  communicator of the group in progress (NCCL's ``src/group.cc`` sets each one's async
+  error to ``ncclInProgress`` and launches from its own thread; the calls inside the group
+  returned ``ncclSuccess``). Each must then wait for readiness before its next call and in
+  ``synchronize()`` — also those of the v-collectives and the grouped fallbacks, which
+  open groups of their own.
+* The buffers of a group's operations must live until the operations have *run* on their
+  streams, not only until the group end returned: a stream-ordered caching allocator
+  (torch's, CuPy's) hands a freed block out again at once. :class:`Reused` stands for such
+  memory: when the last reference to it goes, its bytes are overwritten at once, as the
+  next owner of the block would. The data a peer receives (checked against numpy) shows
+  whether the memory outlived the work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+from _worlds import ThreadWorld, use_loopback
+
+from pynccl.comm import Communicator, Config, UniqueId
+from pynccl.cuda import DeviceBuffer, Graph, Stream
+from pynccl.enums import Result
+from pynccl.groups import group, group_end, group_start, release_done
+
+N = 4096  # float32 elements
+
+Worlds = Callable[[int], ThreadWorld]
+
+pytestmark = pytest.mark.usefixtures("lb")
+
+
+class Reused:
+    """A foreign array (``__cuda_array_interface__`` only) over a DeviceBuffer's memory
+    whose allocator reuses a block as soon as the array is gone: collected, its bytes are
+    overwritten at once (loopback device memory is host memory) — while the buffer is
+    :func:`armed` (the test frees the buffer itself, after disarming it)."""
+
+    POISON = 0x7F
+    ARMED: set[int] = set()
+
+    def __init__(self, buf: DeviceBuffer) -> None:
+        self._ptr, self._nbytes = buf.ptr, buf.nbytes
+        self.__cuda_array_interface__ = {
+            "shape": (buf.size,),
+            "typestr": "<f4",
+            "data": (buf.ptr, False),
+            "strides": None,
+            "version": 2,
+        }
+
+    def __del__(self) -> None:
+        if self._ptr in Reused.ARMED:
+            ctypes.memset(self._ptr, self.POISON, self._nbytes)
+
+
+@contextlib.contextmanager
+def armed(buf: DeviceBuffer) -> Iterator[DeviceBuffer]:
+    """``buf`` as the memory of :class:`Reused` arrays while inside; closed after."""
+    Reused.ARMED.add(buf.ptr)
+    try:
+        yield buf
+    finally:
+        Reused.ARMED.discard(buf.ptr)
+        buf.close()
+
+
+def nonblocking(n: int = 1) -> list[Communicator]:
+    """``n`` one-rank non-blocking communicators on device 0, ready."""
+    config = Config(blocking=False)
+    comms = [Communicator(1, UniqueId(), 0, device=0, config=config) for _ in range(n)]
+    for comm in comms:
+        comm.wait_ready(timeout=30)
+    return comms
+
+
+def data(seed: int, n: int = N) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-100, 100, n).astype(np.float32)
+
+
+# --- every communicator of an in-progress group waits -----------------------------------------
+
+
+def test_an_in_progress_group_end_puts_every_communicator_of_the_group_in_progress() -> None:
+    a, b, idle = nonblocking(3)
+    x, y = DeviceBuffer.from_numpy(data(1)), DeviceBuffer.from_numpy(data(2))
+    try:
+        group_start()
+        a.all_reduce(x)  # NCCL returns success for both calls inside the group
+        b.all_reduce(y.ptr, count=N, dtype="float32")
+        assert (a.state, b.state) == ("ready", "ready")
+        assert group_end() == Result.IN_PROGRESS
+        # Both members wait before their next call (NCCL refuses calls until then); a
+        # communicator that took no part is not touched.
+        assert (a.state, b.state, idle.state) == ("initializing", "initializing", "ready")
+        a.synchronize(timeout=30)
+        b.all_reduce(y)  # waits for readiness first
+        b.synchronize(timeout=30)
+        assert (a.state, b.state) == ("ready", "ready")
+        np.testing.assert_array_equal(x.to_numpy(), data(1))  # a sum over one rank
+        np.testing.assert_array_equal(y.to_numpy(), data(2))
+    finally:
+        for comm in (a, b, idle):
+            comm.destroy()
+        x.close()
+        y.close()
+
+
+def test_the_context_manager_form_marks_them_too() -> None:
+    (comm,) = nonblocking()
+    x = DeviceBuffer.from_numpy(data(3))
+    try:
+        with group():
+            comm.send(x, 0)
+            comm.recv(x, 0)
+        assert comm.state == "initializing"
+        comm.synchronize(timeout=30)
+        np.testing.assert_array_equal(x.to_numpy(), data(3))
+    finally:
+        comm.destroy()
+        x.close()
+
+
+def test_v_collectives_open_a_group_whose_communicator_waits() -> None:
+    (comm,) = nonblocking()
+    x, y = DeviceBuffer.from_numpy(data(4, 5)), DeviceBuffer(8, "float32")
+    s, r = DeviceBuffer.from_numpy(data(5, 6)), DeviceBuffer(3, "float32")
+    try:
+        comm.all_gather_v(x, y, [5], displs=[3])
+        assert comm.state == "initializing"
+        comm.synchronize(timeout=30)
+        np.testing.assert_array_equal(y.to_numpy()[3:], data(4, 5))
+        comm.reduce_scatter_v(s, r, [3], displs=[2])
+        assert comm.state == "initializing"
+        comm.synchronize(timeout=30)
+        np.testing.assert_array_equal(r.to_numpy(), data(5, 6)[2:5])
+    finally:
+        comm.destroy()
+        for buf in (x, y, s, r):
+            buf.close()
+
+
+def test_grouped_fallbacks_open_a_group_whose_communicator_waits() -> None:
+    # NCCL 2.27 has no ncclGather / ncclAlltoAll: pynccl issues them as grouped send/recv.
+    with use_loopback("2.27.3"):
+        (comm,) = nonblocking()
+        x, y = DeviceBuffer.from_numpy(data(6, 16)), DeviceBuffer(16, "float32")
+        try:
+            comm.gather(x, y, root=0)
+            assert comm.state == "initializing"
+            comm.synchronize(timeout=30)
+            np.testing.assert_array_equal(y.to_numpy(), data(6, 16))
+            comm.all_to_all(y, x)
+            assert comm.state == "initializing"
+            comm.synchronize(timeout=30)
+            np.testing.assert_array_equal(x.to_numpy(), data(6, 16))
+        finally:
+            comm.destroy()
+            x.close()
+            y.close()
+
+
+# --- what a group keeps lives until its work has run ------------------------------------------
+
+
+def test_a_group_keeps_foreign_memory_until_the_work_on_it_has_run(thread_worlds: Worlds) -> None:
+    pair = thread_worlds(2)
+    sent = threading.Event()  # rank 0's group has ended (and let go of its objects)
+
+    def one(r: int, comm: Communicator) -> np.ndarray | None:
+        if r == 0:
+            with armed(DeviceBuffer.from_numpy(data(7), device=0)) as src:
+                with group():
+                    comm.send(Reused(src), 1)  # only the group holds the array
+                gc.collect()
+                sent.set()  # the send runs only once rank 1 receives
+                comm.synchronize(timeout=30)
+                release_done()
+            return None
+        dst = DeviceBuffer(N, "float32", device=1)
+        try:
+            assert sent.wait(30)
+            with group():
+                comm.recv(dst, 0)
+            comm.synchronize(timeout=30)
+            return dst.to_numpy()
+        finally:
+            dst.close()
+
+    got = pair.run(one)[1]
+    np.testing.assert_array_equal(got, data(7))  # not the next owner's bytes
+
+
+def test_held_objects_go_once_their_stream_has_passed(thread_worlds: Worlds) -> None:
+    pair = thread_worlds(2)
+    go = threading.Event()
+
+    def one(r: int, comm: Communicator) -> tuple[bool, bool]:
+        with armed(DeviceBuffer.from_numpy(data(8 + r), device=r)) as buf:
+            if r == 1:
+                assert go.wait(30)
+                comm.all_reduce(buf)
+                comm.synchronize(timeout=30)
+                return True, True
+            arr = Reused(buf)
+            ref = weakref.ref(arr)
+            with group():
+                comm.all_reduce(arr)  # waits on the stream for rank 1
+            del arr
+            held = ref() is not None and release_done() == 1  # not run yet: still held
+            go.set()
+            comm.synchronize(timeout=30)
+            release_done()  # its stream has passed: let go
+            return held, ref() is None
+
+    assert pair.run(one)[0] == (True, True)
+
+
+def test_an_in_progress_group_holds_even_pynccl_buffers_until_nccl_launched() -> None:
+    # A DeviceBuffer's cudaFree waits for the device, but a non-blocking group's work is
+    # not on the device yet when the end returns: the buffer must wait for the launch.
+    (comm,) = nonblocking()
+    try:
+        x = DeviceBuffer.from_numpy(data(9))
+        ref = weakref.ref(x)
+        with group():
+            comm.all_reduce(x)
+        del x
+        gc.collect()
+        alive = ref() is not None
+        assert alive and release_done() == 1  # its communicator is in progress
+        comm.synchronize(timeout=30)  # ready: NCCL launched
+        assert release_done() == 1  # now an event is recorded on the stream
+        comm.synchronize(timeout=30)  # the stream has passed it
+        release_done()
+        gc.collect()
+        assert ref() is None and release_done() == 0
+    finally:
+        comm.destroy()
+
+
+def test_pynccl_buffers_of_a_launched_group_need_no_event(solo_comm: Communicator) -> None:
+    x = DeviceBuffer.from_numpy(data(10))
+    ref = weakref.ref(x)
+    with group():
+        solo_comm.all_reduce(x)
+    del x
+    gc.collect()
+    assert ref() is None and release_done() == 0  # cudaFree waits for the device itself
+
+
+def test_work_captured_into_a_graph_keeps_its_memory_for_good() -> None:
+    stream = Stream(non_blocking=True)
+    comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
+    out = DeviceBuffer(N, "float32")
+    g = Graph()
+    try:
+        with armed(DeviceBuffer.from_numpy(data(11))) as src:
+            with g.capture(stream, "thread_local"):
+                with group():  # the array is gone after the capture
+                    comm.all_reduce(Reused(src), out)
+            gc.collect()
+            for _ in range(2):  # each replay reads the memory as it is then: still the data
+                out.fill_zero()
+                g.replay()
+                stream.synchronize()
+                np.testing.assert_array_equal(out.to_numpy(), data(11))
+            g.close()  # nothing replays it any more: src may go
+    finally:
+        g.close()
+        comm.destroy()
+        out.close()
+        stream.close()
