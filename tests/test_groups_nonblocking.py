@@ -8,70 +8,36 @@
   open groups of their own.
 * The buffers of a group's operations must live until the operations have *run* on their
   streams, not only until the group end returned: a stream-ordered caching allocator
-  (torch's, CuPy's) hands a freed block out again at once. :class:`Reused` stands for such
-  memory: when the last reference to it goes, its bytes are overwritten at once, as the
-  next owner of the block would. The data a peer receives (checked against numpy) shows
-  whether the memory outlived the work.
+  (torch's, CuPy's) hands a freed block out again at once. ``pynccl.testing.allocator``'s
+  :class:`CachingAllocator` stands for one (a freed block is poisoned at once); the
+  results, checked against numpy, show whether the memory outlived the work.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from ctypes import byref, c_void_p
 
 import numpy as np
 import pytest
 from _worlds import ThreadWorld, use_loopback
 
+from pynccl import library
 from pynccl.comm import Communicator, Config, UniqueId
 from pynccl.cuda import DeviceBuffer, Graph, Stream
 from pynccl.enums import Result
 from pynccl.groups import group, group_end, group_start, release_done
+from pynccl.testing.allocator import CachingAllocator
 
 N = 4096  # float32 elements
 
 Worlds = Callable[[int], ThreadWorld]
 
 pytestmark = pytest.mark.usefixtures("lb")
-
-
-class Reused:
-    """A foreign array (``__cuda_array_interface__`` only) over a DeviceBuffer's memory
-    whose allocator reuses a block as soon as the array is gone: collected, its bytes are
-    overwritten at once (loopback device memory is host memory) — while the buffer is
-    :func:`armed` (the test frees the buffer itself, after disarming it)."""
-
-    POISON = 0x7F
-    ARMED: set[int] = set()
-
-    def __init__(self, buf: DeviceBuffer) -> None:
-        self._ptr, self._nbytes = buf.ptr, buf.nbytes
-        self.__cuda_array_interface__ = {
-            "shape": (buf.size,),
-            "typestr": "<f4",
-            "data": (buf.ptr, False),
-            "strides": None,
-            "version": 2,
-        }
-
-    def __del__(self) -> None:
-        if self._ptr in Reused.ARMED:
-            ctypes.memset(self._ptr, self.POISON, self._nbytes)
-
-
-@contextlib.contextmanager
-def armed(buf: DeviceBuffer) -> Iterator[DeviceBuffer]:
-    """``buf`` as the memory of :class:`Reused` arrays while inside; closed after."""
-    Reused.ARMED.add(buf.ptr)
-    try:
-        yield buf
-    finally:
-        Reused.ARMED.discard(buf.ptr)
-        buf.close()
 
 
 def nonblocking(n: int = 1) -> list[Communicator]:
@@ -174,30 +140,24 @@ def test_grouped_fallbacks_open_a_group_whose_communicator_waits() -> None:
 
 def test_a_group_keeps_foreign_memory_until_the_work_on_it_has_run(thread_worlds: Worlds) -> None:
     pair = thread_worlds(2)
-    sent = threading.Event()  # rank 0's group has ended (and let go of its objects)
+    ended = threading.Event()  # rank 0's group has ended (and let go of what it held)
 
-    def one(r: int, comm: Communicator) -> np.ndarray | None:
-        if r == 0:
-            with armed(DeviceBuffer.from_numpy(data(7), device=0)) as src:
-                with group():
-                    comm.send(Reused(src), 1)  # only the group holds the array
+    def one(r: int, comm: Communicator) -> np.ndarray:
+        with CachingAllocator(device=r) as pool, DeviceBuffer(N, "float32", device=r) as out:
+            if r == 1:
+                assert ended.wait(30)  # the all_reduce runs only once rank 1 joins
+                comm.all_reduce(DeviceBuffer.from_numpy(data(8), device=1), out)
+            else:
+                with group():  # only the group holds the array: freed (poisoned) when let go
+                    comm.all_reduce(pool.from_numpy(data(7)), out)
                 gc.collect()
-                sent.set()  # the send runs only once rank 1 receives
-                comm.synchronize(timeout=30)
-                release_done()
-            return None
-        dst = DeviceBuffer(N, "float32", device=1)
-        try:
-            assert sent.wait(30)
-            with group():
-                comm.recv(dst, 0)
+                ended.set()
             comm.synchronize(timeout=30)
-            return dst.to_numpy()
-        finally:
-            dst.close()
+            return out.to_numpy()
 
-    got = pair.run(one)[1]
-    np.testing.assert_array_equal(got, data(7))  # not the next owner's bytes
+    want = data(7) + data(8)
+    for got in pair.run(one).values():
+        np.testing.assert_array_equal(got, want)  # not the poison of the block's next owner
 
 
 def test_held_objects_go_once_their_stream_has_passed(thread_worlds: Worlds) -> None:
@@ -205,22 +165,21 @@ def test_held_objects_go_once_their_stream_has_passed(thread_worlds: Worlds) -> 
     go = threading.Event()
 
     def one(r: int, comm: Communicator) -> tuple[bool, bool]:
-        with armed(DeviceBuffer.from_numpy(data(8 + r), device=r)) as buf:
+        with CachingAllocator(device=r) as pool:
+            x = pool.from_numpy(data(9 + r))
             if r == 1:
                 assert go.wait(30)
-                comm.all_reduce(buf)
+                comm.all_reduce(x)
                 comm.synchronize(timeout=30)
                 return True, True
-            arr = Reused(buf)
-            ref = weakref.ref(arr)
+            ref = weakref.ref(x)
             with group():
-                comm.all_reduce(arr)  # waits on the stream for rank 1
-            del arr
+                comm.all_reduce(x)  # waits on the stream for rank 1
+            del x
             held = ref() is not None and release_done() == 1  # not run yet: still held
             go.set()
-            comm.synchronize(timeout=30)
-            release_done()  # its stream has passed: let go
-            return held, ref() is None
+            comm.synchronize(timeout=30)  # the stream has passed: synchronize lets it go
+            return held, ref() is None and release_done() == 0
 
     assert pair.run(one)[0] == (True, True)
 
@@ -238,10 +197,8 @@ def test_an_in_progress_group_holds_even_pynccl_buffers_until_nccl_launched() ->
         gc.collect()
         alive = ref() is not None
         assert alive and release_done() == 1  # its communicator is in progress
-        comm.synchronize(timeout=30)  # ready: NCCL launched
-        assert release_done() == 1  # now an event is recorded on the stream
-        comm.synchronize(timeout=30)  # the stream has passed it
-        release_done()
+        comm.synchronize(timeout=30)  # ready: NCCL launched; an event is recorded after
+        comm.synchronize(timeout=30)  # the stream has passed it: synchronize lets it go
         gc.collect()
         assert ref() is None and release_done() == 0
     finally:
@@ -258,25 +215,52 @@ def test_pynccl_buffers_of_a_launched_group_need_no_event(solo_comm: Communicato
     assert ref() is None and release_done() == 0  # cudaFree waits for the device itself
 
 
-def test_work_captured_into_a_graph_keeps_its_memory_for_good() -> None:
+@contextlib.contextmanager
+def foreign_capture(stream: Stream) -> Iterator[list[int]]:
+    """A capture pynccl did not begin (as torch.cuda.graph's): ``cudaStreamBeginCapture``
+    in relaxed mode on ``stream``; yields a list that holds the executable graph after."""
+    rt = library.cudart()
+    rt.cudaStreamBeginCapture(stream.handle, 2)
+    out: list[int] = []
+    graph, exe = c_void_p(), c_void_p()
+    try:
+        yield out
+    finally:
+        rt.cudaStreamEndCapture(stream.handle, byref(graph))
+    rt.cudaGraphInstantiate(byref(exe), graph, 0)
+    rt.cudaGraphDestroy(graph)
+    out.append(exe.value or 0)
+
+
+@pytest.mark.parametrize("capture", ["pynccl", "foreign"])
+def test_work_captured_into_a_graph_keeps_its_memory(capture: str) -> None:
     stream = Stream(non_blocking=True)
     comm = Communicator(1, UniqueId(), 0, device=0, stream=stream)
+    rt = library.cudart()
+    pool = CachingAllocator(device=0)
     out = DeviceBuffer(N, "float32")
     g = Graph()
     try:
-        with armed(DeviceBuffer.from_numpy(data(11))) as src:
-            with g.capture(stream, "thread_local"):
-                with group():  # the array is gone after the capture
-                    comm.all_reduce(Reused(src), out)
-            gc.collect()
-            for _ in range(2):  # each replay reads the memory as it is then: still the data
-                out.fill_zero()
+        x = pool.from_numpy(data(11))
+        begun = g.capture(stream, "relaxed") if capture == "pynccl" else foreign_capture(stream)
+        with begun as got, group():
+            comm.all_reduce(x, out)
+        del x  # only the group (and then the graph) holds it
+        gc.collect()
+        exe = got[0] if capture == "foreign" else 0
+        for _ in range(2):  # each replay reads the memory as it is then: still the data
+            out.fill_zero()
+            if exe:
+                rt.cudaGraphLaunch(exe, stream.handle)
+            else:
                 g.replay()
-                stream.synchronize()
-                np.testing.assert_array_equal(out.to_numpy(), data(11))
-            g.close()  # nothing replays it any more: src may go
+            stream.synchronize()
+            np.testing.assert_array_equal(out.to_numpy(), data(11))
+        if exe:
+            rt.cudaGraphExecDestroy(exe)
     finally:
         g.close()
         comm.destroy()
         out.close()
+        pool.close()
         stream.close()

@@ -22,6 +22,7 @@ from ctypes import byref, c_int, c_void_p
 
 from .. import library as _library
 from ..cuda import DeviceBuffer
+from ..cuda._graph import capturing_graphs
 from ._collconfig import CollConfig
 from ._persistent import PersistentOp
 from ._window import Window
@@ -50,14 +51,15 @@ _SAFE: set[type] = {type(None), int, str, CollConfig, Window}
 
 class Held:
     """One ended group's kept objects, let go once an event recorded after the group on
-    each stream it used (``streams``: (device, handle); -1: the current device) has
-    completed. ``waiting``: the communicators of a non-blocking group still in progress
-    (the events are recorded once none of them is in progress any more)."""
+    each stream it used (``streams``: (device, handle, a communicator that issued
+    there); device -1: the current one) has completed. ``waiting``: the communicators of
+    a non-blocking group still in progress (the events are recorded once none of them is
+    in progress any more)."""
 
     __slots__ = ("events", "objs", "streams", "waiting")
 
     def __init__(
-        self, objs: object, streams: list[tuple[int, int]], waiting: list[GroupMember]
+        self, objs: object, streams: list[tuple[int, int, Any]], waiting: list[GroupMember]
     ) -> None:
         self.objs = objs
         self.streams = streams
@@ -92,16 +94,16 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
                 break  # this entry needs order
         else:
             return False
-    streams: dict[tuple[int, int], None] = {}
+    streams: dict[tuple[int, int], Any] = {}
     for entry in keep:
         comm, stream = entry[0], entry[1]
         if comm is not None and stream is not None and (waiting or needs_order(entry[2:])):
             handle = stream if type(stream) is int else (stream.value or 0)
             device = comm._device
-            streams[(-1 if device is None else device, handle)] = None
+            streams.setdefault((-1 if device is None else device, handle), comm)
     if not streams:
         return False  # nothing stream-ordered to wait for
-    item = Held(keep, list(streams), waiting)
+    item = Held(keep, [(*key, comm) for key, comm in streams.items()], waiting)
     if waiting or _record(item):
         held.append(item)
     return True
@@ -125,15 +127,17 @@ def needs_order(objs: tuple[Any, ...]) -> bool:
 
 def _record(item: Held) -> bool:
     """Record an event on each stream of ``item``; False when there is nothing to wait
-    for. A stream being captured keeps the objects for good. A stream's device is made
-    current where that matters: for the per-device default streams (0, 1, 2), and to
-    make an event there."""
+    for. Work captured into a CUDA graph runs when the graph is launched, any number of
+    times: the capturing :class:`pynccl.cuda.Graph` keeps the objects until it is closed
+    (a capture pynccl did not begin: kept for good). A stream's device is made current
+    where that matters: for the per-device default streams (0, 1, 2), and to make an
+    event there."""
     rt = _library.cudart()
     current = now = -2  # not asked yet
-    capturing, status, out = False, c_int(0), c_void_p()
+    forever, status, out = False, c_int(0), c_void_p()
     record, is_capturing = rt.raw("cudaEventRecord"), rt.raw("cudaStreamIsCapturing")
     try:
-        for device, handle in item.streams:
+        for device, handle, comm in item.streams:
             free = _POOL.setdefault(device, [])
             if device >= 0 and device != now and (handle <= 2 or not free):
                 if current == -2:
@@ -149,7 +153,10 @@ def _record(item: Held) -> bool:
             if rc or status.value:
                 if rc:
                     rt.raw("cudaGetLastError")()
-                capturing = True
+                graphs = capturing_graphs(handle)
+                for graph in graphs:
+                    graph._captured(comm, (item.objs,))
+                forever = forever or not graphs
                 continue
             if free:
                 event = free.pop()
@@ -164,10 +171,9 @@ def _record(item: Held) -> bool:
     finally:
         if now != current:
             rt.cudaSetDevice(current)
-    if capturing:
+    if forever:
         _FOREVER.append(item.objs)
-        item.objs = None
-    return bool(item.events) and item.objs is not None
+    return bool(item.events)
 
 
 def release(held: list[Held]) -> None:

@@ -175,10 +175,13 @@ class Observed(CommHandle):
                 if current.value != device and current.value >= 0:
                     rt.raw("cudaSetDevice")(current.value)
             # The stream passed: what closed operations and ops kept for it can go now
-            # (as Stream.synchronize() lets them go), not only at the next keep.
+            # (as Stream.synchronize() lets them go), not only at the next keep; and what
+            # this thread's ended groups kept, not only at its next group end.
             from ..cuda._stream import release_done
+            from ..groups import release_done as release_groups
 
             release_done()
+            release_groups()
         if self._state is State.REVOKED:  # revoked meanwhile: its work was stopped, not done
             self._gone()
         # An error found after the stream drained gets the same flight record as one

@@ -188,6 +188,8 @@ class Signals(Windows):
         self._rma_issue(
             fn, "ncclPutSignal", s, ptr, n, int(dt), p, h, off, sig, ctx, 0, window=(window, h)
         )
+        if self._captures:  # a Graph capturing it keeps the source alive
+            self._note_capture(s, (sendbuf, window))
 
     def _source_window(self, ptr: int, nbytes: int) -> None:
         """NCCL reads a put's source through a symmetric window: refuse one outside them."""

@@ -249,6 +249,8 @@ class VCollectives(Extras):
                 if n:  # NCCL writes recvbuff on the root only: elsewhere pass sp (unused)
                     rp = recv[0] if root == me else sp
                     reduce(sp, rp, op, root=root, count=n, dtype=dt, stream=s)
+        if self._captures:  # a Graph capturing them keeps the buffers (raw pointers above)
+            self._note_capture(s, (sendbuf, recvbuf))
 
     def _v_issue(
         self,
@@ -270,6 +272,8 @@ class VCollectives(Extras):
                     recv(rp, peer, count=rn * lanes, dtype=dt, stream=s)
                 if sn:
                     send(sp, peer, count=sn * lanes, dtype=dt, stream=s)
+        if self._captures:  # a Graph capturing them keeps the buffers (raw pointers above)
+            self._note_capture(s, keep)
 
     # -- barrier ------------------------------------------------------------------------------
 
