@@ -207,3 +207,44 @@ def test_an_older_release_raises_not_supported_naming_2_29_7() -> None:
         finally:
             comm.destroy()
     assert pynccl.version() >= (2, 29, 7)
+
+
+@pytest.mark.parametrize("share", ["config", "environment", "none"])
+def test_suspend_refused_while_communicators_share_the_memory_manager(
+    share: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NCCL (src/mem_manager.cc): a split_share parent and its children share one memory
+    # manager, and neither may be suspended (or resumed) while another of them lives.
+    if share == "environment":
+        monkeypatch.setenv("NCCL_COMM_SPLIT_SHARE_RESOURCES", "1")
+    config = Config(split_share=True) if share == "config" else None
+    with ThreadWorld(2, config=config) as w:
+
+        def body(r: int, comm: Communicator) -> list[str]:
+            child = comm.split(0)
+            assert child is not None
+            texts = []
+            if share != "none":
+                for who in (comm, child):
+                    with pytest.raises(NcclInvalidUsage) as info:
+                        who.suspend()
+                    texts.append(str(info.value))
+                    assert who.state == "ready"  # refused before NCCL: nothing changed
+                child.destroy()  # the last sharer gone: allowed again
+            comm.suspend()
+            comm.resume()
+            checked_all_reduce(comm, r, [0, 1])
+            if share == "none":
+                child.destroy()
+            return texts
+
+        out = w.run(body)
+    for texts in out.values():
+        if share == "none":
+            assert texts == []
+            continue
+        assert len(texts) == 2
+        for text in texts:
+            assert text.startswith("ncclCommSuspend: ")
+            want = "Memory suspend not supported with split_share communicators (refCount=2)"
+            assert want in text

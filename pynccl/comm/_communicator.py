@@ -439,9 +439,10 @@ class Communicator(
         self._teardown("abort")
 
     def _close_resources(self, abort: bool) -> None:
-        """Windows, then registrations: deregistered before a destroy (windows
-        collectively, as every rank destroys), only marked closed before an abort (which
-        frees them; nothing that could hang is called)."""
+        """Windows, then registrations: windows only marked closed (NCCL frees them at
+        destroy, once the work has finished), registrations deregistered before a destroy
+        and only marked closed before an abort (which frees them; nothing that could hang
+        is called)."""
         try:
             self._close_windows(abort)
         finally:

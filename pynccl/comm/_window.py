@@ -20,6 +20,8 @@ CUDA-graph capture (NCCL switches the thread to relaxed capture mode for them).
 
 from __future__ import annotations
 
+import gc
+from _thread import allocate_lock
 from ctypes import byref, c_int64, c_void_p, sizeof
 
 from .. import groups as _groups
@@ -310,7 +312,7 @@ class Windows(Memory):
         # streams are per device), in relaxed capture mode as NCCL's own registration.
         previous = _exchange_mode(_RELAXED)
         try:
-            with _DeviceScope(self.device):
+            with _DeviceScope(self.device), _no_collection():
                 rt.cudaMemcpyAsync(dev, byref(mine), sizeof(mine), _H2D, s)
                 comm.all_gather(dev, dev + sizeof(mine), count=4, dtype="int64")
                 # Non-blocking: the all_gather is on the stream only once NCCL is ready.
@@ -467,6 +469,37 @@ def _exchange_mode(mode: int) -> int | None:
     from ._held import exchange_mode
 
     return exchange_mode(library.cudart(), mode)
+
+
+class _NoCollection:
+    """No automatic garbage collection on any thread while an agreement is under way.
+
+    A finalizer the collector runs — a cyclic ``DeviceBuffer``'s ``cudaFree``, which waits
+    for its device — on this thread, before it issued its all_gather, would wait for a
+    peer's pending all_gather on that device, which waits for this thread: a deadlock
+    with one thread per GPU in one process. Held only for the agreement's few calls
+    (counted: the collector comes back when the last agreement ends)."""
+
+    __slots__ = ()
+    _lock = allocate_lock()
+    _holds = 0
+    _was_enabled = False
+
+    def __enter__(self) -> None:
+        with _NoCollection._lock:
+            if _NoCollection._holds == 0:
+                _NoCollection._was_enabled = gc.isenabled()
+                gc.disable()
+            _NoCollection._holds += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with _NoCollection._lock:
+            _NoCollection._holds -= 1
+            if _NoCollection._holds == 0 and _NoCollection._was_enabled:
+                gc.enable()
+
+
+_no_collection = _NoCollection
 
 
 def _refuse_cuda_malloc(buf: object) -> None:
