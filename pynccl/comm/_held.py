@@ -139,7 +139,11 @@ def _record(item: Held) -> bool:
     try:
         for device, handle, comm in item.streams:
             free = _POOL.setdefault(device, [])
-            if device >= 0 and device != now and (handle <= 2 or not free):
+            try:  # another thread may take the last one first: then make one
+                event = free.pop()
+            except IndexError:
+                event = 0
+            if device >= 0 and device != now and (handle <= 2 or not event):
                 if current == -2:
                     value = c_int(-1)
                     rt.raw("cudaGetDevice")(byref(value))
@@ -153,14 +157,14 @@ def _record(item: Held) -> bool:
             if rc or status.value:
                 if rc:
                     rt.raw("cudaGetLastError")()
+                if event:
+                    free.append(event)
                 graphs = capturing_graphs(handle)
                 for graph in graphs:
                     graph._captured(comm, (item.objs,))
                 forever = forever or not graphs
                 continue
-            if free:
-                event = free.pop()
-            else:
+            if not event:
                 rt.cudaEventCreateWithFlags(byref(out), _EVENT_DISABLE_TIMING)
                 event = out.value or 0
             if record(event, handle):  # a stream gone or broken: nothing left to wait for
