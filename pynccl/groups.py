@@ -321,8 +321,17 @@ class Group:
             st.gid = 0
             _open_discard(st.ident)
             rc = _ge()
-            if rc or st.keep or st.held:
+            keep = st.keep
+            if rc or st.held:
                 _ended(st, 0, rc, "ncclGroupEnd")
+            elif keep:
+                for entry in keep:
+                    if entry[1] is not None:  # a stream to wait for, maybe
+                        _ended(st, 0, rc, "ncclGroupEnd")
+                        break
+                else:  # launched, and nothing needs its stream: let go at once
+                    keep.clear()
+                    st.comms.clear()
             elif st.comms:
                 st.comms.clear()  # launched, and nothing kept: the members need nothing
         else:  # nested (or unbalanced: no group open through pynccl)

@@ -171,10 +171,15 @@ def _method_source(spec: CollSpec) -> str:
     extra = array_key(spec)
     akey += [f"{k} is m{len(names) + j}" for j, k in enumerate(extra)]
     # A memo hit's stream is its C arguments' last (the default stream's shared c_void_p).
+    # A group keeps buffers for their stream only where a free could hand their memory
+    # out while NCCL still uses it: not DeviceBuffers from cudaMalloc (cudaFree waits for
+    # the device), whose entry carries no stream (see pynccl.comm._held).
+    nccl_memory = " or ".join(f"{b}._nccl" for b, _, _, _ in names)
+    devbuf_kept = keep(bufs, f"margs[-1] if {nccl_memory} else None")
     hit_kept = keep(bufs, "margs[-1]")
     conds = [*akey, "count is None", "dtype is None", "stream is None", "config is None"]
     hit = memo_hit(
-        "self._memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), hit_kept
+        "self._memo", conds, len(akey), str(ARRAYS + i), i, slow_call(spec), devbuf_kept
     )
     lines.append(f"    if type({first_buf}) is _DeviceBuffer:")
     lines += ["        " + line for line in hit]
@@ -323,10 +328,12 @@ def _method_source(spec: CollSpec) -> str:
             + ":",
             "                    cop = self._ops.get(op)",
         ]
+    # k_<p> is a DeviceBuffer's _arg tuple (see above): cudaMalloc ones need no stream.
+    cuda_only = " and ".join(f"type(k_{p}) is tuple and not {b}._nccl" for b, p, _, _ in names)
     lines += [
         f"                fn = self._bfn[{i}]",
         "                if " + " and ".join(ready) + ":",
-        *["                    " + line for line in keep(bufs, "cs")],
+        *["                    " + line for line in keep(bufs, f"None if {cuda_only} else cs")],
     ]
     tokens = [f"k_{p}" for _, p, _, _ in names]
     # Remembered when every buffer was an interface the interface memo may remember, or

@@ -78,16 +78,13 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
         # The common case first, inlined: every object is of pynccl's own safe kinds.
         safe = _SAFE
         for entry in keep:
-            if entry[1] is not None:
+            if entry[1] is not None:  # generated calls leave it out where nothing needs it
                 for obj in entry[2:]:
                     kind = type(obj)
                     if kind is DeviceBuffer:
                         if obj._nccl:
                             break
-                    elif kind not in safe and (
-                        kind is not PersistentOp
-                        or (obj._keep is not None and needs_order(obj._keep))
-                    ):
+                    elif kind not in safe and (kind is not PersistentOp or needs_order((obj,))):
                         break
                 else:
                     continue
@@ -101,7 +98,7 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
             handle = stream if type(stream) is int else (stream.value or 0)
             device = comm._device
             streams.setdefault((-1 if device is None else device, handle), comm)
-    if not streams:
+    if not streams and not waiting:
         return False  # nothing stream-ordered to wait for
     item = Held(keep, [(*key, comm) for key, comm in streams.items()], waiting)
     if waiting or _record(item):

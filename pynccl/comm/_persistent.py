@@ -90,6 +90,7 @@ class PersistentOp(Closable):
         "_custom",
         "_devbufs",
         "_fn",
+        "_group_stream",
         "_h",
         "_keep",
         "_plain",
@@ -126,6 +127,11 @@ class PersistentOp(Closable):
         self._cfg = cfg
         self._config = config
         self._keep: tuple[object, ...] | None = keep
+        from ._held import needs_order
+
+        # What a group the operation is issued in holds it for (pynccl.comm._held): its
+        # stream where its buffers' memory could be handed out while the work runs.
+        self._group_stream = s if needs_order(keep) else None
         self._devbufs = tuple(b for b in keep if isinstance(b, DeviceBuffer))
         custom = None
         if spec.has_op and len(plan) == 1:
@@ -177,7 +183,7 @@ class PersistentOp(Closable):
             if comm._h is self._h:
                 seq = comm._seq + 1
                 comm._seq = seq
-                if _OPEN and (gid := _keep_alive(self, comm, self._stream)):
+                if _OPEN and (gid := _keep_alive(self, comm, self._group_stream)):
                     slot = self._slot
                     comm._ring[seq & _MASK] = (slot[0], slot[1], gid, *slot[3:])
                 else:
