@@ -81,6 +81,33 @@ def test_an_in_progress_group_end_puts_every_communicator_of_the_group_in_progre
         y.close()
 
 
+def test_calls_right_after_an_in_progress_group_wait_instead_of_failing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NCCL refuses a call on a communicator whose group is still being launched
+    # (ncclCommEnsureReady: "Attempt to use communicator before the previous operation
+    # returned ncclSuccess"); the loopback reports the group in progress for a few polls.
+    monkeypatch.setenv("PYNCCL_LOOPBACK_NONBLOCKING_DELAY", "20")
+    a, b = nonblocking(2)
+    x, y = DeviceBuffer.from_numpy(data(12)), DeviceBuffer.from_numpy(data(13))
+    try:
+        for _ in range(3):
+            with group():
+                a.all_reduce(x)
+                b.all_reduce(y)
+            a.all_reduce(x)  # at once: each waits for its group first
+            b.all_gather(y, y)
+        a.synchronize(timeout=30)
+        b.synchronize(timeout=30)
+        np.testing.assert_array_equal(x.to_numpy(), data(12))  # sums over one rank
+        np.testing.assert_array_equal(y.to_numpy(), data(13))
+    finally:
+        a.destroy()
+        b.destroy()
+        x.close()
+        y.close()
+
+
 def test_the_context_manager_form_marks_them_too() -> None:
     (comm,) = nonblocking()
     x = DeviceBuffer.from_numpy(data(3))
@@ -240,6 +267,7 @@ def test_work_captured_into_a_graph_keeps_its_memory(capture: str) -> None:
     pool = CachingAllocator(device=0)
     out = DeviceBuffer(N, "float32")
     g = Graph()
+    exe = 0
     try:
         x = pool.from_numpy(data(11))
         begun = g.capture(stream, "relaxed") if capture == "pynccl" else foreign_capture(stream)
@@ -256,9 +284,9 @@ def test_work_captured_into_a_graph_keeps_its_memory(capture: str) -> None:
                 g.replay()
             stream.synchronize()
             np.testing.assert_array_equal(out.to_numpy(), data(11))
-        if exe:
-            rt.cudaGraphExecDestroy(exe)
     finally:
+        if exe:  # NCCL destroys no communicator while a graph that captured it lives
+            rt.cudaGraphExecDestroy(exe)
         g.close()
         comm.destroy()
         out.close()
