@@ -49,6 +49,9 @@ def test_window_properties_and_peer_pointer_reads_the_peer(get: Any) -> None:
                 win.peer_pointer(0, N)
             with pytest.raises(ValueError, match="peer=3 is out of range; expected 0 <= peer < 3"):
                 win.peer_pointer(3)
+            # Deregistration is local: nobody frees its buffer while a peer still reads it.
+            comm.barrier()
+            comm.synchronize()
             return found
         finally:
             win.close()
@@ -74,6 +77,8 @@ def test_lsa_and_multimem_pointers(get: Any) -> None:
             with pytest.raises(ValueError, match="lsa_rank=2 is out of range; expected 0 <= "
                                "lsa_rank < 2 for an LSA team of size 2"):
                 win.lsa_pointer(2)
+            comm.barrier()  # deregistration is local: the peer may still be reading
+            comm.synchronize()
         buf.close()
         return True
 
