@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
 
 _OPEN = _groups.OPEN
-_keep_alive = _groups.keep_alive
+_GROUPS = _groups._local  # the thread's group state (groups.KEEP_ALIVE, inline below)
 
 
 def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
@@ -183,7 +183,8 @@ class PersistentOp(Closable):
             if comm._h is self._h:
                 seq = comm._seq + 1
                 comm._seq = seq
-                if _OPEN and (gid := _keep_alive(self, comm, self._group_stream)):
+                if _OPEN and (gid := (st := _GROUPS.s).gid):
+                    st.keep.append((comm, self._group_stream, self))  # groups.keep_alive
                     slot = self._slot
                     comm._ring[seq & _MASK] = (slot[0], slot[1], gid, *slot[3:])
                 else:
