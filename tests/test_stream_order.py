@@ -433,3 +433,20 @@ def test_a_device_premul_scalar_lives_as_long_as_its_op(
         hold.release()
         comm.synchronize(timeout=30)
     np.testing.assert_array_equal(x.to_numpy(), 4 * data)
+
+
+# -- finalizers ------------------------------------------------------------------------------
+
+
+def test_a_finalized_buffer_never_waits_for_its_device() -> None:
+    # cudaFree waits for the device. A DeviceBuffer's finalizer runs wherever the garbage
+    # collector does - on a GPU possibly a rank thread whose peers need it to go on before
+    # that device can drain - so it hands the free to a reaper thread instead of waiting.
+    from pynccl.cuda._buffer import wait_dropped
+
+    buf = DeviceBuffer(N, "float32")
+    with Hold(0) as hold:  # the legacy stream: the device cannot drain while held
+        del buf  # returns at once (it used to wait until the hold ran out)
+        assert not wait_dropped(timeout=0.2)  # the free waits on the reaper, not here
+        hold.release()
+    assert wait_dropped(timeout=10)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ctypes import byref, c_void_p
+import _thread
+import time
+from ctypes import byref, c_int, c_void_p
 
 from .._capi._binding import ptr_arg
 from .._closable import Closable
@@ -21,6 +23,57 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..typing import DeviceLike, DTypeLike, IndexLike, StreamLike
+
+#: The allocations that DeviceBuffer finalizers dropped, freed by :func:`_reap` on a thread
+#: of its own: ``cudaFree`` / ``ncclMemFree`` wait for the device, and a finalizer runs
+#: wherever the garbage collector does — possibly on another rank's thread, whose peers
+#: cannot finish the work that device waits for until that thread returns (a deadlock on
+#: a GPU as on the loopback). ``(ptr, nccl)`` pairs; list append/pop are atomic.
+_DROPPED: list[tuple[int, bool]] = []
+_REAPER: list[object] = []  # the running reaper thread, if any (at most one)
+_REAPER_LOCK = _thread.allocate_lock()
+_RELAXED = 2  # cudaStreamCaptureModeRelaxed
+
+
+def _drop(ptr: int, nccl: bool) -> None:
+    """Free ``ptr`` later, on the reaper thread (started when needed; it ends once idle)."""
+    _DROPPED.append((ptr, nccl))
+    with _REAPER_LOCK:
+        if not _REAPER:
+            _REAPER.append(_thread.start_new_thread(_reap, ()))
+
+
+def _reap() -> None:
+    # Relaxed capture mode: a free here must not break another thread's global capture.
+    rt = _runtime._rt()
+    if rt.has("cudaThreadExchangeStreamCaptureMode"):
+        rt.raw("cudaThreadExchangeStreamCaptureMode")(byref(c_int(_RELAXED)))
+    while True:
+        with _REAPER_LOCK:
+            if not _DROPPED:
+                _REAPER.clear()
+                return
+            ptr, nccl = _DROPPED.pop()
+        try:
+            if nccl:
+                from .. import library
+
+                library.lib().raw("ncclMemFree")(ptr)
+            else:
+                rt.raw("cudaFree")(ptr)
+        except Exception:  # interpreter shutdown: nothing to report to
+            pass
+
+
+def wait_dropped(timeout: float = 30.0) -> bool:
+    """Wait until what finalizers dropped has been freed; False after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while _REAPER or _DROPPED:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
 
 # cudaMemcpyKind
 _H2D = 1
@@ -366,6 +419,14 @@ class DeviceBuffer(Closable):
 
     def _held(self) -> bool:
         return bool(getattr(self, "_ptr", 0))
+
+    def __del__(self) -> None:
+        # Never wait for a device here (see _DROPPED): the free happens on the reaper.
+        ptr = getattr(self, "_ptr", 0)
+        if ptr:
+            self._ptr = 0
+            self._arg = None
+            _drop(ptr, self._nccl)
 
     def __repr__(self) -> str:
         state = "freed" if self.closed else f"ptr={self._ptr:#x}"
