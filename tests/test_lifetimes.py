@@ -17,6 +17,7 @@ import pytest
 from pynccl import NcclInvalidArgument
 from pynccl.comm import Communicator
 from pynccl.cuda import DeviceBuffer
+from pynccl.cuda._buffer import wait_dropped
 from pynccl.groups import group
 
 N = 12
@@ -30,9 +31,12 @@ def test_the_loopback_catches_a_freed_temporary(solo_comm: Communicator) -> None
     out = DeviceBuffer(N, "float32", device=0)
     gc.disable()  # the temporary goes by refcount alone
     try:
+        # .ptr of a temporary: the buffer is dropped before the call is made, and freed by
+        # the finalizers' reaper thread (a finalizer never waits for the device itself).
+        ptr = _temp(np.ones(N, np.float32)).ptr
+        assert wait_dropped(timeout=10)
         with pytest.raises(NcclInvalidArgument, match="does not lie inside"):
-            # .ptr of a temporary: the buffer is freed before the call is made.
-            solo_comm.all_reduce(_temp(np.ones(N, np.float32)).ptr, out.ptr, count=N, dtype="f4")
+            solo_comm.all_reduce(ptr, out.ptr, count=N, dtype="f4")
     finally:
         gc.enable()
         out.close()
