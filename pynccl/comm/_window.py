@@ -240,9 +240,10 @@ class Windows(Memory):
         """``ncclCommWindowRegister`` (NCCL >= 2.27), collective: every rank registers its
         buffer (``nbytes=`` for a raw pointer, or to register the first bytes only).
 
-        The memory must come from ``ncclMemAlloc`` (:meth:`mem_alloc`, a ``DeviceBuffer``
-        with ``allocator="nccl"``) or the CUDA VMM API, and every window must start on
-        ``WIN_REQUIRED_ALIGNMENT`` (4096) bytes (:meth:`mem_alloc` memory does). A
+        The memory must come from ``ncclMemAlloc`` (NCCL >= 2.19; :meth:`mem_alloc`, a
+        ``DeviceBuffer`` with ``allocator="nccl"``) or the CUDA VMM API, and every window
+        must start on ``WIN_REQUIRED_ALIGNMENT`` (4096) bytes (:meth:`mem_alloc` memory
+        does). A
         ``DeviceBuffer`` from ``cudaMalloc`` is refused here; for other buffers pynccl
         cannot tell ``cudaMalloc`` memory from VMM memory (that needs the driver API), and
         NCCL refuses it. ``symmetric=True`` adds ``NCCL_WIN_COLL_SYMMETRIC``; before NCCL
