@@ -50,12 +50,6 @@ logger = logging.getLogger("pynccl.bootstrap")
 _LINGER = 2.0  # seconds to wait for a client's FIN after our last frame
 _MAX_DISCARD = 1 << 16  # bytes a closing connection may still send us
 _RECV_CHUNK = 4096
-# How long an unauthenticated connection keeps its slot before a newcomer may displace it. A
-# rank answers its challenge within a round trip, so a grace far above one keeps every rank's
-# handshake safe from displacement: without it, thousands of ranks arriving together displaced
-# each other (a rank reconnected 13 times on average at 16,384 ranks) and the server's CPU per
-# rank grew with the world. A flood still loses each slot within the grace.
-_GRACE = 0.5
 
 
 _READ_HELLO, _READ_AUTH, _SENDING, _CLOSING, _DRAINING = range(5)
@@ -73,7 +67,6 @@ class _Conn:
         "peer",
         "pool",
         "rank",
-        "since",
         "sock",
         "state",
         "writing",
@@ -93,7 +86,6 @@ class _Conn:
         self.closed = False
         self.writing = False  # registered for EVENT_WRITE
         self.pool: dict[_Conn, None] | None = None  # the eviction pool it sits in, if any
-        self.since = 0.0  # when it entered that pool
 
 
 class TcpRendezvousServer:
@@ -113,9 +105,7 @@ class TcpRendezvousServer:
     finish within ``connection_timeout`` (capped at ``timeout``), and when all
     ``max_connections`` slots are taken, each new connection displaces the oldest
     unauthenticated one (refused ones first, then those that sent nothing, then
-    those challenged) once it has had half a second (at most ``connection_timeout``)
-    to prove the key, and waits in the listen queue until one has; only ranks that
-    proved the key keep their slot.
+    those challenged); only ranks that proved the key keep their slot.
     """
 
     def __init__(
@@ -153,7 +143,6 @@ class TcpRendezvousServer:
             check_positive("connection_timeout", connection_timeout), self._timeout
         )
         self._max_conns = max_connections
-        self._grace = min(_GRACE, self._conn_timeout)
         # Unauthenticated connections, oldest first, in the order they are evicted when every
         # slot is taken: refused ones still closing, then silent ones, then those challenged.
         self._doomed: dict[_Conn, None] = {}
@@ -342,12 +331,6 @@ class TcpRendezvousServer:
             wake = self._deadline
             if self._heap:
                 wake = min(wake, self._heap[0][0])
-            if not self._listening:  # every slot taken: listen again once one can be displaced
-                ready = self._displaceable_at()
-                if ready is not None and ready <= now:
-                    self._set_listening(True)
-                elif ready is not None:
-                    wake = min(wake, ready)
             accept = False
             for skey, mask in self._sel.select(max(0.0, wake - now)):
                 data = skey.data
@@ -388,17 +371,14 @@ class TcpRendezvousServer:
         heapq.heappush(self._heap, (deadline, self._seq, conn))
 
     def _accept(self) -> None:
-        # At most half the bound per round, so that the connections accepted now are read (and
-        # the ranks among them challenged) before the next batch.
+        # At most half the bound per round, so that a connection accepted now is read (and a
+        # rank's HELLO moves it on) before the ones after it can evict it.
         for _ in range(max(1, self._max_conns // 2)):
-            victim = None
-            if len(self._conns) >= self._max_conns:
-                victim = self._victim(time.monotonic())
-                if victim is None:
-                    # Every slot is a rank being served (they leave soon) or a handshake still
-                    # within its grace: newcomers wait in the listen queue, not in a slot.
-                    self._set_listening(False)
-                    return
+            full = len(self._conns) >= self._max_conns
+            if full and not (self._doomed or self._fresh or self._challenged):
+                # every slot is an authenticated rank being served: they leave soon
+                self._set_listening(False)
+                return
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -406,61 +386,42 @@ class TcpRendezvousServer:
             except OSError as e:  # EMFILE and friends: keep serving those already connected
                 logger.warning("rendezvous: accept failed on port %d: %s", self._port, e)
                 return
-            if victim is not None:
-                self._evict(victim)
+            if full:
+                self._evict()
             sock.setblocking(False)
             peer = f"{addr[0]}:{addr[1]}"
             conn = _Conn(sock, peer, 0.0)
-            now = time.monotonic()
-            self._push_deadline(conn, min(now + self._conn_timeout, self._deadline))
+            self._push_deadline(conn, min(time.monotonic() + self._conn_timeout, self._deadline))
             with self._lock:
                 self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
-            self._move(conn, self._fresh, now)
+            self._move(conn, self._fresh)
 
-    def _move(self, conn: _Conn, pool: dict[_Conn, None] | None, now: float = 0.0) -> None:
-        """Put ``conn`` at the young end of the eviction ``pool`` (None: not evictable).
-        Each pool stays ordered by ``since``: its oldest connection comes first."""
+    def _move(self, conn: _Conn, pool: dict[_Conn, None] | None) -> None:
+        """Put ``conn`` at the young end of the eviction ``pool`` (None: not evictable)."""
         if conn.pool is not None:
             conn.pool.pop(conn, None)
         conn.pool = pool
-        conn.since = now
         if pool is not None:
             pool[conn] = None
 
-    def _displaceable_at(self) -> float | None:
-        """When the first unauthenticated connection may be displaced (None: there is none).
-        Each pool's oldest connection is its first, so this costs O(1), not a scan."""
-        if self._doomed:
-            return 0.0
-        heads = [next(iter(pool)).since for pool in (self._fresh, self._challenged) if pool]
-        return min(heads) + self._grace if heads else None
-
-    def _victim(self, now: float) -> _Conn | None:
-        """The connection a newcomer displaces: a refused one still closing, else the oldest
-        silent one, else the oldest challenged one, past its grace; None if none is."""
-        if self._doomed:
-            return next(iter(self._doomed))
-        for pool in (self._fresh, self._challenged):
+    def _evict(self) -> None:
+        """Drop the oldest unauthenticated connection to make room for a new one: whatever
+        idle or hostile clients do, a rank that answers its challenge is served. A client
+        dropped before it was answered reconnects (see :meth:`TcpRendezvous.fetch`)."""
+        for pool in (self._doomed, self._fresh, self._challenged):
             if pool:
                 conn = next(iter(pool))
-                if now - conn.since >= self._grace:
-                    return conn
-        return None
-
-    def _evict(self, conn: _Conn) -> None:
-        """Drop an unauthenticated connection to make room for a new one: whatever idle or
-        hostile clients do, a rank that answers its challenge is served. A client dropped
-        before it was answered reconnects (see :meth:`TcpRendezvous.fetch`)."""
-        self._evicted += 1
-        logger.info(
-            "rendezvous on port %d: all %d connection slots taken; dropped %s, the "
-            "oldest unauthenticated one",
-            self._port,
-            self._max_conns,
-            conn.peer,
-        )
-        self._drop(conn)
+                self._evicted += 1
+                logger.info(
+                    "rendezvous on port %d: all %d connection slots taken; dropped %s, the "
+                    "oldest unauthenticated one",
+                    self._port,
+                    self._max_conns,
+                    conn.peer,
+                )
+                self._drop(conn)
+                return
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
@@ -489,7 +450,7 @@ class TcpRendezvousServer:
         conn.inbuf.clear()
         conn.outbuf += error_frame(code, reason)
         conn.state = _CLOSING
-        self._move(conn, self._doomed, time.monotonic())
+        self._move(conn, self._doomed)
         if not linger:
             self._push_deadline(conn, time.monotonic() + 0.5)
         self._flush(conn)
@@ -611,7 +572,7 @@ class TcpRendezvousServer:
         conn.nonce_c = nonce_c
         conn.nonce_s = os.urandom(NONCE)
         conn.state = _READ_AUTH
-        self._move(conn, self._challenged, time.monotonic())
+        self._move(conn, self._challenged)
         conn.outbuf += frame(CHALLENGE, conn.nonce_s)
         self._flush(conn)
 
