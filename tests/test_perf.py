@@ -702,6 +702,7 @@ def test_wrong_results_fail_the_run(tmp_path: Path) -> None:
                     rt.cudaMemcpy(cur.ctypes.data, dst, 4, 2)
                     cur += one
                     rt.cudaMemcpy(dst, cur.ctypes.data, 4, 1)
+                    rt.cudaStreamSynchronize(0)  # a host-to-device copy lands later
             _comm.Communicator.all_reduce = all_reduce
     """)
     )
