@@ -22,6 +22,7 @@ from _support_child import last_json, run_python
 
 from pynccl import cuda, library
 from pynccl.cuda import DeviceBuffer, Event, MemoryType, Stream, stream_handle
+from pynccl.cuda._buffer import wait_dropped
 from pynccl.enums import DataType
 from pynccl.errors import CudaError
 
@@ -423,11 +424,13 @@ def test_buffers_are_freed(runtime: bool) -> None:
     with pytest.raises(ValueError, match="freed"):
         buf.to_numpy()
     assert cuda.pointer_attributes(ptr)[0] != MemoryType.DEVICE
-    # Dropped without close(): __del__ frees it.
+    # Dropped without close(): __del__ hands it to the reaper thread, which frees it (a
+    # finalizer never waits for the device itself).
     buf2 = DeviceBuffer(256, "int32")
     ptr2 = buf2.ptr
     del buf2
     gc.collect()
+    assert wait_dropped(timeout=10)
     assert cuda.pointer_attributes(ptr2)[0] != MemoryType.DEVICE
 
 
