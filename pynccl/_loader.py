@@ -34,8 +34,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
-import threading
-import warnings
+from _thread import allocate_lock
 from collections.abc import Callable, Iterator
 
 from .errors import LibraryNotFoundError
@@ -159,7 +158,7 @@ def duplicate_libraries(stem: str = "libnccl") -> list[str]:
 
 
 _warned: set[frozenset[str]] = set()
-_warn_lock = threading.Lock()
+_warn_lock = allocate_lock()  # threading's Lock, without importing threading
 
 
 def warn_duplicate_nccl() -> list[str]:
@@ -185,6 +184,7 @@ def warn_duplicate_nccl() -> list[str]:
         f"one already in use with ${NCCL_ENV} or load_library(path)."
     )
     import logging  # only on this rare path: logging costs milliseconds to import
+    import warnings
 
     logging.getLogger("pynccl").warning("%s", message)
     warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -3,10 +3,7 @@ calling thread's capture interaction mode (``cudaThreadExchangeStreamCaptureMode
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import weakref
-from collections.abc import Iterator
+from _thread import get_ident
 from ctypes import byref, c_int, c_void_p
 from enum import IntEnum
 
@@ -17,9 +14,15 @@ from ._stream import _STREAM_LEGACY, Stream, stream_handle
 
 TYPE_CHECKING = False  # not imported from typing: mypy reads it as true
 if TYPE_CHECKING:
+    import weakref
     from collections.abc import Callable
+    from types import TracebackType
 
     from ..typing import StreamLike
+
+# The object API imports this module at its first call (to see captures): what only a Graph
+# needs (weakref, ~1 ms to import) is imported when one is made, and the context managers
+# are classes (contextlib, ~0.5 ms, is not imported).
 
 
 class CaptureMode(IntEnum):
@@ -72,15 +75,22 @@ def exchange_capture_mode(mode: CaptureMode) -> CaptureMode | None:
     return CaptureMode(value.value)
 
 
-@contextlib.contextmanager
-def relaxed_capture_mode() -> Iterator[bool]:
+class relaxed_capture_mode:  # a function in name: it replaces a contextlib one
     """The calling thread in relaxed capture mode inside the block, its own mode restored
     after (what PyTorch's watchdog does before querying). Yields False where libcudart
     lacks ``cudaThreadExchangeStreamCaptureMode`` (then nothing changed)."""
-    previous = exchange_capture_mode(CaptureMode.RELAXED)
-    try:
-        yield previous is not None
-    finally:
+
+    __slots__ = ("_previous",)
+
+    def __init__(self) -> None:
+        self._previous: CaptureMode | None = None
+
+    def __enter__(self) -> bool:
+        self._previous = exchange_capture_mode(CaptureMode.RELAXED)
+        return self._previous is not None
+
+    def __exit__(self, *exc: object) -> None:
+        previous, self._previous = self._previous, None
         if previous is not None:
             exchange_capture_mode(previous)
 
@@ -111,7 +121,7 @@ def _unsafe_calls_prohibited() -> bool:
     allocation, a communicator's init) because of a capture begun with :meth:`Graph.capture`
     on any stream: one of this thread's in global or thread-local mode, or another thread's
     in global mode (CUDA's rule for a thread in the default global mode)."""
-    me = threading.get_ident()
+    me = get_ident()
     return any(
         mode is not CaptureMode.RELAXED and (tid == me or mode is CaptureMode.GLOBAL)
         for mode, tid, _ in list(_ACTIVE.values())
@@ -158,7 +168,7 @@ class Graph(Closable):
         self._stream = None
         self._capturing = False
         self._keep = []
-        self._comms = weakref.WeakSet()
+        self._comms = _weak_set()
         self._next = None
 
     def _captured(self, comm: object, keep: tuple[object, ...] = ()) -> None:
@@ -173,18 +183,20 @@ class Graph(Closable):
         ``comm`` (a communicator)."""
         return bool(self._exec) and comm in self._comms
 
-    @contextlib.contextmanager
-    def capture(
-        self, stream: StreamLike, mode: CaptureMode | str = CaptureMode.GLOBAL
-    ) -> Iterator[Graph]:
+    def capture(self, stream: StreamLike, mode: CaptureMode | str = CaptureMode.GLOBAL) -> _Capture:
         """Capture the work the body issues on ``stream`` (not the legacy default stream).
 
         ``mode``: :class:`CaptureMode` or its name (``"global"``, the default as in
         PyTorch, ``"thread_local"``, ``"relaxed"``). If the body raises, the capture
         is ended and discarded and the body's exception propagates; a capture that
         CUDA invalidated (the body synchronised, allocated, ...) raises
-        :class:`~pynccl.CudaError` on exit.
+        :class:`~pynccl.CudaError` on exit. Everything is checked when the block is
+        entered, as a generator-based context manager would.
         """
+        return _Capture(self, stream, mode)
+
+    def _begin(self, stream: StreamLike, mode: CaptureMode | str) -> tuple[int, Stream]:
+        """The capture's checks and its start: (the stream's handle, the stream)."""
         if isinstance(mode, str):
             try:
                 mode = CaptureMode[mode.upper()]
@@ -206,9 +218,8 @@ class Graph(Closable):
         rt = _runtime._rt()
         # Registered (and the hooks told) before the capture begins, so that no call
         # captured is missed; undone below if it fails to begin.
-        _ACTIVE[handle] = (mode, threading.get_ident(), self)
-        self._next = ([], weakref.WeakSet())
-        graph = c_void_p()
+        _ACTIVE[handle] = (mode, get_ident(), self)
+        self._next = ([], _weak_set())
         try:
             _hooks(True)
             rt.cudaStreamBeginCapture(handle, int(mode))
@@ -216,14 +227,20 @@ class Graph(Closable):
             self._ended(handle)
             raise
         self._capturing = True
+        return handle, wrapped
+
+    def _finish(self, handle: int, wrapped: Stream, failed: bool) -> None:
+        """End the capture from ``handle``: discarded when the body ``failed`` (the stream
+        usable again), else instantiated as this graph's executable graph."""
+        rt = _runtime._rt()
+        graph = c_void_p()
         try:
-            yield self
-        except BaseException:
-            # End the capture so the stream is usable again; what it holds is discarded.
-            rt.raw("cudaStreamEndCapture")(handle, byref(graph))
-            if graph.value:
-                rt.raw("cudaGraphDestroy")(graph)
-            raise
+            if failed:
+                # End the capture so the stream is usable again; what it holds is discarded.
+                rt.raw("cudaStreamEndCapture")(handle, byref(graph))
+                if graph.value:
+                    rt.raw("cudaGraphDestroy")(graph)
+                return
         finally:
             self._capturing = False
             captured = self._next
@@ -265,7 +282,7 @@ class Graph(Closable):
         if exe:
             _runtime._rt().cudaGraphExecDestroy(exe)
         self._keep = []
-        self._comms = weakref.WeakSet()
+        self._comms = _weak_set()
 
     def _held(self) -> bool:
         return bool(getattr(self, "_exec", 0))
@@ -274,6 +291,40 @@ class Graph(Closable):
         state = "capturing" if self._capturing else "captured" if self._exec else "empty"
         where = f" from stream {self._stream.handle:#x}" if self._stream is not None else ""
         return f"<pynccl.cuda.Graph at {id(self):#x} ({state}{where})>"
+
+
+class _Capture:
+    """What :meth:`Graph.capture` returns: begins the capture on entering the block (the
+    graph is what ``as`` binds), ends it on leaving."""
+
+    __slots__ = ("_args", "_graph", "_started")
+
+    def __init__(self, graph: Graph, stream: StreamLike, mode: CaptureMode | str) -> None:
+        self._graph = graph
+        self._args = (stream, mode)
+        self._started: tuple[int, Stream] | None = None
+
+    def __enter__(self) -> Graph:
+        if self._started is not None:
+            raise RuntimeError("this capture block was already entered; call capture() again")
+        self._started = self._graph._begin(*self._args)
+        return self._graph
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        started = self._started
+        if started is not None:
+            self._graph._finish(*started, failed=exc_type is not None)
+
+
+def _weak_set() -> weakref.WeakSet[object]:
+    import weakref  # loaded on the first Graph only
+
+    return weakref.WeakSet()
 
 
 def _hooks(begins: bool) -> None:

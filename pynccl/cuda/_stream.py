@@ -5,7 +5,7 @@ so far on some streams has run (:func:`keep_until_done`)."""
 
 from __future__ import annotations
 
-import threading
+from _thread import _local, allocate_lock
 from ctypes import byref, c_int, c_void_p
 
 from .._closable import Closable
@@ -213,7 +213,7 @@ def _capture_blocks(handle: int) -> bool:
 # Each thread's event per device for wait_stream: recorded, waited on at once, reused (a
 # wait takes the event's state when it is issued, so reuse is safe within one thread; two
 # threads sharing one could make a stream wait for the other thread's producer instead).
-_WAIT_EVENTS = threading.local()
+_WAIT_EVENTS = _local()  # threading.local, without importing threading (~0.6 ms)
 
 
 def wait_stream(consumer: int, producer: int, device: int | None = None) -> None:
@@ -251,7 +251,7 @@ def wait_stream(consumer: int, producer: int, device: int | None = None) -> None
 # being captured are never released (a graph may replay that work at any time).
 _KEPT: list[tuple[list[Event], object]] = []
 _KEPT_FOREVER: list[object] = []
-_KEPT_LOCK = threading.Lock()
+_KEPT_LOCK = allocate_lock()
 
 
 def keep_until_done(objs: object, streams: object, device: int | None = None) -> None:
