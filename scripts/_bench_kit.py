@@ -1,0 +1,115 @@
+"""What the benchmarks share: array stand-ins for the buffer protocols as their producers
+make them (over loopback device memory), and a user-space instruction counter.
+
+Only the standard library: each object here is the cheapest producer of its kind, so that
+a benchmark's ratio to a floor that calls the producer too is the consumer's own cost.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+
+class CaiArray:
+    """A minimal device-array object whose interface is one dict kept for its life."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (n,),
+            "typestr": "<f4",
+            "data": (ptr, False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+class FreshCaiArray:
+    """An array whose interface is a new dict of new tuples at every read, as CuPy, Numba
+    and PyTorch build theirs."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.ptr, self.n = ptr, n
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.n,), "typestr": "<f4", "data": (self.ptr, False),
+                "strides": None, "version": 3}  # fmt: skip
+
+
+# --- a CUDA-device DLPack producer ---------------------------------------------------------
+# dlpack.h (v1.1): DLManagedTensorVersioned = {DLPackVersion {u32 major, minor}; void*
+# manager_ctx; void (*deleter)(self); u64 flags; DLTensor {void* data; DLDevice {i32 type,
+# i32 id}; i32 ndim; DLDataType {u8 code, u8 bits, u16 lanes}; i64* shape; i64* strides;
+# u64 byte_offset}}. One tensor is built per producer; each export wraps it in a new
+# capsule without destructor (the producer owns it), as cheap a producer as there can be.
+_VERSIONED = struct.Struct("IIPPQPiiiBBHPPQ")
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                                 ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))  # fmt: skip
+kDLCUDA, kDLFloat = 2, 2
+
+
+class DLPackArray:
+    """``n`` float32 elements at device address ``ptr`` of device 0, exported by DLPack."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self._shape = (ctypes.c_int64 * 1)(n)
+        shape_ptr = ctypes.addressof(self._shape)
+        fields = (1, 1, 0, 0, 0, ptr, kDLCUDA, 0, 1, kDLFloat, 32, 1, shape_ptr, 0, 0)
+        self._tensor = ctypes.create_string_buffer(_VERSIONED.pack(*fields))
+        self._address = ctypes.addressof(self._tensor)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (kDLCUDA, 0)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None,
+                   dl_device: Any = None, copy: Any = None) -> Any:  # fmt: skip
+        if max_version is None or max_version[0] < 1:
+            raise BufferError("this producer exports DLPack >= 1.0 tensors only")
+        return _capsule_new(self._address, b"dltensor_versioned", None)
+
+
+# --- user-space instruction counter --------------------------------------------------------
+class InstructionCounter:
+    """Counts this thread's user-space instructions with ``perf_event_open(2)``;
+    ``reason`` says why not when the kernel gives no hardware counter."""
+
+    _SYSCALL = {"x86_64": 298, "aarch64": 241}
+    _ENABLE, _DISABLE, _RESET = 0x2400, 0x2401, 0x2403
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.reason = ""
+        number = self._SYSCALL.get(os.uname().machine)
+        if number is None:
+            self.reason = f"no perf_event_open syscall number for {os.uname().machine}"
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._ioctl = libc.ioctl
+        # perf_event_attr: type PERF_TYPE_HARDWARE, size, config PERF_COUNT_HW_INSTRUCTIONS;
+        # flags (offset 40): disabled | exclude_kernel | exclude_hv.
+        attr = bytearray(128)
+        struct.pack_into("IIQ", attr, 0, 0, len(attr), 1)
+        struct.pack_into("Q", attr, 40, (1 << 0) | (1 << 5) | (1 << 6))
+        buf = (ctypes.c_char * len(attr)).from_buffer(attr)
+        fd = libc.syscall(number, buf, 0, -1, -1, 0)
+        if fd < 0:
+            err = ctypes.get_errno()
+            self.reason = f"perf_event_open: {os.strerror(err)} (errno {err})"
+        self.fd = fd
+
+    def count(self, fn: Callable[[], Any]) -> int:
+        self._ioctl(self.fd, self._RESET, 0)
+        self._ioctl(self.fd, self._ENABLE, 0)
+        fn()
+        self._ioctl(self.fd, self._DISABLE, 0)
+        value: int = struct.unpack("q", os.read(self.fd, 8))[0]
+        return value
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
