@@ -1,17 +1,29 @@
 """What the benchmarks share: array stand-ins for the buffer protocols as their producers
-make them (over loopback device memory), and a user-space instruction counter.
+make them (over loopback device memory), a user-space instruction counter, and the cost of
+``with pynccl.group(): pass`` over a bare ``ncclGroupStart/End`` pair.
 
-Only the standard library: each object here is the cheapest producer of its kind, so that
-a benchmark's ratio to a floor that calls the producer too is the consumer's own cost.
+Each producer here is the cheapest of its kind, so that a benchmark's ratio to a floor that
+calls the producer too is the consumer's own cost. pynccl is imported only by the group()
+functions, when called.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import statistics
 import struct
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+#: The script whose ``--group-loop`` runs one loop of group_loops (callgrind's child).
+SCRIPT = Path(__file__).with_name("bench_overhead.py")
 
 
 class CaiArray:
@@ -113,3 +125,79 @@ class InstructionCounter:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def group_loops(cdll: ctypes.CDLL, reps: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``reps`` bare ncclGroupStart/End pairs, and ``reps`` ``with group(): pass``."""
+    from pynccl import group
+
+    gs, ge = cdll.ncclGroupStart, cdll.ncclGroupEnd
+    for fn in (gs, ge):  # as a bare binding would set them
+        fn.argtypes, fn.restype = [], ctypes.c_int
+    loop = range(reps)
+
+    def bare() -> None:
+        for _ in loop:
+            gs()
+            ge()
+
+    def with_group() -> None:
+        for _ in loop:
+            with group():
+                pass
+
+    bare()  # warm up
+    with_group()
+    return bare, with_group
+
+
+def group_instructions(cdll: ctypes.CDLL, counter: InstructionCounter, reps: int) -> float:
+    """Instructions of ``with group(): pass`` over the bare pair, per use (perf_event_open):
+    the fewest over a few runs, as an interrupt's or a page fault's user-space work only
+    ever adds some."""
+    bare, with_group = group_loops(cdll, reps)
+    b = min(counter.count(bare) for _ in range(5))
+    g = min(counter.count(with_group) for _ in range(5))
+    return (g - b) / reps
+
+
+def group_ns(cdll: ctypes.CDLL, reps: int) -> float:
+    bare, with_group = group_loops(cdll, reps)
+    perf = time.perf_counter_ns
+    diffs = []
+    for _ in range(15):
+        t0 = perf()
+        bare()
+        t1 = perf()
+        with_group()
+        diffs.append(((perf() - t1) - (t1 - t0)) / reps)
+    return statistics.median(diffs)
+
+
+def group_callgrind(reps: int) -> float:
+    """Instructions of ``with group(): pass`` over the bare pair, per use, counted by
+    valgrind's callgrind in four runs of this script (each loop ``reps`` and ``3 * reps``
+    times: the difference leaves out the interpreter's start and the set-up)."""
+    counts: dict[tuple[str, int], int] = {}
+    with tempfile.TemporaryDirectory(prefix="pynccl-bench-cg-") as tmp:
+        for mode in ("bare", "group"):
+            for k in (reps, 3 * reps):
+                cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
+                       sys.executable, str(SCRIPT), "--group-loop", f"{mode}:{k}"]  # fmt: skip
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+                found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
+                if found is None:
+                    raise RuntimeError(f"no callgrind total in: {out.stderr[-500:]}")
+                counts[mode, k] = int(found.group(1))
+    per = {m: (counts[m, 3 * reps] - counts[m, reps]) / (2 * reps) for m in ("bare", "group")}
+    return per["group"] - per["bare"]
+
+
+def run_group_loop(spec: str) -> int:
+    """The child of :func:`group_callgrind`: one loop, ``MODE:K``."""
+    from pynccl.testing import loopback
+
+    mode, k = spec.split(":")
+    bare, with_group = group_loops(ctypes.CDLL(loopback.use(null=True).nccl), int(k))
+    (with_group if mode == "group" else bare)()
+    return 0

@@ -61,7 +61,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from _bench_kit import CaiArray, DLPackArray, FreshCaiArray, InstructionCounter
+from _bench_kit import (
+    CaiArray,
+    DLPackArray,
+    FreshCaiArray,
+    InstructionCounter,
+    group_callgrind,
+    group_instructions,
+    group_ns,
+    run_group_loop,
+)
 
 __all__ = ["CaiArray", "build_variants", "main"]  # CaiArray: scripts/bench_adapt.py's
 
@@ -433,85 +442,6 @@ def time_rounds(variants: dict[str, Variant], rounds: int, calls: int) -> dict[s
                 fn()
             samples[name].append(max((perf() - t0) / calls - base, 1e-9))
     return samples
-
-
-def group_loops(cdll: ctypes.CDLL, reps: int) -> tuple[Callable[[], None], Callable[[], None]]:
-    """``reps`` bare ncclGroupStart/End pairs, and ``reps`` ``with group(): pass``."""
-    from pynccl import group
-
-    gs, ge = _bare(cdll, "ncclGroupStart", []), _bare(cdll, "ncclGroupEnd", [])
-    loop = range(reps)
-
-    def bare() -> None:
-        for _ in loop:
-            gs()
-            ge()
-
-    def with_group() -> None:
-        for _ in loop:
-            with group():
-                pass
-
-    bare()  # warm up
-    with_group()
-    return bare, with_group
-
-
-def group_instructions(cdll: ctypes.CDLL, counter: InstructionCounter, reps: int) -> float:
-    """Instructions of ``with group(): pass`` over the bare pair, per use (perf_event_open):
-    the fewest over a few runs, as an interrupt's or a page fault's user-space work only
-    ever adds some."""
-    bare, with_group = group_loops(cdll, reps)
-    b = min(counter.count(bare) for _ in range(5))
-    g = min(counter.count(with_group) for _ in range(5))
-    return (g - b) / reps
-
-
-def group_ns(cdll: ctypes.CDLL, reps: int) -> float:
-    bare, with_group = group_loops(cdll, reps)
-    perf = time.perf_counter_ns
-    diffs = []
-    for _ in range(15):
-        t0 = perf()
-        bare()
-        t1 = perf()
-        with_group()
-        diffs.append(((perf() - t1) - (t1 - t0)) / reps)
-    return statistics.median(diffs)
-
-
-def group_callgrind(reps: int) -> float:
-    """Instructions of ``with group(): pass`` over the bare pair, per use, counted by
-    valgrind's callgrind in four runs of this script (each loop ``reps`` and ``3 * reps``
-    times: the difference leaves out the interpreter's start and the set-up)."""
-    import subprocess
-    import tempfile
-
-    counts: dict[tuple[str, int], int] = {}
-    with tempfile.TemporaryDirectory(prefix="pynccl-bench-cg-") as tmp:
-        for mode in ("bare", "group"):
-            for k in (reps, 3 * reps):
-                out = subprocess.run(
-                    ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
-                     sys.executable, __file__, "--group-loop", f"{mode}:{k}"],
-                    capture_output=True, text=True, check=True,
-                )  # fmt: skip
-                found = re.search(r"Collected\s*:\s*(\d+)", out.stderr)
-                if found is None:
-                    raise RuntimeError(f"no callgrind total in: {out.stderr[-500:]}")
-                counts[mode, k] = int(found.group(1))
-    per = {m: (counts[m, 3 * reps] - counts[m, reps]) / (2 * reps) for m in ("bare", "group")}
-    return per["group"] - per["bare"]
-
-
-def run_group_loop(spec: str) -> int:
-    """The child of :func:`group_callgrind`: one loop, ``MODE:K``."""
-    from pynccl.testing import loopback
-
-    mode, k = spec.split(":")
-    bare, with_group = group_loops(ctypes.CDLL(loopback.use(null=True).nccl), int(k))
-    (with_group if mode == "group" else bare)()
-    return 0
 
 
 def report(
