@@ -5,13 +5,9 @@ their one slow path is :meth:`._collectives.Collectives._slow`, a base of the cl
 
 from __future__ import annotations
 
-import time
-from _warnings import warn as _warn  # warnings.warn itself; `warnings` costs ~1 ms
 from collections.abc import Sequence
 from ctypes import byref, c_int, c_void_p
 
-from .. import groups as _groups
-from .._adapt import as_stream
 from .._capi._enumargs import C_DATATYPE
 from .._capi.structs import ncclUniqueId
 from .._limits import (
@@ -23,15 +19,14 @@ from .._limits import (
     check_timeout,
 )
 from ..enums import DataType, Result
-from ..errors import NcclInvalidUsage
 from ..library import cudart, lib
 from . import _recorder
 from ._args import RANK_ARGS_LIMIT, op_table, rank_args
 from ._codegen import install
 from ._collectives import Collectives
 from ._config import Config
+from ._core import Core
 from ._extras import Extras
-from ._handle import HANDLE, TERMINAL, State
 from ._introspect import Introspection
 from ._resilience import Resilience
 from ._signals import Signals, rma_limits
@@ -44,7 +39,6 @@ __all__ = ["Communicator"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from types import TracebackType
     from typing import Any, NoReturn
 
     from .._capi.nccl import NcclLibrary
@@ -64,7 +58,7 @@ def _fast_n(size: int) -> int:
 
 
 class Communicator(
-    Suspend, Resilience, Signals, Introspection, VCollectives, Collectives, Extras
+    Suspend, Resilience, Signals, Introspection, VCollectives, Collectives, Extras, Core
 ):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
@@ -102,7 +96,6 @@ class Communicator(
         "_ops",
         "_regs",
         "_rma",
-        "_stream_ref",
         "_wargs",
         "_wins",
     )
@@ -170,6 +163,8 @@ class Communicator(
         self._device = device
         self._blocking = config is None or config.blocking is None or bool(config.blocking)
         self._keep_stream(stream)
+        self.on_close(self._close_windows)
+        self.on_close(self._close_registrations)
         self._custom_ops: dict[int, tuple[object, set[int]]] = {}
         self._config = None
         self._regs = {}
@@ -308,174 +303,11 @@ class Communicator(
         L.ncclCommInitAll(handles, n, dev_array)
         return [cls._wrap(L, int(handles[i] or 0), i, n, devs[i], stream=stream) for i in range(n)]
 
-    # -- properties ---------------------------------------------------------------------
-
-    @property
-    def size(self) -> int:
-        """Number of ranks."""
-        return self._size
-
-    @property
-    def handle(self) -> int:
-        """The ``ncclComm_t`` as an int (for the low-level layer or other bindings)."""
-        if self._handle is None:
-            raise NcclInvalidUsage(Result.INVALID_USAGE, "", f"communicator is {self._state}")
-        return self._handle
-
-    @property
-    def stream(self) -> int:
-        """The default stream handle for this communicator's calls (0 = legacy default).
-
-        Set it to any stream-like (``None``: the legacy default stream). A stream object
-        (a :class:`~pynccl.cuda.Stream`, or any object owning its stream: a
-        ``__cuda_stream__`` provider, a torch or CuPy stream) is kept referenced while it
-        is the default, so the stream is not destroyed underneath the communicator; a
-        child made by :meth:`split` keeps it too."""
-        return self._stream
-
-    @stream.setter
-    def stream(self, value: StreamLike) -> None:
-        self._keep_stream(value)
-
-    def _keep_stream(self, value: StreamLike) -> None:
-        """Make ``value`` the default stream, keeping the object that owns it (an int
-        handle owns nothing: its stream is the caller's to keep)."""
-        self._use_stream(0 if value is None else as_stream(value))
-        self._stream_ref = None if value is None or type(value) is int else value
-
-    @property
-    def state(self) -> State:
-        """``"ready"``, ``"initializing"`` (non-blocking), ``"suspended"``, ``"revoked"``,
-        ``"finalized"``, ``"destroyed"``, ``"aborted"`` or ``"closed"`` (a :class:`State`,
-        equal to those strings)."""
-        return self._state
-
-    @property
-    def library(self) -> NcclLibrary:
-        """The low-level library this communicator calls."""
-        return self._lib
-
-    @property
-    def error(self) -> BaseException | None:
-        """The error the watchdog recorded when it aborted this communicator, if any."""
-        return self._error
-
     def __repr__(self) -> str:
         return (
             f"<pynccl.Communicator rank {self._rank}/{self._size} device {self._device} "
             f"{self._state}{'' if self._owner else ' (borrowed)'}>"
         )
-
-    # -- lifecycle -----------------------------------------------------------------------
-
-    def check(self) -> None:
-        """Raise the communicator's asynchronous error, if any."""
-        result = self.get_async_error()
-        if result not in (Result.SUCCESS, Result.IN_PROGRESS):
-            raise self._lib.make_error(result, "ncclCommGetAsyncError")
-
-    def group_in_progress(self) -> None:
-        """Called by :func:`pynccl.group_end` when the group is still in progress
-        (non-blocking communicators): the next call waits for this one to be ready."""
-        self._mark_pending()
-
-    def finalize(self, timeout: float | None = None) -> None:
-        """``ncclCommFinalize`` (NCCL >= 2.14): flush pending work; :meth:`destroy` after.
-
-        ``timeout`` bounds the waits of a non-blocking communicator (a call still in
-        progress before, and the finalize itself): :class:`~pynccl.NcclTimeoutError`
-        after that many seconds in all. A blocking communicator's ncclCommFinalize waits
-        inside NCCL for the outstanding work (a watchdog aborts it if that hangs)."""
-        if self._state is State.FINALIZED:
-            return
-        seconds = check_timeout(timeout)
-        deadline = None if seconds is None else time.monotonic() + seconds
-        rc = self._call_locked("ncclCommFinalize", HANDLE, timeout=seconds)
-        if rc == Result.IN_PROGRESS:
-            self._mark_pending()
-            self.wait_ready(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
-        if self._state not in TERMINAL:
-            self._set_state(State.FINALIZED)
-
-    def destroy(self) -> None:
-        """``ncclCommDestroy``; a second call does nothing. Borrowed handles are only dropped.
-
-        ``ncclCommDestroy`` first waits for the work issued on the communicator. With a
-        watchdog running, that wait is bounded: each operation it watches is waited for
-        until the watchdog's timeout after its issue, and one still incomplete then makes
-        destroy abort instead (a :class:`RuntimeWarning` names the operation; the state
-        becomes ``"aborted"`` and :attr:`error` holds the
-        :class:`~pynccl.NcclTimeoutError`). Without a watchdog it waits as long as NCCL
-        does — for ever if a peer never comes: use :meth:`abort` then, or a watchdog.
-        After ``shrink(..., abort=True)`` it aborts (state ``"aborted"``): NCCL >= 2.31.2
-        would wait in a barrier for the ranks that aborted. A live
-        :class:`pynccl.cuda.Graph` that captured calls of this communicator makes it
-        raise :class:`~pynccl.NcclInvalidUsage` naming the graph (NCCL's destroy would
-        wait for the graph to be destroyed): close the graph first, or :meth:`abort`."""
-        if self._state in TERMINAL:
-            return
-        if _groups.group_depth() > 0:
-            raise NcclInvalidUsage(
-                Result.INVALID_USAGE,
-                "ncclCommDestroy",
-                "cannot destroy a communicator inside a group; end the group first",
-            )
-        kind, reason = self._destroy_kind()
-        try:
-            self._close_resources(abort=kind != "destroy")
-        finally:
-            self._teardown(kind, reason)
-
-    def abort(self) -> None:
-        """``ncclCommAbort``: stop pending work and free the communicator (also when hung).
-
-        The :class:`pynccl.cuda.Graph` objects that captured its calls are closed first:
-        NCCL's abort, like its destroy, waits until every CUDA graph that captured the
-        communicator is destroyed, and a replay after the abort would hand the freed
-        communicator to the GPU."""
-        for graph in self._live_graphs():
-            graph.close()
-        self._close_resources(abort=True)
-        self._teardown("abort")
-
-    def _close_resources(self, abort: bool) -> None:
-        """Windows, then registrations: windows only marked closed (NCCL frees them at
-        destroy, once the work has finished), registrations deregistered before a destroy
-        and only marked closed before an abort (which frees them; nothing that could hang
-        is called)."""
-        try:
-            self._close_windows(abort)
-        finally:
-            self._close_registrations(abort)
-
-    def close(self) -> None:
-        """Destroy the communicator if this object owns it; forget a borrowed one."""
-        self.destroy()
-
-    def __enter__(self) -> Communicator:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.destroy()
-        else:
-            self.abort()
-
-    def __del__(self) -> None:
-        # Never tear down from __del__ (it may run on any thread, at exit, or inside a
-        # group): only tell the user.
-        if getattr(self, "_owner", False) and getattr(self, "_handle", None) is not None:
-            _warn(
-                f"pynccl.Communicator rank {self._rank}/{self._size} was never destroyed; "
-                "call destroy()/abort() or use it as a context manager",
-                ResourceWarning,
-                stacklevel=2,
-            )
 
 
 install(Communicator)

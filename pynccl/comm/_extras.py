@@ -12,8 +12,8 @@ from .._limits import C_INT_MAX, check_c_int, index_int, is_bool
 from ..dtypes import as_datatype
 from ..enums import DataType, Result, ScalarResidence
 from ..errors import NotSupportedError
+from ._core import Core
 from ._handle import HANDLE, State
-from ._observe import Observed
 
 __all__ = ["Extras"]
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ._config import Config
 
 
-class Extras(Observed):
+class Extras(Core):
     """split and custom ops (a base of Communicator)."""
 
     __slots__ = ("_blocking", "_codes", "_config", "_custom_ops")

@@ -37,10 +37,10 @@ from __future__ import annotations
 import time
 from _thread import allocate_lock
 from ctypes import byref, c_int, c_void_p
-from enum import Enum
 
 from ..enums import Result
 from ..errors import NcclInvalidUsage, NcclTimeoutError
+from ._state import GONE_TAILS, HANDLE, TERMINAL, State, live_handles, track
 
 __all__ = ["HANDLE", "TERMINAL", "CommHandle", "State", "live_handles"]
 
@@ -53,43 +53,9 @@ if TYPE_CHECKING:
     from ._watchdog import Watchdog
 
 
-class State(str, Enum):
-    """A communicator's state (compares equal to its value: ``comm.state == "ready"``)."""
-
-    INITIALIZING = "initializing"  #: a non-blocking init/split/finalize still in progress
-    READY = "ready"
-    FINALIZED = "finalized"  #: ncclCommFinalize done; only destroy is left
-    SUSPENDED = "suspended"  #: ncclCommSuspend (NCCL >= 2.29) done; resume() readies it
-    REVOKED = "revoked"  #: ncclCommRevoke (NCCL >= 2.28): only split, shrink, destroy, abort left
-    DESTROYED = "destroyed"
-    ABORTED = "aborted"
-    CLOSED = "closed"  #: a borrowed handle, forgotten
-
-    def __str__(self) -> str:
-        return self.value
-
-
-TERMINAL = frozenset({State.DESTROYED, State.ABORTED, State.CLOSED})
-#: Stands for the communicator's handle in the arguments of :meth:`CommHandle._call_locked`.
-HANDLE = object()
-#: What a communicator in a non-terminal state without a usable handle still allows.
-_GONE_TAILS = {
-    State.SUSPENDED: "call resume() first",
-    State.REVOKED: "only split(), shrink(), destroy() or abort() are possible",
-}
 _POLL_FIRST = 0.0005
 _POLL_MAX = 0.01
 _GATE_POLL_MAX = 0.001
-#: Every communicator that adopted a handle and still exists (the capture hook of
-#: :mod:`._observe` walks them when a CUDA-graph capture begins or ends): a WeakSet, made
-#: at the first adoption (``weakref`` is not imported with the object API).
-_LIVE: list[Any] = []
-
-
-def live_handles() -> list[CommHandle]:
-    """The communicators alive now that adopted a handle."""
-    return list(_LIVE[0]) if _LIVE else []
-
 
 class _Queued:
     """The gate while threads queue for it (see the module doc): ``pop()`` finds no token
@@ -194,11 +160,7 @@ class CommHandle:
         self._handle = handle
         self._harg = c_void_p(handle)
         self._set_state(State.INITIALIZING if pending else State.READY)
-        if not _LIVE:
-            import weakref
-
-            _LIVE.append(weakref.WeakSet())
-        _LIVE[0].add(self)
+        track(self)
         self._adopted()
 
     def _adopted(self) -> None:
@@ -208,11 +170,13 @@ class CommHandle:
     def _forget_memos(self) -> None:
         """Forget what the generated calls remember (:class:`~._observe.Observed`)."""
 
-    def _mark_pending(self) -> None:
+    def mark_pending(self) -> None:
         """A non-blocking call returned ncclInProgress: poll before the next call."""
         if self._state is State.READY:
             self._set_state(State.INITIALIZING)
 
+
+    _mark_pending = mark_pending
     # -- the gate ------------------------------------------------------------------------
 
     def _wait_gate(self) -> None:
@@ -271,7 +235,7 @@ class CommHandle:
             if shown:
                 self._forget_memos()  # they hold the stand-in: back to the fast path
 
-    def _gone(self) -> NoReturn:
+    def gone(self) -> NoReturn:
         """Raise why there is no handle to call with."""
         if self._error is not None:
             raise self._error
@@ -281,12 +245,14 @@ class CommHandle:
             tail = "it cannot be used any more"
         else:
             what = state.value
-            tail = _GONE_TAILS.get(state, "it cannot be used any more")
+            tail = GONE_TAILS.get(state, "it cannot be used any more")
         raise NcclInvalidUsage(
             Result.INVALID_USAGE, "", f"communicator rank {self._rank} is {what}; {tail}"
         )
 
-    def _live(self, timeout: float | None = None) -> c_void_p:
+
+    _gone = gone
+    def live(self, timeout: float | None = None) -> c_void_p:
         """The handle for a call, waiting (up to ``timeout`` seconds, None: as long as it
         takes) for a non-blocking communicator if needed."""
         h = self._h
@@ -298,7 +264,9 @@ class CommHandle:
                 return self._h
         return self._gone()
 
-    def _under_gate(self, fn: Callable[[Any], Any], *, ready: bool = True) -> Any:
+
+    _live = live
+    def under_gate(self, fn: Callable[[Any], Any], *, ready: bool = True) -> Any:
         """``fn(handle)`` under the gate, returning what it returns: the one way a call
         outside the generated hot path gets the handle (read under the gate, so a teardown
         on another thread never hands a freed one to C). With ``ready=False`` the raw
@@ -316,7 +284,9 @@ class CommHandle:
         finally:
             gate.append(True)
 
-    def _call_locked(
+
+    _under_gate = under_gate
+    def call_locked(
         self,
         function: str,
         *args: object,
@@ -359,12 +329,16 @@ class CommHandle:
             raise self._lib.make_error(rc, function)
         return rc
 
-    def _require(self, method: str, function: str) -> None:
+
+    _call_locked = call_locked
+    def require(self, method: str, function: str) -> None:
         """NotSupportedError naming ``method``, ``function`` and the release that added
         it, when the loaded library predates that release."""
         lib = self._lib
         lib.require(f"Communicator.{method} ({function})", lib.PROTOTYPES[function].first)
 
+
+    _require = require
     # -- readiness -------------------------------------------------------------------------
 
     def get_async_error(self) -> Result:
@@ -419,74 +393,3 @@ class CommHandle:
                 )
             time.sleep(delay)
             delay = min(delay * 2, _POLL_MAX)
-
-    # -- the one teardown ----------------------------------------------------------------
-
-    def _reopen(self) -> None:
-        """Undo a teardown's closing mark (it refused or was interrupted)."""
-        self._closing = None
-        self._set_state(self._state)
-
-    def _teardown(self, kind: str, reason: BaseException | None = None) -> None:
-        """Retire the handle: ``kind`` is ``"destroy"``, ``"abort"`` or ``"watchdog"``.
-
-        First the communicator is marked closing (calls starting from then on refuse),
-        then the teardown takes the gate's token, so the handle leaves the communicator
-        with no call in flight; the C call that frees it runs after. ``abort``/``watchdog``
-        proceed without the token if a call on another thread hangs (abort is what
-        releases hung work; the watchdog, which has seen a hang already, waits no longer
-        than its own timeout); ``destroy`` refuses then and the communicator stays usable.
-        """
-        watch = self._watch
-        wait = self.GATE_TIMEOUT
-        if watch is not None and kind != "watchdog":
-            self._watch = None
-            watch.stop()  # joins the watchdog thread, unless called from it
-        elif watch is not None:
-            wait = min(wait, watch.timeout)
-        closing = self._closing
-        if closing is None:
-            self._closing = kind
-            self._h = None
-        try:
-            got = self._take_gate(wait)
-        except BaseException:  # interrupted while waiting: usable again
-            if closing is None:
-                self._reopen()
-            raise
-        if not got and kind == "destroy":
-            if closing is None:
-                self._reopen()
-            raise NcclInvalidUsage(
-                Result.INVALID_USAGE,
-                "ncclCommDestroy",
-                f"cannot destroy communicator rank {self._rank}: another thread's call on it "
-                f"has not returned after {self.GATE_TIMEOUT:g} s; abort() releases hung work",
-            )
-        try:
-            if self._state in TERMINAL:
-                return
-            handle = self._handle
-            if reason is not None:
-                self._error = reason
-            if kind == "watchdog":
-                self._watch = None
-            if not self._owner:
-                final = State.CLOSED
-            else:
-                final = State.DESTROYED if kind == "destroy" else State.ABORTED
-            with self._life:  # no gate-free async-error read is using it now
-                self._handle = self._harg = None
-                self._set_state(final)
-        finally:
-            if closing is None:
-                self._closing = None
-            if got:
-                self._gate.append(True)
-        if self._owner and handle:
-            if kind == "destroy":
-                self._lib.ncclCommDestroy(handle)
-            elif kind == "abort":
-                self._lib.ncclCommAbort(handle)
-            else:  # the watchdog thread: never raise there
-                self._lib.raw("ncclCommAbort")(handle)

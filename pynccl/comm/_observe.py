@@ -6,17 +6,16 @@ and the buffers its calls use, which the graph keeps alive)."""
 from __future__ import annotations
 
 import time
-from _warnings import warn as _warn
 from ctypes import byref, c_int, c_void_p
 
 from .._adapt import as_stream
 from .._limits import check_count, check_timeout
 from ..enums import Result
 from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
-from ..library import cudart
 from . import _recorder
 from ._handle import HANDLE, TERMINAL, CommHandle, State, live_handles
 from ._memos import empty_memos as _empty_memos
+from ._sync import sync_stream
 
 __all__ = ["Observed"]
 
@@ -65,8 +64,9 @@ class Observed(CommHandle):
     #: first communicator made): the slow path tells the graph what it captured.
     _captures: dict[int, object] = {}
 
-    def abort(self) -> None:
-        raise NotImplementedError  # pragma: no cover - Communicator defines it
+    if TYPE_CHECKING:
+
+        def abort(self) -> None: ...  # Core's
 
     @property
     def rank(self) -> int:
@@ -119,7 +119,7 @@ class Observed(CommHandle):
         error.flight_record = record  # type: ignore[attr-defined]
         return error
 
-    # -- waiting, and the watchdog ---------------------------------------------------------
+    # -- waiting --------------------------------------------------------------------
 
     def synchronize(self, stream: StreamLike = None, timeout: float | None = None) -> None:
         """Wait for ``stream`` (default: :attr:`stream`) while watching for NCCL errors.
@@ -140,91 +140,24 @@ class Observed(CommHandle):
         if self._state is State.INITIALIZING:
             self.wait_ready(None if deadline is None else max(deadline - time.monotonic(), 1e-6))
         self._live()
-        from ..cuda import _capture_blocks
-        from ..cuda._graph import _unsafe_calls_prohibited, relaxed_capture_mode
 
-        if _capture_blocks(s):
-            # cudaStreamQuery would fail and invalidate the capture: nothing captured has
-            # run yet, so there is nothing to wait for either.
-            raise NcclInvalidUsage(
-                Result.INVALID_USAGE,
+        def timed_out(s: int) -> BaseException:
+            error = NcclTimeoutError(
+                Result.TIMEOUT,
                 "synchronize",
-                f"stream {s:#x} is being captured into a CUDA graph: its work runs when "
-                "the graph is launched; end the capture, launch the graph, then synchronize",
+                f"stream {s:#x} did not finish within {seconds:g} s; the communicator "
+                f"was aborted. Last operation issued: {self.last_operation()}. ",
             )
-        rt = cudart()
-        with relaxed_capture_mode() as relaxed:
-            if not relaxed and _unsafe_calls_prohibited():
-                # Without cudaThreadExchangeStreamCaptureMode, waiting on s would
-                # invalidate that other capture.
-                raise NcclInvalidUsage(
-                    Result.INVALID_USAGE,
-                    "synchronize",
-                    "a CUDA graph capture is in progress on another stream "
-                    "(pynccl.cuda.Graph): synchronizing now would invalidate it; synchronize "
-                    "after the capture ends",
-                )
-            current = c_int(-1)
-            rt.raw("cudaGetDevice")(byref(current))
-            device = self.device
-            if current.value != device:
-                rt.cudaSetDevice(device)
-            try:
-                self._wait_stream(rt, s, deadline, seconds)
-            finally:
-                if current.value != device and current.value >= 0:
-                    rt.raw("cudaSetDevice")(current.value)
-            # The stream passed: what closed operations and ops kept for it can go now
-            # (as Stream.synchronize() lets them go), not only at the next keep; and what
-            # this thread's ended groups kept, not only at its next group end.
-            from ..cuda._stream import release_done
-            from ..groups import release_done as release_groups
+            self._with_record(error)
+            self.abort()
+            return error
 
-            release_done()
-            release_groups()
+        sync_stream(s, lambda: self.device, deadline, self._raise_async_error, timed_out)
         if self._state is State.REVOKED:  # revoked meanwhile: its work was stopped, not done
             self._gone()
         # An error found after the stream drained gets the same flight record as one
         # found while waiting: which of the two happens is a matter of timing.
         self._raise_async_error()
-
-    def _wait_stream(self, rt: Any, s: int, deadline: float | None, seconds: float | None) -> None:
-        from ..cuda._graph import is_capture_error
-
-        query = rt.raw("cudaStreamQuery")
-        delay = 0.0
-        while True:
-            rc = query(s)
-            if rc == 0:
-                return
-            if rc != 600:
-                # The query's own failure: never read as the communicator's (and not left
-                # as the thread's last CUDA error).
-                error = rt.make_error(rc, "cudaStreamQuery")
-                rt.raw("cudaGetLastError")()
-                if is_capture_error(rc):
-                    raise NcclInvalidUsage(
-                        Result.INVALID_USAGE,
-                        "synchronize",
-                        f"cudaStreamQuery({s:#x}) was refused because of a CUDA graph "
-                        f"capture ({error}); the communicator is unaffected: synchronize "
-                        "after the capture ends",
-                    ) from error
-                raise error
-            self._raise_async_error()
-            if deadline is not None and time.monotonic() >= deadline:
-                last = self.last_operation()
-                timeout_error = NcclTimeoutError(
-                    Result.TIMEOUT,
-                    "synchronize",
-                    f"stream {s:#x} did not finish within {seconds:g} s; the communicator "
-                    f"was aborted. Last operation issued: {last}. ",
-                )
-                self._with_record(timeout_error)
-                self.abort()
-                raise timeout_error
-            time.sleep(delay)
-            delay = min(delay * 2 or 0.0001, 0.005)
 
     def _raise_async_error(self) -> None:
         """Raise the asynchronous error, if any: read without the gate (NCCL allows it from
@@ -235,59 +168,12 @@ class Observed(CommHandle):
         if result not in (Result.SUCCESS, Result.IN_PROGRESS):
             raise self._with_record(self._lib.make_error(result, "ncclCommGetAsyncError"), ". ")
 
-    def start_watchdog(
-        self, timeout: float, interval: float | None = None, *, on_hang: str = "abort"
-    ) -> None:
-        """Start a daemon thread that aborts this communicator when an operation hangs.
-
-        An operation still incomplete ``timeout`` seconds after it was issued, an
-        asynchronous NCCL error, or a non-blocking initialisation not done within
-        ``timeout``, makes the watchdog abort the communicator and record why; the next
-        call then raises that error. Costs a CUDA event record per operation.
-
-        ``on_hang="revoke"`` (``ncclCommRevoke``, NCCL >= 2.28) revokes it instead, for a
-        hung operation or an asynchronous error: the hung work stops, the communicator
-        becomes ``"revoked"`` and the survivors can :meth:`shrink` it; the next other call
-        raises the recorded error. A non-blocking initialisation (or call) still in
-        progress after ``timeout`` is aborted either way.
-
-        ``interval`` (seconds between looks; default a 20th of ``timeout``, between 5 ms
-        and 1 s) and ``timeout`` must be positive, finite numbers. The thread reads the
-        asynchronous error without the communicator's gate and queries in relaxed
-        CUDA-graph capture mode, so neither a call blocked inside NCCL on another thread
-        nor another thread's capture keeps it from watching; it also bounds
-        :meth:`destroy` (see there).
-        """
-        if self._state in TERMINAL:
-            self._gone()
-        if self._watch is not None and self._watch.running:
-            raise NcclInvalidUsage(Result.INVALID_USAGE, "", "the watchdog is already running")
-        from ._watchdog import Watchdog  # its threading/weakref/atexit: only when used
-
-        if on_hang == "revoke":
-            self._require("start_watchdog(on_hang='revoke')", "ncclCommRevoke")
-        watch = Watchdog(self, timeout, interval, on_hang)  # checks every argument first
-        self._watch = watch
-        self._install_slots()
-
-    def stop_watchdog(self) -> None:
-        """Stop the watchdog thread, if one runs."""
-        watch = self._watch
-        self._watch = None
-        self._unwatch()
-        if watch is not None:
-            watch.stop()
-
-    def _unwatch(self) -> None:
-        """Every row's call slots back to the bare functions (the watchdog's are dropped)."""
-        self._install_slots()
-
     def _install_slots(self) -> None:
         """Each row's call slots for what is watched now: the watchdog's wrappers, which
         record a completion event (the hot path never tests for a watchdog), or the bare
         functions. While a CUDA-graph capture begun by :class:`pynccl.cuda.Graph` is under
         way, the inline paths' slots (``_bfn``) are empty, so every call takes the slow
-        path, which tells the graph what it captured (:meth:`_note_capture`)."""
+        path, which tells the graph what it captured (:meth:`note_capture`)."""
         watch = self._watch
         if watch is None:
             fn, bfn = list(self._raw_fn), list(self._raw_bfn)
@@ -308,11 +194,13 @@ class Observed(CommHandle):
         if self._captures:  # a capture began before this communicator existed
             self._install_slots()
 
-    def _note_capture(self, stream: int, keep: tuple[object, ...] = ()) -> None:
+    def note_capture(self, stream: int, keep: tuple[object, ...] = ()) -> None:
         """A call of this communicator issued on ``stream`` while a capture begun by
         :class:`pynccl.cuda.Graph` is under way: if ``stream`` is being captured, the
         capturing graph(s) keep ``keep`` (the call's buffers) alive until closed, and
         remember this communicator (which :meth:`destroy` must not destroy under them)."""
+        if not self._captures:
+            return
         from ..cuda._graph import capturing_graphs
 
         for graph in capturing_graphs(stream):
@@ -323,57 +211,12 @@ class Observed(CommHandle):
                 self._graphs = weakref.WeakSet()
             self._graphs.add(graph)
 
+    _note_capture = note_capture
+
     def _live_graphs(self) -> list[Graph]:
         """The live :class:`pynccl.cuda.Graph` objects that captured calls of this one."""
         graphs = self._graphs
         return [] if graphs is None else [g for g in list(graphs) if g.holds(self)]
-
-    def _destroy_kind(self) -> tuple[str, BaseException | None]:
-        """What ``destroy()`` does: ``("destroy", None)``, or ``("abort", why)``.
-
-        * NCCL's destroy waits until every CUDA graph that captured the communicator is
-          destroyed: with a live :class:`pynccl.cuda.Graph` that did, it would block
-          for ever, so :class:`~pynccl.NcclInvalidUsage` names the graphs instead.
-        * After ``shrink(..., abort=True)`` the parent is aborted: from NCCL 2.31.2 on,
-          its destroy waits in a barrier for ranks that aborted (pytorch#194775).
-        * With a watchdog, the work it watches is waited for, each operation until the
-          watchdog's timeout after its issue; one still incomplete then makes it abort
-          (a RuntimeWarning names it; :attr:`error` holds the NcclTimeoutError), since
-          ``ncclCommDestroy`` would wait for it for ever.
-        """
-        if not self._owner:  # a borrowed handle is only forgotten: nothing waits
-            return "destroy", None
-        graphs = self._live_graphs()
-        if graphs:
-            names = ", ".join(repr(g) for g in graphs)
-            raise NcclInvalidUsage(
-                Result.INVALID_USAGE,
-                "ncclCommDestroy",
-                f"cannot destroy communicator rank {self._rank}: {len(graphs)} live CUDA "
-                f"graph(s) captured its calls ({names}); NCCL's destroy waits until they "
-                "are destroyed: close them first (Graph.close()), or abort() (which closes them)",
-            )
-        if self._shrunk:
-            return "abort", None
-        watch = self._watch
-        if watch is None or self._state is not State.READY:
-            return "destroy", None
-        self._watch = None
-        self._unwatch()
-        hung = watch.drain()
-        if hung is None:
-            return "destroy", None
-        seq, waited = hung
-        error = NcclTimeoutError(
-            Result.TIMEOUT,
-            self.describe(seq),
-            f"destroy(): operation #{seq} ({self.describe(seq)}) did not complete within "
-            f"the watchdog's {watch.timeout:g} s (waited {waited:.3g} s since it was "
-            "issued), so the communicator was aborted instead of destroyed",
-        )
-        self._with_record(error)
-        _warn(str(error), RuntimeWarning, stacklevel=3)
-        return "abort", error
 
     def _use_stream(self, stream: int) -> None:
         """Make ``stream`` (a handle) the default stream of every call: the generated
@@ -390,71 +233,9 @@ class Observed(CommHandle):
         the old values stores into the list replaced here (``_memos.ARRAYS``)."""
         self._memo = _empty_memos()
 
-    def watch_status(self) -> tuple[bool, bool, BaseException | None]:
-        """For the watchdog: ``(alive, ready, asynchronous error or None)``, read without
-        the gate (a call blocked inside NCCL on another thread holds it). ``ready``: no
-        non-blocking call in progress; the state itself is left to the issuing thread."""
-        result = self._async_result()
-        if result is None:  # torn down
-            return False, False, None
-        if result == Result.SUCCESS:
-            return True, True, None
-        if result == Result.IN_PROGRESS:
-            return True, False, None
-        error = self._lib.make_error(result, "ncclCommGetAsyncError")
-        watch = self._watch
-        verdict = "the watchdog aborted the communicator" if watch is None else watch.verdict
-        return True, True, self._with_record(error, f"; {verdict}. ")
-
-    def watch_device(self) -> int | None:
-        """For the watchdog: the communicator's CUDA device (``ncclCommCuDevice`` once,
-        without the gate, which the calling thread may hold); None once it is gone."""
-        device = self._device
-        if device is None:
-            value = c_int(-1)
-            with self._life:
-                handle = self._handle
-                if handle is None:
-                    return None
-                if self._lib.raw("ncclCommCuDevice")(handle, byref(value)):
-                    return None
-            device = self._device = value.value
-        return device
-
-    def watch_trip(self, reason: BaseException, revoke: bool = False) -> None:
-        """For the watchdog: abort through the one teardown (or, with ``revoke``, revoke),
-        recording ``reason`` (with the flight record: its last operations in the text,
-        all of it as an attribute)."""
-        if isinstance(reason, NcclError) and not hasattr(reason, "flight_record"):
-            self._with_record(reason)
-        if revoke and self._watch_revoke(reason):
-            return
-        self._teardown("watchdog", reason)
-
-    def _watch_revoke(self, reason: BaseException) -> bool:
-        """``ncclCommRevoke`` from the watchdog thread; False (abort instead) if it failed.
-        Never raises: nothing on that thread would see it. A communicator the user revoked
-        meanwhile is left as it is, for shrink."""
-        watch = self._watch
-        try:
-            state = self._state
-            if self._closing is not None or state not in (State.READY, State.REVOKED):
-                return False
-            rc = 0
-            if state is State.READY:
-                self._error = reason  # what the next call raises (a teardown would set it too)
-                rc = self._call_locked("ncclCommRevoke", HANDLE, 0, then=State.REVOKED)
-            self._watch = None
-            self._unwatch()
-            if rc == _IN_PROGRESS:  # non-blocking: wait until quiescent, bounded
-                self.wait_ready(None if watch is None else watch.timeout)
-        except Exception:  # reported through the abort that follows
-            return self._state is State.REVOKED
-        return True
-
     # -- capture guard ---------------------------------------------------------------------
 
-    def _refuse_if_capturing(self, what: str) -> None:
+    def refuse_if_capturing(self, what: str) -> None:
         """Init, split and register cannot be captured in a CUDA graph: say so clearly,
         before they call anything that would invalidate the capture."""
         try:
@@ -477,6 +258,8 @@ class Observed(CommHandle):
             "",
             f"{what} cannot run while {where} into a CUDA graph; do it before the capture begins",
         )
+
+    _refuse_if_capturing = refuse_if_capturing
 
 
 _HOOKED = False
