@@ -1,7 +1,12 @@
-"""``Communicator``: constructors, properties, lifecycle verbs, split, custom ops,
-memory, registration, windows, one-sided signals, synchronize and the watchdog. The
-collectives are generated from the spec table (:mod:`._codegen`) and attached at import;
-their one slow path is :meth:`._collectives.Collectives._slow`, a base of the class."""
+"""``Communicator``: constructors and the public surface. It is a :class:`~._core.Core`
+(handle, gate, state, flight record, watchdog, lifecycle) composed with parts, each a
+plain object over the core's public surface: :class:`~._memory.Memory`,
+:class:`~._window.Windows`, :class:`~._signals.Signals`, :class:`~._suspend.Suspend`,
+:class:`~._extras.Extras` (split, custom ops), :class:`~._resilience.Resilience`,
+:class:`~._vcoll.VCollectives` and :class:`~._introspect.Introspection`; the methods they
+implement are one delegating line each below. The collectives are generated from the spec
+table (:mod:`._codegen`) and attached at import; their one slow path is
+:meth:`._collectives.Collectives._slow`, a base of the class."""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ from collections.abc import Sequence
 from ctypes import byref, c_int, c_void_p
 
 from .._capi._enumargs import C_DATATYPE
-from .._capi.structs import ncclUniqueId
 from .._limits import (
     C_INT_MAX,
     check_c_int,
@@ -26,24 +30,29 @@ from ._codegen import install
 from ._collectives import Collectives
 from ._config import Config
 from ._core import Core
+from ._delegate import delegate, delegate_property
 from ._extras import Extras
 from ._introspect import Introspection
-from ._resilience import Resilience
+from ._memory import Memory
+from ._resilience import Resilience, join_args, refuse_in_group
 from ._signals import Signals, rma_limits
 from ._spec import COLLECTIVES
 from ._suspend import Suspend
-from ._uid import UniqueId, as_unique_ids
+from ._uid import UniqueId, as_unique_ids, init_rank
 from ._vcoll import VCollectives
+from ._window import Windows
 
 __all__ = ["Communicator"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, NoReturn
 
     from .._capi.nccl import NcclLibrary
+    from .._capi.structs import ncclConfig_t
     from ..cuda import DeviceBuffer
     from ..typing import DeviceLike, StreamLike
+    from ._memory import Registration
+    from ._window import Window
 
 _P63 = 1 << 63
 #: The inline raw-pointer path's largest count is a one-digit int (below 2**30), which
@@ -57,9 +66,7 @@ def _fast_n(size: int) -> int:
     return min(_FAST_N_MAX, _P63 // (16 * max(size, 1)))
 
 
-class Communicator(
-    Suspend, Resilience, Signals, Introspection, VCollectives, Collectives, Extras, Core
-):
+class Communicator(Collectives, Core):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -89,29 +96,17 @@ class Communicator(
     """
 
     __slots__ = (
-        "_array_ops",
-        "_barrier_buf",
-        "_fast_n",
-        "_fast_w",
-        "_ops",
-        "_regs",
-        "_rma",
-        "_wargs",
-        "_wins",
-    )
+        "_array_ops", "_barrier_buf", "_custom_ops", "_extras", "_fast_n", "_fast_w",
+        "_introspect", "_memory", "_ops", "_regs", "_resilience", "_signals", "_suspend",
+        "_vcoll", "_wargs", "_windows", "_wins",
+    )  # fmt: skip
 
     def __init__(
-        self,
-        nranks: int,
-        unique_id: UniqueId | bytes | Sequence[UniqueId | bytes],
-        rank: int,
-        *,
-        device: DeviceLike | None = None,
-        config: Config | None = None,
-        stream: StreamLike = None,
-        watchdog_timeout: float | None = None,
+        self, nranks: int, unique_id: UniqueId | bytes | Sequence[UniqueId | bytes], rank: int,
+        *, device: DeviceLike | None = None, config: Config | None = None,
+        stream: StreamLike = None, watchdog_timeout: float | None = None,
         watchdog_on_hang: str = "abort",
-    ) -> None:
+    ) -> None:  # fmt: skip
         L = lib()
         self._init_handle(L, True)
         nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
@@ -129,54 +124,26 @@ class Communicator(
         if device is not None:
             cudart().cudaSetDevice(device)
         self._refuse_if_capturing("communicator initialisation")
-        comm = c_void_p()
-        cfg = None if config is None else config.to_struct(L.version)
-        self._config = cfg  # NCCL keeps the commName pointer: keep the struct alive
-        self._rma = rma_limits(L.version, cfg)
-        if len(ids) > 1:
-            L.require("ncclCommInitRankScalable (several unique ids)", (2, 23, 4))
-            id_array = (ncclUniqueId * len(ids))(*(uid.struct for uid in ids))
-            result = L.ncclCommInitRankScalable(
-                byref(comm), nranks, rank, len(ids), id_array, None if cfg is None else byref(cfg)
-            )
-        elif cfg is not None:
-            result = L.ncclCommInitRankConfig(byref(comm), nranks, ids[0].struct, rank, byref(cfg))
-        else:
-            result = L.ncclCommInitRank(byref(comm), nranks, ids[0].struct, rank)
-        self._adopt(comm.value, result == Result.IN_PROGRESS)
-        if self._device is None and self._h is not None:
-            _ = self.device  # known from now on, so buffers can be checked against it
+        self._adopt(*init_rank(L, ids, nranks, rank, self._made_with(L, config)))
+        self._learn_device()
         if watchdog_timeout is not None:
             self.start_watchdog(watchdog_timeout, on_hang=watchdog_on_hang)
 
     def _setup(
-        self,
-        L: NcclLibrary,
-        rank: int,
-        size: int,
-        device: int | None,
-        config: Config | None,
+        self, L: NcclLibrary, rank: int, size: int, device: int | None, config: Config | None,
         stream: StreamLike,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self._rank = rank
         self._size = size
         self._device = device
-        self._blocking = config is None or config.blocking is None or bool(config.blocking)
         self._keep_stream(stream)
-        self.on_close(self._close_windows)
-        self.on_close(self._close_registrations)
-        self._custom_ops: dict[int, tuple[object, set[int]]] = {}
-        self._config = None
-        self._regs = {}
-        self._wins = {}
         self._seq = 0
-        self._barrier_buf: list[DeviceBuffer] = []  # barrier()'s, once allocated
         self._ring: list[object] = [None] * _recorder.RING_SIZE
+        self._compose(L, config)
         version = L.version
-        self._rma = rma_limits(version, None)
         # The ncclDataType_t argument for each type this library accepts (its shared
         # c_int); None for a type it is too old for.
-        self._codes: dict[DataType, c_int | None] = {
+        self._codes = {
             dt: C_DATATYPE[dt] if version >= dt.first_release else None for dt in DataType
         }
         self._ops = op_table(version)
@@ -188,6 +155,37 @@ class Communicator(
         self._raw_bfn = [L.bare(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
         self._bfn = list(self._raw_bfn)
 
+    def _compose(self, L: NcclLibrary, config: Config | None) -> None:
+        """The parts, over this core. The hot path reads ``_custom_ops``, ``_regs`` and
+        ``_wins`` off the communicator: the parts hold the same objects. Hooks run in the
+        order registered: the barrier's buffer and the windows' scratch go once the handle
+        is retired; windows close before registrations."""
+        self._custom_ops: dict[int, tuple[object, set[int]]] = {}
+        self._regs: dict[int, Registration] = {}
+        self._wins: dict[tuple[int, int, int], Window] = {}
+        self._barrier_buf: list[DeviceBuffer] = []  # barrier()'s, once allocated
+        self._vcoll = VCollectives(self, self._barrier_buf)
+        self._windows = windows = Windows(self, self._wins)
+        self._memory = Memory(self, self._regs)
+        self._signals = Signals(self, windows, rma_limits(L.version, None))
+        self._suspend = suspend = Suspend(self)
+        self._extras = extras = Extras(self, self._custom_ops, self._child, suspend)
+        extras.blocking = config is None or config.blocking is None or bool(config.blocking)
+        self._resilience = Resilience(self, extras)
+        self._introspect = Introspection(self)
+
+    def _made_with(self, L: NcclLibrary, config: Config | None) -> ncclConfig_t | None:
+        """The config struct a new handle is made with (kept: NCCL keeps its commName
+        pointer), and the one-sided limits it sets."""
+        cfg = None if config is None else config.to_struct(L.version)
+        self._suspend.config = cfg
+        self._signals.rma = rma_limits(L.version, cfg)
+        return cfg
+
+    def _learn_device(self) -> None:
+        if self._device is None and self._h is not None:
+            _ = self.device  # known from now on, so buffers can be checked against it
+
     def _sized(self, size: int) -> None:
         """What the inline paths derive from the size: the count bound, and the shared
         c_int of each root/peer they take (``_wargs[r]`` for ``0 <= r < _fast_w``)."""
@@ -198,24 +196,16 @@ class Communicator(
 
     @classmethod
     def _wrap(
-        cls,
-        L: NcclLibrary,
-        handle: int,
-        rank: int,
-        size: int,
-        device: int | None,
-        *,
-        owner: bool = True,
-        blocking: bool = True,
-        stream: StreamLike = None,
+        cls, L: NcclLibrary, handle: int, rank: int, size: int, device: int | None, *,
+        owner: bool = True, blocking: bool = True, stream: StreamLike = None,
         pending: bool = False,
-    ) -> Communicator:
+    ) -> Communicator:  # fmt: skip
         self = cls.__new__(cls)
         self._init_handle(L, owner)
         self._setup(L, rank, size, device, None, stream)
-        self._blocking = blocking
+        self._extras.blocking = blocking
         if not owner:
-            self._rma = None  # a borrowed handle's config is unknown
+            self._signals.rma = None  # a borrowed handle's config is unknown
         self._adopt(handle, pending)
         return self
 
@@ -227,8 +217,8 @@ class Communicator(
             stream=self._stream if self._stream_ref is None else self._stream_ref,
             pending=not blocking,
         )  # fmt: skip
-        child._config = cfg  # NCCL keeps the commName pointer
-        child._rma = self._rma if cfg is None else rma_limits(L.version, cfg)
+        child._suspend.config = cfg  # NCCL keeps the commName pointer
+        child._signals.rma = self._signals.rma if cfg is None else rma_limits(L.version, cfg)
         if not blocking:
             child.wait_ready()
         value = c_int()
@@ -240,31 +230,32 @@ class Communicator(
         return child
 
     @classmethod
-    def from_env(cls, **kwargs: Any) -> Communicator:
-        """This process's communicator from its launcher's environment.
-
-        The launcher's variables (torchrun, ``python -m pynccl launch``, torch's
-        ``env://``, Open MPI, MVAPICH2, Cray PALS, MPICH / Intel MPI, Slurm steps,
-        LeaderWorkerSet, indexed Jobs / JobSet), or ``rank=`` and ``world_size=``, give
-        rank, world size and device; the unique id travels over TCP
-        (``MASTER_ADDR:MASTER_PORT``, authenticated with ``PYNCCL_RENDEZVOUS_KEY``),
-        torchrun's own store, a ``store=``, an ``mpi_comm=`` or a ``file=``. Keyword
-        arguments as :func:`pynccl.bootstrap.from_env` (``timeout``, ``store``,
-        ``mpi_comm``, ``file``, ``config``, ``nids``, ``device``, ``rank``, ...).
-        """
-        from ._from_env import from_env
-
-        return from_env(**kwargs)
-
-    def __reduce_ex__(self, protocol: object) -> NoReturn:
-        # pickle and copy both come here: a copy would own (and destroy) the same handle
-        raise TypeError(
-            "a Communicator cannot be pickled or copied: it is this process's handle to "
-            "NCCL state on its GPU, which no other process can use. Send what creates one "
-            "instead (the UniqueId it was made from, which pickles, or bytes(uid); the "
-            "rank; the world size) and call Communicator(world_size, uid, rank) in the "
-            "receiving process"
-        )
+    def join(
+        cls, nranks: int, unique_id: UniqueId | bytes, rank: int, *, device: int | None = None,
+        config: Config | None = None, stream: StreamLike = None,
+    ) -> Communicator:  # fmt: skip
+        """``ncclCommGrow`` (NCCL >= 2.29) on a new rank: join the grow of an existing
+        communicator as ``rank`` of ``nranks``, with the ``unique_id`` its root took
+        (:meth:`grow_id`). ``device`` is made the thread's current device first, as
+        ``Communicator(...)`` does; a non-blocking ``config`` returns at once, ready
+        after ``wait_ready()``."""
+        L = lib()
+        L.require("Communicator.join (ncclCommGrow)", L.PROTOTYPES["ncclCommGrow"].first)
+        nranks, uid, rank, device = join_args(nranks, unique_id, rank, device, config)
+        self = cls.__new__(cls)
+        self._init_handle(L, True)
+        self._setup(L, rank, nranks, device, config, stream)
+        if device is not None:
+            cudart().cudaSetDevice(device)
+        self._refuse_if_capturing("ncclCommGrow")
+        refuse_in_group("ncclCommGrow")
+        cfg = self._made_with(L, config)
+        out = c_void_p()
+        ref = None if cfg is None else byref(cfg)
+        result = L.ncclCommGrow(None, nranks, byref(uid.struct), rank, byref(out), ref)
+        self._adopt(out.value, result == Result.IN_PROGRESS)
+        self._learn_device()
+        return self
 
     @classmethod
     def from_handle(cls, handle: int, *, stream: StreamLike = None) -> Communicator:
@@ -303,11 +294,33 @@ class Communicator(
         L.ncclCommInitAll(handles, n, dev_array)
         return [cls._wrap(L, int(handles[i] or 0), i, n, devs[i], stream=stream) for i in range(n)]
 
-    def __repr__(self) -> str:
-        return (
-            f"<pynccl.Communicator rank {self._rank}/{self._size} device {self._device} "
-            f"{self._state}{'' if self._owner else ' (borrowed)'}>"
-        )
+    # -- what the parts implement ----------------------------------------------------------
+
+    mem_alloc = delegate("_memory", Memory.mem_alloc)
+    register = delegate("_memory", Memory.register)
+    deregister = delegate("_memory", Memory.deregister)
+    windows = delegate_property("_windows", Windows.windows)
+    register_window = delegate("_windows", Windows.register_window)
+    put_signal = delegate("_signals", Signals.put_signal)
+    signal = delegate("_signals", Signals.signal)
+    wait_signal = delegate("_signals", Signals.wait_signal)
+    suspend = delegate("_suspend", Suspend.suspend)
+    resume = delegate("_suspend", Suspend.resume)
+    suspended = delegate("_suspend", Suspend.suspended)
+    mem_stats = delegate("_suspend", Suspend.mem_stats)
+    split = delegate("_extras", Extras.split)
+    create_premul_sum = delegate("_extras", Extras.create_premul_sum)
+    destroy_op = delegate("_extras", Extras.destroy_op)
+    _note_op_use = delegate("_extras", Extras.note_op_use)
+    revoke = delegate("_resilience", Resilience.revoke)
+    shrink = delegate("_resilience", Resilience.shrink)
+    grow_id = delegate("_resilience", Resilience.grow_id)
+    grow = delegate("_resilience", Resilience.grow)
+    all_gather_v = delegate("_vcoll", VCollectives.all_gather_v)
+    reduce_scatter_v = delegate("_vcoll", VCollectives.reduce_scatter_v)
+    all_to_all_v = delegate("_vcoll", VCollectives.all_to_all_v)
+    barrier = delegate("_vcoll", VCollectives.barrier)
+    properties = delegate_property("_introspect", Introspection.properties)
 
 
 install(Communicator)

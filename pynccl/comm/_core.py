@@ -37,7 +37,7 @@ from .._adapt import as_stream
 from .._limits import check_timeout
 from ..dtypes import as_datatype
 from ..enums import DataType, Result
-from ..errors import NcclInvalidUsage, NcclTimeoutError, NotSupportedError
+from ..errors import NcclInvalidUsage, NotSupportedError
 from ._handle import HANDLE, TERMINAL, State
 from ._watched import Watched
 
@@ -47,19 +47,20 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import TracebackType
-    from typing import Self, TypeVar
+    from typing import Any, NoReturn, Self, TypeVar
 
     T = TypeVar("T")
 
     from .._capi.nccl import NcclLibrary
     from ..typing import DTypeLike, StreamLike
+    from ._communicator import Communicator
 
 
 class Core(Watched):
     """Handle, gate, state, flight record, watchdog slots and library (the base of
     :class:`~pynccl.Communicator`); the surface its parts use is in the module doc."""
 
-    __slots__ = ("_closers", "_retirers", "_stream_ref")
+    __slots__ = ("_closers", "_codes", "_retirers", "_stream_ref")
 
     _codes: dict[DataType, c_int | None]
     _config: object  # the ncclConfig_t it was made with (kept: NCCL keeps commName), or None
@@ -97,6 +98,42 @@ class Core(Watched):
         return dt
 
     _datatype = datatype
+
+    # -- construction, pickling, repr ---------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, **kwargs: Any) -> Communicator:
+        """This process's communicator from its launcher's environment.
+
+        The launcher's variables (torchrun, ``python -m pynccl launch``, torch's
+        ``env://``, Open MPI, MVAPICH2, Cray PALS, MPICH / Intel MPI, Slurm steps,
+        LeaderWorkerSet, indexed Jobs / JobSet), or ``rank=`` and ``world_size=``, give
+        rank, world size and device; the unique id travels over TCP
+        (``MASTER_ADDR:MASTER_PORT``, authenticated with ``PYNCCL_RENDEZVOUS_KEY``),
+        torchrun's own store, a ``store=``, an ``mpi_comm=`` or a ``file=``. Keyword
+        arguments as :func:`pynccl.bootstrap.from_env` (``timeout``, ``store``,
+        ``mpi_comm``, ``file``, ``config``, ``nids``, ``device``, ``rank``, ...).
+        """
+        from ._from_env import from_env
+
+        return from_env(**kwargs)
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        # pickle and copy both come here: a copy would own (and destroy) the same handle
+        raise TypeError(
+            "a Communicator cannot be pickled or copied: it is this process's handle to "
+            "NCCL state on its GPU, which no other process can use. Send what creates one "
+            "instead (the UniqueId it was made from, which pickles, or bytes(uid); the "
+            "rank; the world size) and call Communicator(world_size, uid, rank) in the "
+            "receiving process"
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<pynccl.Communicator rank {self._rank}/{self._size} device {self._device} "
+            f"{self._state}{'' if self._owner else ' (borrowed)'}>"
+        )
+
 
     # -- properties -----------------------------------------------------------------------
 
@@ -344,53 +381,6 @@ class Core(Watched):
             self._lib.ncclCommAbort(handle)
         else:  # the watchdog thread: never raise there
             self._lib.raw("ncclCommAbort")(handle)
-
-    def _destroy_kind(self) -> tuple[str, BaseException | None]:
-        """What ``destroy()`` does: ``("destroy", None)``, or ``("abort", why)``.
-
-        * NCCL's destroy waits until every CUDA graph that captured the communicator is
-          destroyed: with a live :class:`pynccl.cuda.Graph` that did, it would block
-          for ever, so :class:`~pynccl.NcclInvalidUsage` names the graphs instead.
-        * After ``shrink(..., abort=True)`` the parent is aborted: from NCCL 2.31.2 on,
-          its destroy waits in a barrier for ranks that aborted (pytorch#194775).
-        * With a watchdog, the work it watches is waited for, each operation until the
-          watchdog's timeout after its issue; one still incomplete then makes it abort
-          (a RuntimeWarning names it; :attr:`error` holds the NcclTimeoutError), since
-          ``ncclCommDestroy`` would wait for it for ever.
-        """
-        if not self._owner:  # a borrowed handle is only forgotten: nothing waits
-            return "destroy", None
-        graphs = self._live_graphs()
-        if graphs:
-            names = ", ".join(repr(g) for g in graphs)
-            raise NcclInvalidUsage(
-                Result.INVALID_USAGE,
-                "ncclCommDestroy",
-                f"cannot destroy communicator rank {self._rank}: {len(graphs)} live CUDA "
-                f"graph(s) captured its calls ({names}); NCCL's destroy waits until they "
-                "are destroyed: close them first (Graph.close()), or abort() (which closes them)",
-            )
-        if self._shrunk:
-            return "abort", None
-        watch = self._watch
-        if watch is None or self._state is not State.READY:
-            return "destroy", None
-        self._watch = None
-        self._unwatch()
-        hung = watch.drain()
-        if hung is None:
-            return "destroy", None
-        seq, waited = hung
-        error = NcclTimeoutError(
-            Result.TIMEOUT,
-            self.describe(seq),
-            f"destroy(): operation #{seq} ({self.describe(seq)}) did not complete within "
-            f"the watchdog's {watch.timeout:g} s (waited {waited:.3g} s since it was "
-            "issued), so the communicator was aborted instead of destroyed",
-        )
-        self._with_record(error)
-        _warn(str(error), RuntimeWarning, stacklevel=3)
-        return "abort", error
 
 
 def _run_all(hooks: list[Callable[[T], None]], arg: T) -> None:

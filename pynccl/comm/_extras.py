@@ -1,5 +1,6 @@
-"""The communicator's verbs beyond collectives: ``split`` and custom reduction ops
-(``create_premul_sum`` / ``destroy_op``). Buffer registration is in :mod:`._memory`."""
+"""The communicator's verbs beyond collectives: ``split`` (and the one way a parent makes
+a child: split, shrink, grow) and custom reduction ops (``create_premul_sum`` /
+``destroy_op``). Buffer registration is in :mod:`._memory`."""
 
 from __future__ import annotations
 
@@ -9,44 +10,47 @@ from .. import groups as _groups
 from .._adapt import as_buffer
 from .._capi.structs import NCCL_SPLIT_NOCOLOR
 from .._limits import C_INT_MAX, check_c_int, index_int, is_bool
-from ..dtypes import as_datatype
 from ..enums import DataType, Result, ScalarResidence
-from ..errors import NotSupportedError
-from ._core import Core
-from ._handle import HANDLE, State
+from ._state import HANDLE, State
 
 __all__ = ["Extras"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ctypes import c_int as _CInt
+    from collections.abc import Callable
     from typing import Any
 
     from ..typing import DTypeLike
     from ._communicator import Communicator
     from ._config import Config
+    from ._suspend import Suspend
+
+    #: Makes the child communicator of a new handle: (handle, blocking, config struct).
+    MakeChild = Callable[[int, bool, object], Communicator]
 
 
-class Extras(Core):
-    """split and custom ops (a base of Communicator)."""
+class Extras:
+    """split (and the children of shrink and grow) and custom ops: a part of
+    :class:`~pynccl.Communicator`, over its core's public surface."""
 
-    __slots__ = ("_blocking", "_codes", "_config", "_custom_ops")
+    __slots__ = ("blocking", "core", "custom_ops", "make_child", "suspend")
 
-    _blocking: bool
-    _codes: dict[DataType, _CInt | None]
-    #: Each live custom op: the object holding its device scalar (None: a host scalar or
-    #: a raw pointer) and the streams it was issued on.
-    _custom_ops: dict[int, tuple[object, set[int]]]
-    _config: object
-
-    def _child(self, handle: int, blocking: bool, cfg: object) -> Communicator:
-        raise NotImplementedError  # pragma: no cover - Communicator defines it
-
-    def _datatype(self, dtype: DTypeLike) -> DataType:
-        dt = as_datatype(dtype)
-        if self._codes[dt] is None:
-            raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
-        return dt
+    def __init__(
+        self,
+        core: Communicator,
+        custom_ops: dict[int, tuple[object, set[int]]],
+        make_child: MakeChild,
+        suspend: Suspend,
+    ) -> None:
+        self.core = core
+        #: Each live custom op: the object holding its device scalar (None: a host scalar
+        #: or a raw pointer) and the streams it was issued on (the communicator's
+        #: ``_custom_ops``).
+        self.custom_ops = custom_ops
+        self.make_child = make_child
+        #: Whether a child inherits a blocking configuration (the parent's).
+        self.blocking = True
+        self.suspend = suspend  # a child may share the parent's memory manager
 
     # -- splitting -----------------------------------------------------------------------
 
@@ -58,9 +62,10 @@ class Extras(Core):
         ``color=None`` (``NCCL_SPLIT_NOCOLOR``) takes no part and returns ``None``.
         A revoked communicator may be split (NCCL: "safe for destroy, split, and
         shrink")."""
-        revoked = self._state is State.REVOKED
+        core = self.core
+        revoked = core.state is State.REVOKED
         if not revoked:
-            self._live()
+            core.live()
         if color is None:
             color = NCCL_SPLIT_NOCOLOR
         elif type(color) is int and color == NCCL_SPLIT_NOCOLOR:
@@ -72,11 +77,11 @@ class Extras(Core):
                 raise ValueError(
                     f"color must be a non-negative int or None, got {color!r}"
                 ) from None
-        key = self._rank if key is None else check_c_int(key, "key")
-        self._refuse_if_capturing("ncclCommSplit")
-        return self._new_comm("ncclCommSplit", (HANDLE, color, key), (), config, ready=not revoked)
+        key = core.rank if key is None else check_c_int(key, "key")
+        core.refuse_if_capturing("ncclCommSplit")
+        return self.new_comm("ncclCommSplit", (HANDLE, color, key), (), config, ready=not revoked)
 
-    def _new_comm(
+    def new_comm(
         self,
         function: str,
         pre: tuple[object, ...],
@@ -87,21 +92,26 @@ class Extras(Core):
         """``function(*pre, &newcomm, config, *post)`` with this communicator's handle for
         :data:`HANDLE` (split, shrink, grow), then the child once it is ready; None if NCCL
         made none (a split with ``NCCL_SPLIT_NOCOLOR``). Non-blocking: the new handle is
-        written later by NCCL, so the parent is polled first."""
-        cfg = None if config is None else config.to_struct(self._lib.version)
+        written later by NCCL, so the parent is polled first. A child that shares this
+        communicator's memory manager joins its group (:mod:`._suspend`)."""
+        core = self.core
+        shares = self.suspend.shares_memory(function, post)
+        cfg = None if config is None else config.to_struct(core.library.version)
         out = c_void_p()
-        result = self._call_locked(
+        result = core.call_locked(
             function, *pre, byref(out), None if cfg is None else byref(cfg), *post, ready=ready
         )
         blocking = (
-            self._blocking if config is None or config.blocking is None else bool(config.blocking)
+            self.blocking if config is None or config.blocking is None else bool(config.blocking)
         )
         if result == Result.IN_PROGRESS or (not blocking and not out.value):
-            self._mark_pending()  # the parent's own state; a revoked one stays revoked
-            self.wait_ready()
+            core.mark_pending()  # the parent's own state; a revoked one stays revoked
+            core.wait_ready()
         if not out.value:
             return None
-        return self._child(out.value, blocking, cfg)
+        child = self.make_child(out.value, blocking, cfg)
+        self.suspend.adopt_child(child, shares)
+        return child
 
     # -- custom reduction ops ------------------------------------------------------------
 
@@ -119,8 +129,9 @@ class Extras(Core):
         :meth:`destroy_op` and the work issued with it has run), read while each
         collective runs. Release the op with :meth:`destroy_op`.
         """
-        self._live()
-        dt = self._datatype(dtype)
+        core = self.core
+        core.live()
+        dt = core.datatype(dtype)
         res = _residence(residence)
         keep: object = None
         if res is ScalarResidence.HOST_IMMEDIATE:
@@ -132,18 +143,18 @@ class Extras(Core):
                 raise TypeError(f"scalar must be a device pointer or buffer, got {scalar!r}")
             ptr, _, _, _ = as_buffer(scalar, 1, dt, name="scalar")  # type: ignore[arg-type]
         op = c_int()
-        self._call_locked("ncclRedOpCreatePreMulSum", byref(op), ptr, int(dt), int(res), HANDLE)
+        core.call_locked("ncclRedOpCreatePreMulSum", byref(op), ptr, int(dt), int(res), HANDLE)
         # NCCL reads a device scalar while each collective using the op runs: the object
         # holding it stays referenced (a raw pointer is the caller's to keep).
         device = None if res is ScalarResidence.HOST_IMMEDIATE or type(scalar) is int else scalar
-        self._custom_ops[op.value] = (device, set())
+        self.custom_ops[op.value] = (device, set())
         del keep
         return op.value
 
-    def _note_op_use(self, op: int, stream: int) -> None:
+    def note_op_use(self, op: int, stream: int) -> None:
         """A collective with custom op ``op`` is being issued on ``stream``: its device
         scalar must outlive that work (see :meth:`destroy_op`)."""
-        entry = self._custom_ops.get(op)
+        entry = self.custom_ops.get(op)
         if entry is not None and entry[0] is not None:
             entry[1].add(stream)
 
@@ -154,14 +165,14 @@ class Extras(Core):
         each stream has run (inside a group: until the group ends), so a stream-ordered
         allocator cannot hand its memory out while a collective still reads it."""
         value = index_int(op, "op", "an int op from create_premul_sum()")
-        if value not in self._custom_ops:
+        if value not in self.custom_ops:
             raise ValueError(f"op {value!r} was not created on this communicator")
-        self._call_locked("ncclRedOpDestroy", value, HANDLE)
-        device, streams = self._custom_ops.pop(value)
+        self.core.call_locked("ncclRedOpDestroy", value, HANDLE)
+        device, streams = self.custom_ops.pop(value)
         if device is not None and not _groups.keep_alive(device) and streams:
             from ..cuda._stream import keep_until_done
 
-            keep_until_done(device, streams, self._device)
+            keep_until_done(device, streams, self.core.device)
 
 
 def _residence(residence: object) -> ScalarResidence:

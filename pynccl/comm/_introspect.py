@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from ._handle import HANDLE
-from ._observe import Observed
+from ._state import HANDLE
 
 __all__ = ["Introspection"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from ._core import Core
     from ._properties import CommProperties
 
 
-class Introspection(Observed):
-    """``properties`` (a base of Communicator)."""
+class Introspection:
+    """``properties``: a part of :class:`~pynccl.Communicator`, over its core's public
+    surface."""
 
-    __slots__ = ()
+    __slots__ = ("core",)
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
 
     @property
     def properties(self) -> CommProperties:
@@ -29,4 +33,5 @@ class Introspection(Observed):
         """
         from ._properties import query
 
-        return query(self._lib, lambda p: self._call_locked("ncclCommQueryProperties", HANDLE, p))
+        core = self.core
+        return query(core.library, lambda p: core.call_locked("ncclCommQueryProperties", HANDLE, p))

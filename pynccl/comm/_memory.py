@@ -17,32 +17,32 @@ from .._closable import Closable
 from .._limits import check_count, check_pointer, is_pointer_object
 from ..enums import DataType, Result
 from ..errors import NcclInvalidUsage
-from ._handle import HANDLE, TERMINAL
-from ._observe import Observed
+from ._state import HANDLE, TERMINAL
 
 __all__ = ["Memory", "Registration", "buffer_range"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-
     from ..cuda import DeviceBuffer
     from ..typing import BufferLike, DTypeLike
+    from ._core import Core
 
 _MEM_ALLOC = (2, 19, 1)  # ncclMemAlloc, ncclCommRegister
 
 
 def buffer_range(
-    comm: Observed, buf: object, nbytes: object, verb: str
+    device: int | None, buf: object, nbytes: object, verb: str
 ) -> tuple[int, int, DataType]:
     """``(ptr, bytes, element type)`` of the range ``verb`` (register, register_window)
-    covers: a buffer (its first ``nbytes`` if given) or a raw pointer with ``nbytes``."""
+    covers: a buffer (its first ``nbytes`` if given) or a raw pointer with ``nbytes``;
+    a buffer must be on ``device`` (the communicator's, if known)."""
     if type(buf) is int or is_pointer_object(buf):  # a raw pointer (or a CUdeviceptr)
         if nbytes is None:
             raise TypeError(f"{verb}(ptr) with a raw pointer needs nbytes=")
         size = check_count(nbytes, "nbytes")
         return check_pointer(buf, "buf", size), size, DataType.UINT8
     ptr, n, dt, dev = as_buffer(buf, name="buf")  # type: ignore[arg-type]
-    check_device(dev, comm._device, "buf")
+    check_device(dev, device, "buf")
     held = n * dt.itemsize
     size = held if nbytes is None else check_count(nbytes, "nbytes")
     if size > held:
@@ -58,10 +58,10 @@ class Registration(Closable):
     object stays referenced until then. A closed registration refuses ``handle``.
     """
 
-    __slots__ = ("__weakref__", "_buf", "_closed", "_comm", "_handle", "_nbytes", "_ptr")
+    __slots__ = ("__weakref__", "_buf", "_closed", "_handle", "_memory", "_nbytes", "_ptr")
 
-    def __init__(self, comm: Memory, handle: int, ptr: int, nbytes: int, buf: object) -> None:
-        self._comm = comm
+    def __init__(self, memory: Memory, handle: int, ptr: int, nbytes: int, buf: object) -> None:
+        self._memory = memory
         self._handle = handle
         self._ptr = ptr
         self._nbytes = nbytes
@@ -90,56 +90,61 @@ class Registration(Closable):
     @property
     def closed(self) -> bool:
         """True once deregistered, or once its communicator is gone."""
-        return self._closed or self._comm._state in TERMINAL
+        return self._closed or self._memory.core.state in TERMINAL
 
     def close(self) -> None:
         """``ncclCommDeregister`` (NCCL >= 2.19; idempotent; only marks it closed once the
         communicator is gone, whose teardown freed it)."""
-        self._comm._deregister(self)
-
-
+        self._memory.deregister_one(self)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"handle={self._handle:#x}"
         return (
             f"<pynccl.Registration ptr={self._ptr:#x} nbytes={self._nbytes} "
-            f"rank {self._comm._rank} {state}>"
+            f"rank {self._memory.core.rank} {state}>"
         )
 
 
-class Memory(Observed):
-    """mem_alloc, register, deregister (a base of Communicator)."""
+class Memory:
+    """mem_alloc, register, deregister and the open registrations: a part of
+    :class:`~pynccl.Communicator`, over its core's public surface."""
 
-    __slots__ = ()
+    __slots__ = ("core", "regs")
 
-    _regs: dict[int, Registration]
+    def __init__(self, core: Core, regs: dict[int, Registration]) -> None:
+        self.core = core
+        #: The open registrations by handle (the communicator's ``_regs``).
+        self.regs = regs
+        core.on_close(self.close_registrations)
 
     def mem_alloc(self, count: int, dtype: DTypeLike = "uint8") -> DeviceBuffer:
         """``ncclMemAlloc`` (NCCL >= 2.19): ``count`` elements of ``dtype`` on this
         communicator's device, as a :class:`~pynccl.cuda.DeviceBuffer` (``allocator="nccl"``)
         that ``close()`` (or garbage collection) frees with ``ncclMemFree``. Memory for
         symmetric windows and one-sided puts. Not while a CUDA graph is being captured."""
-        self._live()
+        core = self.core
+        core.live()
         n = check_count(count)
-        self._lib.require("ncclMemAlloc", _MEM_ALLOC)
-        self._refuse_if_capturing("ncclMemAlloc")
+        core.library.require("ncclMemAlloc", _MEM_ALLOC)
+        core.refuse_if_capturing("ncclMemAlloc")
         from ..cuda import DeviceBuffer
 
-        return DeviceBuffer((n,), dtype, self.device, allocator="nccl")
+        return DeviceBuffer((n,), dtype, core.device, allocator="nccl")
 
     def register(self, buf: BufferLike, *, nbytes: int | None = None) -> Registration:
         """``ncclCommRegister`` (NCCL >= 2.19): register ``buf`` (a buffer, or a raw
         pointer with ``nbytes=``; ``nbytes`` also registers just the first bytes of a
         buffer) for faster collectives. Returns a :class:`Registration` that keeps ``buf``
         referenced until it is closed. Not while a CUDA graph is being captured."""
-        self._live()
-        ptr, size, _ = buffer_range(self, buf, nbytes, "register")
-        self._lib.require("ncclCommRegister", _MEM_ALLOC)
-        self._refuse_if_capturing("ncclCommRegister")
+        core = self.core
+        core.live()
+        ptr, size, _ = buffer_range(core.device, buf, nbytes, "register")
+        core.library.require("ncclCommRegister", _MEM_ALLOC)
+        core.refuse_if_capturing("ncclCommRegister")
         out = c_void_p()
-        self._call_locked("ncclCommRegister", HANDLE, ptr, size, byref(out))
+        core.call_locked("ncclCommRegister", HANDLE, ptr, size, byref(out))
         reg = Registration(self, int(out.value or 0), ptr, size, buf)
-        self._regs[reg._handle] = reg
+        self.regs[reg._handle] = reg
         return reg
 
     def deregister(self, handle: Registration | int) -> None:
@@ -147,9 +152,9 @@ class Memory(Observed):
         ``close()``) or a bare handle (an ``int``, as ``register`` returned before it
         returned Registrations)."""
         if isinstance(handle, Registration):
-            if handle._comm is not self:
+            if handle._memory is not self:
                 raise ValueError(f"{handle!r} belongs to another communicator")
-            self._deregister(handle)
+            self.deregister_one(handle)
             return
         if isinstance(handle, (bool, float)) or not hasattr(type(handle), "__index__"):
             raise TypeError(
@@ -157,34 +162,36 @@ class Memory(Observed):
             )
         # A void* for NCCL: ctypes would wrap 2**64 + h to h (the real registration).
         handle = check_pointer(handle, "handle", 0)
-        reg = self._regs.get(handle)
+        reg = self.regs.get(handle)
         if reg is not None:
-            self._deregister(reg)
+            self.deregister_one(reg)
             return
-        self._refuse_if_capturing("ncclCommDeregister")
-        self._call_locked("ncclCommDeregister", HANDLE, handle)
+        self.core.refuse_if_capturing("ncclCommDeregister")
+        self.core.call_locked("ncclCommDeregister", HANDLE, handle)
 
-    def _deregister(self, reg: Registration) -> None:
+    def deregister_one(self, reg: Registration) -> None:
+        """Deregister ``reg`` (only forget it once the communicator is gone)."""
         if reg.closed:
             reg._closed = True
-            self._regs.pop(reg._handle, None)
+            self.regs.pop(reg._handle, None)
             return
-        self._refuse_if_capturing("ncclCommDeregister")
-        self._call_locked("ncclCommDeregister", HANDLE, reg._handle)
+        self.core.refuse_if_capturing("ncclCommDeregister")
+        self.core.call_locked("ncclCommDeregister", HANDLE, reg._handle)
         reg._closed = True
         reg._buf = None
-        self._regs.pop(reg._handle, None)
+        self.regs.pop(reg._handle, None)
 
-    def _close_registrations(self, abort: bool) -> None:
-        """Before destroy (deregister each) or abort (only mark them closed)."""
-        regs = list(self._regs.values())
-        self._regs.clear()
-        call = not abort and self._h is not None  # finalized: the destroy frees them
+    def close_registrations(self, abort: bool) -> None:
+        """Before destroy (deregister each) or abort (only mark them closed): the core's
+        close hook."""
+        regs = list(self.regs.values())
+        self.regs.clear()
+        call = not abort and self.core.usable  # finalized: the destroy frees them
         first: BaseException | None = None
         for reg in regs:
             if call and first is None and not reg._closed:
                 try:
-                    self._call_locked("ncclCommDeregister", HANDLE, reg._handle)
+                    self.core.call_locked("ncclCommDeregister", HANDLE, reg._handle)
                 except BaseException as exc:  # destroy goes on; it frees the rest
                     first = exc
             reg._closed = True

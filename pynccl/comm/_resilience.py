@@ -20,28 +20,26 @@ before calling anything.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from ctypes import byref, c_int, c_void_p
+from ctypes import byref, c_int
 
 from .. import groups as _groups
 from .._capi.structs import ncclUniqueId
 from .._limits import C_INT_MAX, check_c_int, check_index
 from ..enums import Result, RevokeFlag, ShrinkFlag
 from ..errors import NcclInvalidUsage
-from ._extras import Extras
-from ._handle import HANDLE, State
+from ._state import HANDLE, State
 from ._uid import UniqueId, as_unique_ids
 
-__all__ = ["Resilience"]
+__all__ = ["Resilience", "check_config", "join_args", "refuse_in_group"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from .._capi.nccl import NcclLibrary
-    from ..typing import StreamLike
     from ._communicator import Communicator
     from ._config import Config
+    from ._extras import Extras
 
 
-def _refuse_in_group(function: str) -> None:
+def refuse_in_group(function: str) -> None:
     """An init-like call inside a group would leave the new handle to be written at the
     group's end, after this call has returned: refuse it, clearly."""
     if _groups.group_depth() > 0:
@@ -53,7 +51,7 @@ def _refuse_in_group(function: str) -> None:
         )
 
 
-def _check_config(config: object) -> None:
+def check_config(config: object) -> None:
     from ._config import Config
 
     if config is not None and not isinstance(config, Config):
@@ -67,21 +65,28 @@ def _one_id(unique_id: object) -> UniqueId:
     return ids[0]
 
 
-class Resilience(Extras):
-    """revoke, shrink, grow and join (a base of Communicator)."""
+def join_args(
+    nranks: int, unique_id: UniqueId | bytes, rank: int, device: int | None, config: object
+) -> tuple[int, UniqueId, int, int | None]:
+    """:meth:`Communicator.join`'s arguments, checked: ``(nranks, id, rank, device)``."""
+    nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
+    rank = check_index(rank, "rank", nranks, f"for a communicator of size {nranks}")
+    if device is not None:
+        device = check_c_int(device, "device", 0)
+    uid = _one_id(unique_id)
+    check_config(config)
+    return nranks, uid, rank, device
 
-    __slots__ = ()
 
-    def _setup(
-        self,
-        L: NcclLibrary,
-        rank: int,
-        size: int,
-        device: int | None,
-        config: Config | None,
-        stream: StreamLike,
-    ) -> None:
-        raise NotImplementedError  # pragma: no cover - Communicator defines it
+class Resilience:
+    """revoke, shrink and grow: a part of :class:`~pynccl.Communicator`, over its core's
+    public surface (and the split part, which makes children)."""
+
+    __slots__ = ("core", "extras")
+
+    def __init__(self, core: Communicator, extras: Extras) -> None:
+        self.core = core
+        self.extras = extras
 
     def _new_child(
         self,
@@ -91,10 +96,10 @@ class Resilience(Extras):
         config: Config | None,
         ready: bool,
     ) -> Communicator:
-        """:meth:`~._extras.Extras._new_comm` for a call that always makes a child."""
-        child = self._new_comm(function, pre, post, config, ready=ready)
+        """:meth:`~._extras.Extras.new_comm` for a call that always makes a child."""
+        child = self.extras.new_comm(function, pre, post, config, ready=ready)
         if child is None:
-            raise self._lib.make_error(Result.INTERNAL_ERROR, function)
+            raise self.core.library.make_error(Result.INTERNAL_ERROR, function)
         return child
 
     # -- revoke --------------------------------------------------------------------------
@@ -109,15 +114,16 @@ class Resilience(Extras):
         remain (NCCL: "safe for destroy, split, and shrink").
         A second call does nothing.
         """
-        self._require("revoke", "ncclCommRevoke")
-        if self._state is State.REVOKED:
+        core = self.core
+        core.require("revoke", "ncclCommRevoke")
+        if core.state is State.REVOKED:
             return
-        self._live()
-        self._refuse_if_capturing("ncclCommRevoke")
+        core.live()
+        core.refuse_if_capturing("ncclCommRevoke")
         flags = int(RevokeFlag.DEFAULT)
-        rc = self._call_locked("ncclCommRevoke", HANDLE, flags, then=State.REVOKED)
+        rc = core.call_locked("ncclCommRevoke", HANDLE, flags, then=State.REVOKED)
         if rc == Result.IN_PROGRESS:  # non-blocking: quiescent once the async error is success
-            self.wait_ready()
+            core.wait_ready()
 
     # -- shrink --------------------------------------------------------------------------
 
@@ -137,15 +143,16 @@ class Resilience(Extras):
         barrier with the ranks that aborted, pytorch#194775). ``exclude`` must not be
         empty (NCCL refuses an empty exclusion list).
         """
-        self._require("shrink", "ncclCommShrink")
+        core = self.core
+        core.require("shrink", "ncclCommShrink")
         if isinstance(exclude, (str, bytes)) or not isinstance(exclude, Sequence):
             raise TypeError(
                 f"exclude must be a sequence of ranks, got {type(exclude).__name__} {exclude!r}"
             )
         if type(abort) is not bool:
             raise TypeError(f"abort must be a bool, got {type(abort).__name__} {abort!r}")
-        _check_config(config)
-        size, me = self._size, self._rank
+        check_config(config)
+        size, me = core.size, core.rank
         ranks: list[int] = []
         for i, value in enumerate(exclude):
             r = check_index(value, f"exclude[{i}]", size, f"for a communicator of size {size}")
@@ -156,11 +163,11 @@ class Resilience(Extras):
                     f"exclude names rank {r}, the caller: excluded ranks do not call shrink()"
                 )
             ranks.append(r)
-        revoked = self._state is State.REVOKED
+        revoked = core.state is State.REVOKED
         if not revoked:
-            self._live()
-        self._refuse_if_capturing("ncclCommShrink")
-        _refuse_in_group("ncclCommShrink")
+            core.live()
+        core.refuse_if_capturing("ncclCommShrink")
+        refuse_in_group("ncclCommShrink")
         if not ranks:  # after the state checks, as every verb reports its state first
             raise ValueError(
                 "exclude must name at least one rank to remove, got an empty sequence "
@@ -174,7 +181,7 @@ class Resilience(Extras):
         if abort:
             # Its operations were terminated; from NCCL 2.31.2 on, its destroy would wait
             # in a barrier for the ranks that aborted (pytorch#194775): destroy() aborts.
-            self._shrunk = True
+            core.abort_at_destroy()
         return child
 
     # -- grow ----------------------------------------------------------------------------
@@ -183,11 +190,12 @@ class Resilience(Extras):
         """``ncclCommGetUniqueId`` (NCCL >= 2.29): the id of a :meth:`grow`, taken by one
         existing rank (the *root* of the grow, usually rank 0) and handed to the new
         ranks (for :meth:`join`). A new id can be taken once the previous one was used."""
-        self._require("grow_id", "ncclCommGetUniqueId")
-        self._live()
-        self._refuse_if_capturing("ncclCommGetUniqueId")
+        core = self.core
+        core.require("grow_id", "ncclCommGetUniqueId")
+        core.live()
+        core.refuse_if_capturing("ncclCommGetUniqueId")
         uid = ncclUniqueId()
-        self._call_locked("ncclCommGetUniqueId", HANDLE, byref(uid))
+        core.call_locked("ncclCommGetUniqueId", HANDLE, byref(uid))
         return UniqueId(bytes(uid))
 
     def grow(
@@ -204,62 +212,16 @@ class Resilience(Extras):
         The rank that took the id with :meth:`grow_id` passes it as ``unique_id``; the
         other existing ranks pass None. Returns once every rank has joined.
         """
-        self._require("grow", "ncclCommGrow")
-        size = self._size
+        core = self.core
+        core.require("grow", "ncclCommGrow")
+        size = core.size
         nranks = check_c_int(
             nranks, "nranks", size + 1, C_INT_MAX, f"(more than the communicator's {size} ranks)"
         )
         uid = None if unique_id is None else _one_id(unique_id)
-        _check_config(config)
-        self._live()
-        self._refuse_if_capturing("ncclCommGrow")
-        _refuse_in_group("ncclCommGrow")
+        check_config(config)
+        core.live()
+        core.refuse_if_capturing("ncclCommGrow")
+        refuse_in_group("ncclCommGrow")
         ref = None if uid is None else byref(uid.struct)
         return self._new_child("ncclCommGrow", (HANDLE, nranks, ref, -1), (), config, ready=True)
-
-    @classmethod
-    def join(
-        cls,
-        nranks: int,
-        unique_id: UniqueId | bytes,
-        rank: int,
-        *,
-        device: int | None = None,
-        config: Config | None = None,
-        stream: StreamLike = None,
-    ) -> Communicator:
-        """``ncclCommGrow`` (NCCL >= 2.29) on a new rank: join the grow of an existing
-        communicator as ``rank`` of ``nranks``, with the ``unique_id`` its root took
-        (:meth:`grow_id`). ``device`` is made the thread's current device first, as
-        ``Communicator(...)`` does; a non-blocking ``config`` returns at once, ready
-        after ``wait_ready()``."""
-        from ..library import cudart, lib
-        from ._communicator import Communicator
-
-        L = lib()
-        L.require("Communicator.join (ncclCommGrow)", L.PROTOTYPES["ncclCommGrow"].first)
-        nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
-        rank = check_index(rank, "rank", nranks, f"for a communicator of size {nranks}")
-        if device is not None:
-            device = check_c_int(device, "device", 0)
-        uid = _one_id(unique_id)
-        _check_config(config)
-        if not issubclass(cls, Communicator):
-            raise TypeError(f"join() makes a Communicator; {cls.__name__} is not one")
-        self = cls.__new__(cls)
-        self._init_handle(L, True)
-        self._setup(L, rank, nranks, device, config, stream)
-        if device is not None:
-            cudart().cudaSetDevice(device)
-        self._refuse_if_capturing("ncclCommGrow")
-        _refuse_in_group("ncclCommGrow")
-        cfg = None if config is None else config.to_struct(L.version)
-        self._config = cfg  # NCCL keeps the commName pointer: keep the struct alive
-        out = c_void_p()
-        result = L.ncclCommGrow(
-            None, nranks, byref(uid.struct), rank, byref(out), None if cfg is None else byref(cfg)
-        )
-        self._adopt(out.value, result == Result.IN_PROGRESS)
-        if self._device is None and self._h is not None:
-            _ = self.device
-        return self

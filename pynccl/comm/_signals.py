@@ -13,20 +13,21 @@ from .. import groups as _groups
 from .._adapt import as_buffer, as_stream, check_device
 from .._capi.structs import ncclWaitSignalDesc_t
 from .._limits import C_INT_MAX, check_c_int, check_index
-from ..enums import Result, WinFlag
-from ..errors import NcclInvalidUsage, NotSupportedError
-from ._window import Window, Windows
+from ..enums import Result
+from ..errors import NotSupportedError
+from ._window import Window
 
 __all__ = ["SignalWait", "Signals", "rma_limits"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
-    from ctypes import c_int
     from typing import Any
 
-    from ..enums import DataType, Release
+    from ..enums import Release
     from ..typing import BufferLike, DTypeLike, StreamLike
+    from ._core import Core
+    from ._window import Windows
 
 _SIGNALS = (2, 29, 2)  # ncclPutSignal, ncclSignal, ncclWaitSignal
 _SIGNAL_INDICES = (2, 31, 0)  # numRmaSig; contexts above 0
@@ -92,25 +93,31 @@ class SignalWait:
         )
 
 
-class Signals(Windows):
-    """put_signal, signal, wait_signal (a base of Communicator)."""
+class Signals:
+    """put_signal, signal, wait_signal: a part of :class:`~pynccl.Communicator`, over its
+    core's public surface and its windows part."""
 
-    __slots__ = ()
+    __slots__ = ("core", "rma", "windows")
 
-    _codes: dict[DataType, c_int | None]
-    _rma: tuple[int, int] | None
+    def __init__(self, core: Core, windows: Windows, rma: tuple[int, int] | None) -> None:
+        self.core = core
+        self.windows = windows
+        #: ``(contexts, signals)`` the communicator offers (:func:`rma_limits`); None for
+        #: a borrowed handle, whose config is unknown (NCCL checks).
+        self.rma = rma
 
     def _rma_fn(self, function: str) -> Any:
         """The bare ctypes function of a one-sided call, once the communicator is usable."""
-        self._live()
+        self.core.live()
+        library = self.core.library
         try:
-            return self._lib.raw(function)
+            return library.raw(function)
         except NotSupportedError:
-            raise NotSupportedError(function, _SIGNALS, self._lib.version) from None
+            raise NotSupportedError(function, _SIGNALS, library.version) from None
 
     def _indices(self, signal: object, context: object, where: str = "") -> tuple[int, int]:
         """``(signal, context)`` checked against the communicator's numRmaSig/numRmaCtx."""
-        rma = self._rma
+        rma = self.rma
         if rma is None:  # a borrowed handle: its config is unknown, NCCL checks
             sig = check_c_int(signal, where + "signal", 0)
             return sig, check_c_int(context, where + "context", 0)
@@ -121,7 +128,8 @@ class Signals(Windows):
         return sig, ctx
 
     def _peer(self, peer: object, name: str = "peer") -> int:
-        return check_index(peer, name, self._size, f"for a communicator of size {self._size}")
+        size = self.core.size
+        return check_index(peer, name, size, f"for a communicator of size {size}")
 
     def _rma_issue(
         self,
@@ -137,27 +145,21 @@ class Signals(Windows):
         deregistered meanwhile: checked again under the gate, which the deregistration
         holds)."""
 
+        core = self.core
+
         def issue(h: object) -> int:
             if window is not None:
-                win, handle = window
-                if win._closed or win._out.value != handle:
-                    raise NcclInvalidUsage(
-                        Result.INVALID_USAGE,
-                        function,
-                        f"{win!r} was closed by another thread before this call could "
-                        "use it; close a window only once no call may use it any more",
-                    )
-                win._streams.add(s)  # its close waits for this stream
+                self.windows.use(window[0], window[1], function, s)
             return int(fn(*args, h, s))
 
         # One of the open group's communicators (NCCL returns success inside a group).
-        _groups.in_progress_later(self)  # type: ignore[arg-type]
-        rc = self._under_gate(issue)
+        _groups.in_progress_later(core)
+        rc = core.under_gate(issue)
         if rc == Result.IN_PROGRESS:
             if _groups.group_depth() == 0:
-                self._mark_pending()
+                core.mark_pending()
         elif rc:
-            raise self._lib.make_error(rc, function)
+            raise core.library.make_error(rc, function)
 
     def put_signal(
         self, sendbuf: BufferLike, peer: int, window: Window, *, offset: int = 0,
@@ -169,38 +171,31 @@ class Signals(Windows):
         ``offset`` elements of the buffer's type in, then add one to ``peer``'s signal
         ``signal`` of context ``context``. ``sendbuf`` must lie in a symmetric window of
         this communicator. Stream-ordered (captures into CUDA graphs)."""
+        core = self.core
         fn = self._rma_fn("ncclPutSignal")
-        s = self._stream if stream is None else as_stream(stream)
+        s = core.stream if stream is None else as_stream(stream)
         p = self._peer(peer)
         if not isinstance(window, Window):
             raise TypeError(f"window must be a pynccl.Window, got {type(window).__name__}")
-        if window._comm is not self:
+        if not self.windows.owns(window):
             raise ValueError(f"{window!r} was registered on another communicator")
         h = window.handle
         ptr, n, dt, dev = as_buffer(sendbuf, count, dtype, name="sendbuf", stream=s)
-        check_device(dev, self._device, "sendbuf")
-        if self._codes[dt] is None:
-            raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
-        off = window._byte_offset(offset, n, dt.itemsize)
+        check_device(dev, core.device, "sendbuf")
+        core.datatype(dt)
+        off = self.windows.byte_offset(window, offset, n, dt.itemsize)
         sig, ctx = self._indices(signal, context)
-        self._source_window(ptr, n * dt.itemsize)
-        _groups.keep_alive((sendbuf, window), self, s)  # type: ignore[arg-type]
+        if not self.windows.in_symmetric(ptr, n * dt.itemsize):
+            raise ValueError(
+                f"sendbuf {ptr:#x} ({n * dt.itemsize} bytes) is not inside a symmetric window "
+                "of this communicator: register it (or the buffer it is in) with "
+                "register_window first"
+            )
+        _groups.keep_alive((sendbuf, window), core, s)
         self._rma_issue(
             fn, "ncclPutSignal", s, ptr, n, int(dt), p, h, off, sig, ctx, 0, window=(window, h)
         )
-        if self._captures:  # a Graph capturing it keeps the source alive
-            self._note_capture(s, (sendbuf, window))
-
-    def _source_window(self, ptr: int, nbytes: int) -> None:
-        """NCCL reads a put's source through a symmetric window: refuse one outside them."""
-        for (base, size, bits), win in self._wins.items():
-            inside = base <= ptr and ptr + nbytes <= base + size
-            if inside and bits & WinFlag.COLL_SYMMETRIC and not win._closed:
-                return
-        raise ValueError(
-            f"sendbuf {ptr:#x} ({nbytes} bytes) is not inside a symmetric window of this "
-            "communicator: register it (or the buffer it is in) with register_window first"
-        )
+        core.note_capture(s, (sendbuf, window))  # a Graph capturing it keeps the source
 
     def signal(
         self, peer: int, *, signal: int = 0, context: int = 0, stream: StreamLike = None
@@ -208,7 +203,7 @@ class Signals(Windows):
         """``ncclSignal`` (NCCL >= 2.29): add one to ``peer``'s signal ``signal`` of
         context ``context``, without data. Stream-ordered."""
         fn = self._rma_fn("ncclSignal")
-        s = self._stream if stream is None else as_stream(stream)
+        s = self.core.stream if stream is None else as_stream(stream)
         p = self._peer(peer)
         sig, ctx = self._indices(signal, context)
         self._rma_issue(fn, "ncclSignal", s, p, sig, ctx, 0)
@@ -220,7 +215,7 @@ class Signals(Windows):
         :class:`SignalWait` in ``waits`` (one, or a list) has its signals; they are then
         consumed. Stream-ordered (captures into CUDA graphs)."""
         fn = self._rma_fn("ncclWaitSignal")
-        s = self._stream if stream is None else as_stream(stream)
+        s = self.core.stream if stream is None else as_stream(stream)
         items = [waits] if isinstance(waits, SignalWait) else _wait_list(waits)
         if not items:
             raise ValueError("waits must hold at least one SignalWait, got none")

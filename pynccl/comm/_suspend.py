@@ -22,8 +22,7 @@ from ctypes import byref, c_uint64
 from .._limits import check_c_int
 from ..enums import MemStat, Result, ShrinkFlag, SuspendFlag
 from ..errors import NcclInvalidUsage
-from ._handle import HANDLE, TERMINAL, State
-from ._observe import Observed
+from ._state import HANDLE, TERMINAL, State
 
 __all__ = ["Suspend", "Suspension"]
 
@@ -31,9 +30,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     import weakref
     from types import TracebackType
-    from typing import Any
 
-    from ._config import Config
+    from ._communicator import Communicator
 
 _ALL_FLAGS = 0
 for _flag in SuspendFlag:
@@ -43,7 +41,7 @@ _STATS = tuple((stat.name.lower(), int(stat)) for stat in MemStat)
 _UNDEF = -(1 << 31)  # NCCL_CONFIG_UNDEF_INT
 #: The communicators sharing one NCCL memory manager: each member -> the group's WeakSet
 #: (a ``weakref.WeakKeyDictionary``, made by the first split that shares).
-_SHARED: weakref.WeakKeyDictionary[Suspend, weakref.WeakSet[Suspend]] | None = None
+_SHARED: weakref.WeakKeyDictionary[Communicator, weakref.WeakSet[Communicator]] | None = None
 
 
 class Suspension:
@@ -51,11 +49,11 @@ class Suspension:
 
     __slots__ = ("_comm", "_flags")
 
-    def __init__(self, comm: Suspend, flags: int) -> None:
+    def __init__(self, comm: Communicator, flags: int) -> None:
         self._comm = comm
         self._flags = flags
 
-    def __enter__(self) -> Suspend:
+    def __enter__(self) -> Communicator:
         self._comm.suspend(self._flags)
         return self._comm
 
@@ -65,62 +63,68 @@ class Suspension:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._comm._state is State.SUSPENDED:  # not torn down inside the block
+        if self._comm.state is State.SUSPENDED:  # not torn down inside the block
             self._comm.resume()
 
 
-class Suspend(Observed):
-    """suspend, resume, suspended, mem_stats (a base of Communicator)."""
+class Suspend:
+    """suspend, resume, suspended, mem_stats, and the communicators sharing NCCL's memory
+    manager: a part of :class:`~pynccl.Communicator`, over its core's public surface."""
 
-    __slots__ = ()
+    __slots__ = ("config", "core")
 
-    _config: object  # the ncclConfig_t it was made with (Extras), or None
+    def __init__(self, core: Communicator) -> None:
+        self.core = core
+        #: The ``ncclConfig_t`` the communicator was made with (None: the defaults, or
+        #: unknown): whether its splits share its memory manager.
+        self.config: object = None
 
     def suspend(self, flags: SuspendFlag | int = SuspendFlag.MEM) -> None:
         """``ncclCommSuspend`` (NCCL >= 2.29): wait for this rank's operations, then
         release the communicator's dynamic GPU memory (``SuspendFlag.MEM``, the only
         flag so far). Every rank calls it; until :meth:`resume` the communicator is
         ``"suspended"`` and refuses collectives with :class:`~pynccl.NcclInvalidUsage`."""
-        self._require("suspend", "ncclCommSuspend")
+        core = self.core
+        core.require("suspend", "ncclCommSuspend")
         value = check_c_int(flags, "flags", 0)
         if value & ~_ALL_FLAGS:
             known = ", ".join(f"{f.name}={int(f):#x}" for f in SuspendFlag)
             raise ValueError(f"flags={value:#x} has bits that are no SuspendFlag ({known})")
-        if self._state is State.SUSPENDED:
+        if core.state is State.SUSPENDED:
             raise NcclInvalidUsage(
                 Result.INVALID_USAGE,
                 "",
-                f"communicator rank {self._rank} is already suspended; call resume() first",
+                f"communicator rank {core.rank} is already suspended; call resume() first",
             )
-        self._live()
+        core.live()
         self._refuse_if_shared("ncclCommSuspend", "suspend")
-        self._refuse_if_capturing("ncclCommSuspend")
-        rc = self._call_locked("ncclCommSuspend", HANDLE, value, then=State.SUSPENDED)
+        core.refuse_if_capturing("ncclCommSuspend")
+        rc = core.call_locked("ncclCommSuspend", HANDLE, value, then=State.SUSPENDED)
         if rc == Result.IN_PROGRESS:
-            self.wait_ready()
+            core.wait_ready()
 
     def resume(self) -> None:
         """``ncclCommResume`` (NCCL >= 2.29): take the released memory back; the
         communicator is ``"ready"`` again."""
-        self._require("resume", "ncclCommResume")
-        state = self._state
-        if state is not State.SUSPENDED:
-            if state is State.READY and self._closing is None:
+        core = self.core
+        core.require("resume", "ncclCommResume")
+        if core.state is not State.SUSPENDED:
+            if core.usable:  # ready, and not being torn down
                 raise NcclInvalidUsage(
                     Result.INVALID_USAGE,
                     "",
-                    f"communicator rank {self._rank} is not suspended; resume() follows "
+                    f"communicator rank {core.rank} is not suspended; resume() follows "
                     "suspend()",
                 )
-            self._gone()
+            core.gone()
         self._refuse_if_shared("ncclCommResume", "resume")
-        self._refuse_if_capturing("ncclCommResume")
-        self._call_locked("ncclCommResume", HANDLE, ready=False, then=State.READY)
+        core.refuse_if_capturing("ncclCommResume")
+        core.call_locked("ncclCommResume", HANDLE, ready=False, then=State.READY)
 
     def suspended(self, flags: SuspendFlag | int = SuspendFlag.MEM) -> Suspension:
         """``with comm.suspended(): ...`` suspends (:meth:`suspend`) for the block and
         resumes (:meth:`resume`) after it, also when it raises (NCCL >= 2.29)."""
-        return Suspension(self, flags)
+        return Suspension(self.core, flags)
 
     def mem_stats(self) -> dict[str, int]:
         """``ncclCommMemStats`` (NCCL >= 2.29): the GPU memory NCCL tracks for this
@@ -131,53 +135,44 @@ class Suspend(Observed):
         ``gpu_mem_suspended``: the tracked totals stay what they were (the memory is
         still accounted for, and comes back at resume). Works while suspended or revoked;
         it touches no stream, so also while a CUDA graph is being captured."""
-        self._require("mem_stats", "ncclCommMemStats")
-        if self._state is State.INITIALIZING or self._state in TERMINAL:
-            self._live()
+        core = self.core
+        core.require("mem_stats", "ncclCommMemStats")
+        if core.state is State.INITIALIZING or core.state in TERMINAL:
+            core.live()
         value = c_uint64()
         out: dict[str, int] = {}
         for name, stat in _STATS:
-            self._call_locked("ncclCommMemStats", HANDLE, stat, byref(value), ready=False)
+            core.call_locked("ncclCommMemStats", HANDLE, stat, byref(value), ready=False)
             out[name] = value.value
         return out
 
     # -- communicators sharing NCCL's memory manager --------------------------------------
 
-    def _new_comm(
-        self,
-        function: str,
-        pre: tuple[object, ...],
-        post: tuple[object, ...],
-        config: Config | None,
-        ready: bool = True,
-    ) -> Any:
-        """A split, shrink or grow (:meth:`~._extras.Extras._new_comm`); a child that
-        shares this communicator's memory manager joins its group."""
-        shares = self._shares_memory(function, post)
-        child = super()._new_comm(function, pre, post, config, ready)  # type: ignore[misc]
-        if child is not None and shares:
-            global _SHARED
-            if _SHARED is None:
-                import weakref  # not at import: `from pynccl import Communicator` stays light
+    def adopt_child(self, child: Communicator | None, shares: bool) -> None:
+        """After a split, shrink or grow: a ``child`` that shares this communicator's
+        memory manager (``shares``, from :meth:`shares_memory` before the call) joins its
+        group."""
+        if child is None or not shares:
+            return
+        global _SHARED
+        if _SHARED is None:
+            import weakref  # not at import: `from pynccl import Communicator` stays light
 
-                _SHARED = weakref.WeakKeyDictionary()
-                group = None
-            else:
-                group = _SHARED.get(self)
-            if group is None:
-                import weakref
+            _SHARED = weakref.WeakKeyDictionary()
+        group = _SHARED.get(self.core)
+        if group is None:
+            import weakref
 
-                group = _SHARED[self] = weakref.WeakSet([self])
-            group.add(child)
-            _SHARED[child] = group
-        return child
+            group = _SHARED[self.core] = weakref.WeakSet([self.core])
+        group.add(child)
+        _SHARED[child] = group
 
-    def _shares_memory(self, function: str, post: tuple[object, ...]) -> bool:
+    def shares_memory(self, function: str, post: tuple[object, ...]) -> bool:
         """Whether the child ``function`` makes shares this communicator's memory manager
         (NCCL, ``src/init.cc``: a split with the parent's splitShare, a shrink without
         NCCL_SHRINK_ABORT with its shrinkShare — each overridden by its environment
         variable — and never from a revoked parent)."""
-        if self._state is State.REVOKED:
+        if self.core.state is State.REVOKED:
             return False
         if function == "ncclCommSplit":
             field, env = "splitShare", "NCCL_COMM_SPLIT_SHARE_RESOURCES"
@@ -187,7 +182,7 @@ class Suspend(Observed):
             field, env = "shrinkShare", "NCCL_COMM_SHRINK_SHARE_RESOURCES"
         else:
             return False
-        value = getattr(self._config, field, _UNDEF)
+        value = getattr(self.config, field, _UNDEF)
         text = os.environ.get(env, "").strip()
         if text.lstrip("-").isdigit():
             value = int(text)
@@ -196,12 +191,12 @@ class Suspend(Observed):
     def _refuse_if_shared(self, function: str, verb: str) -> None:
         """NCCL refuses to suspend or resume a memory manager more than one live
         communicator shares; say so before the call."""
-        group = None if _SHARED is None else _SHARED.get(self)
+        group = None if _SHARED is None else _SHARED.get(self.core)
         if group is None:
             return
-        live = [c for c in list(group) if c._state not in TERMINAL]
+        live = [c for c in list(group) if c.state not in TERMINAL]
         if len(live) > 1:
-            others = ", ".join(repr(c) for c in live if c is not self)
+            others = ", ".join(repr(c) for c in live if c is not self.core)
             raise NcclInvalidUsage(
                 Result.INVALID_USAGE,
                 function,

@@ -20,8 +20,6 @@ from .._limits import check_count, check_extent, check_pointer, is_pointer_objec
 from ..dtypes import as_element_type, canonical_name, complex_name
 from ..enums import DataType, RedOp
 from ._args import resolve_op
-from ._extras import Extras
-from ._handle import TERMINAL
 
 __all__ = ["VCollectives"]
 
@@ -32,18 +30,23 @@ if TYPE_CHECKING:
 
     from ..cuda import DeviceBuffer
     from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
+    from ._communicator import Communicator
 
 # One buffer as the group needs it: (pointer, NCCL type, lanes = floats per element).
 _Buf = tuple[int, DataType, int]
 
 
-class VCollectives(Extras):
-    """all_gather_v, reduce_scatter_v, all_to_all_v and barrier (a base of Communicator)."""
+class VCollectives:
+    """all_gather_v, reduce_scatter_v, all_to_all_v and barrier: a part of
+    :class:`~pynccl.Communicator`, over its core's public surface and its collectives."""
 
-    __slots__ = ()
+    __slots__ = ("barrier_buf", "core")
 
-    #: The barrier's buffer once allocated (a list, set up empty by Communicator._setup).
-    _barrier_buf: list[DeviceBuffer]
+    def __init__(self, core: Communicator, barrier_buf: list[DeviceBuffer]) -> None:
+        self.core = core
+        #: The barrier's buffer once allocated (the communicator's ``_barrier_buf``).
+        self.barrier_buf = barrier_buf
+        core.on_retire(self._free_barrier)
 
     # -- argument rules, shared by the three v-collectives ----------------------------------
 
@@ -51,12 +54,12 @@ class VCollectives(Extras):
         """One non-negative count per rank."""
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
             raise TypeError(
-                f"{name} must be a sequence of {self._size} counts (one per rank), "
+                f"{name} must be a sequence of {self.core.size} counts (one per rank), "
                 f"got {type(values).__name__} {values!r}"
             )
-        if len(values) != self._size:
+        if len(values) != self.core.size:
             raise ValueError(
-                f"{name} has {len(values)} entries; expected one per rank ({self._size})"
+                f"{name} has {len(values)} entries; expected one per rank ({self.core.size})"
             )
         return [check_count(v, f"{name}[{i}]") for i, v in enumerate(values)]
 
@@ -91,7 +94,7 @@ class VCollectives(Extras):
                     "be given"
                 )
             dt, lanes = as_element_type(dtype)
-            self._datatype(dt)
+            self.core.datatype(dt)
             nbytes = check_extent(extent * lanes, dt.itemsize, name)
             return check_pointer(obj, name, nbytes), dt, lanes
         if obj is None or isinstance(obj, (bool, float)):
@@ -100,8 +103,8 @@ class VCollectives(Extras):
                 f"got {type(obj).__name__} {obj!r}"
             )
         ptr, n, dt, dev = as_buffer(obj, None, dtype, name=name, writable=writable, stream=s)
-        check_device(dev, self._device, name)
-        self._datatype(dt)
+        check_device(dev, self.core.device, name)
+        self.core.datatype(dt)
         lanes = 2 if is_complex(obj) else 1
         have = n // lanes
         if extent > have:
@@ -129,8 +132,8 @@ class VCollectives(Extras):
             )
 
     def _v_stream(self, stream: StreamLike) -> int:
-        self._live()
-        return self._stream if stream is None else as_stream(stream)
+        self.core.live()
+        return self.core.stream if stream is None else as_stream(stream)
 
     # -- the v-collectives ------------------------------------------------------------------
 
@@ -154,7 +157,7 @@ class VCollectives(Extras):
         s = self._v_stream(stream)
         counts = self._v_counts(counts, "counts")
         displs = self._v_displs(displs, "displs", counts)
-        me = self._rank
+        me = self.core.rank
         reach, what = self._v_reach(counts, displs, "")
         recv = self._v_buffer(recvbuf, "recvbuf", True, dtype, reach, what, s)
         if sendbuf is None:
@@ -166,8 +169,8 @@ class VCollectives(Extras):
             self._v_same_type(send, recv)
         ptr, dt, lanes = recv
         size = dt.itemsize * lanes
-        sends = [(j, send[0], counts[me]) for j in range(self._size)]
-        recvs = [(j, ptr + displs[j] * size, counts[j]) for j in range(self._size)]
+        sends = [(j, send[0], counts[me]) for j in range(self.core.size)]
+        recvs = [(j, ptr + displs[j] * size, counts[j]) for j in range(self.core.size)]
         if sendbuf is None:  # in place: nothing to move to itself
             sends[me] = recvs[me] = (me, 0, 0)
         self._v_issue(sends, recvs, dt, lanes, s, (sendbuf, recvbuf))
@@ -203,7 +206,7 @@ class VCollectives(Extras):
         self._v_same_type(send, recv)
         dt, lanes = recv[1], recv[2]
         size = dt.itemsize * lanes
-        n = self._size
+        n = self.core.size
         sends = [(j, send[0] + sdispls[j] * size, scounts[j]) for j in range(n)]
         recvs = [(j, recv[0] + rdispls[j] * size, rcounts[j]) for j in range(n)]
         self._v_issue(sends, recvs, dt, lanes, s, (sendbuf, recvbuf))
@@ -229,28 +232,28 @@ class VCollectives(Extras):
         s = self._v_stream(stream)
         counts = self._v_counts(counts, "counts")
         displs = self._v_displs(displs, "displs", counts)
-        me = self._rank
+        me = self.core.rank
         recv = self._v_buffer(
             recvbuf, "recvbuf", True, dtype, counts[me], f"counts[{me}] = {counts[me]}", s
         )
         reach, what = self._v_reach(counts, displs, "")
         send = self._v_buffer(sendbuf, "sendbuf", False, dtype, reach, what, s)
         self._v_same_type(send, recv)
-        resolve_op(op, self, (sendbuf, recvbuf))  # type: ignore[arg-type]
+        resolve_op(op, self.core, (sendbuf, recvbuf))
         dt, lanes = recv[1], recv[2]
         size = dt.itemsize * lanes
-        blocks = [(j, send[0] + displs[j] * size, counts[j] * lanes) for j in range(self._size)]
-        reduce = self.reduce  # type: ignore[attr-defined]
+        blocks = [(j, send[0] + displs[j] * size, counts[j] * lanes) for j in range(self.core.size)]
+        reduce = self.core.reduce
         # Inside an outer group the buffers live until its work has run on s (the
         # reduces below are issued with raw pointers, which keep nothing).
-        _groups.keep_alive((sendbuf, recvbuf), self, s)  # type: ignore[arg-type]
+        _groups.keep_alive((sendbuf, recvbuf), self.core, s)
         with _groups.group():
             for root, sp, n in blocks:
                 if n:  # NCCL writes recvbuff on the root only: elsewhere pass sp (unused)
                     rp = recv[0] if root == me else sp
                     reduce(sp, rp, op, root=root, count=n, dtype=dt, stream=s)
-        if self._captures:  # a Graph capturing them keeps the buffers (raw pointers above)
-            self._note_capture(s, (sendbuf, recvbuf))
+        # A Graph capturing them keeps the buffers (raw pointers above).
+        self.core.note_capture(s, (sendbuf, recvbuf))
 
     def _v_issue(
         self,
@@ -263,17 +266,17 @@ class VCollectives(Extras):
     ) -> None:
         """One group: a recv from and a send to each peer with a non-empty block (the
         rank's own block too: NCCL copies a send-to-self within the group)."""
-        send = self.send  # type: ignore[attr-defined]
-        recv = self.recv  # type: ignore[attr-defined]
-        _groups.keep_alive(keep, self, s)  # type: ignore[arg-type]
+        send = self.core.send
+        recv = self.core.recv
+        _groups.keep_alive(keep, self.core, s)
         with _groups.group():
             for (peer, rp, rn), (_, sp, sn) in zip(recvs, sends):
                 if rn:
                     recv(rp, peer, count=rn * lanes, dtype=dt, stream=s)
                 if sn:
                     send(sp, peer, count=sn * lanes, dtype=dt, stream=s)
-        if self._captures:  # a Graph capturing them keeps the buffers (raw pointers above)
-            self._note_capture(s, keep)
+        # A Graph capturing them keeps the buffers (raw pointers above).
+        self.core.note_capture(s, keep)
 
     # -- barrier ------------------------------------------------------------------------------
 
@@ -287,26 +290,23 @@ class VCollectives(Extras):
         calls capture and replay like any collective.
         """
         s = self._v_stream(stream)
-        if not self._barrier_buf:
-            self._refuse_if_capturing("barrier's first call (it allocates a 4-byte buffer)")
+        if not self.barrier_buf:
+            self.core.refuse_if_capturing("barrier's first call (it allocates a 4-byte buffer)")
             from ..cuda import DeviceBuffer
 
-            buf = DeviceBuffer(1, DataType.INT32, device=self.device)
+            buf = DeviceBuffer(1, DataType.INT32, device=self.core.device)
             buf.fill_zero()
-            self._barrier_buf.append(buf)
-        ptr = self._barrier_buf[0].ptr
-        self.all_reduce(ptr, ptr, RedOp.SUM, count=1, dtype=DataType.INT32, stream=s)  # type: ignore[attr-defined]
+            self.barrier_buf.append(buf)
+        ptr = self.barrier_buf[0].ptr
+        self.core.all_reduce(ptr, ptr, RedOp.SUM, count=1, dtype=DataType.INT32, stream=s)
 
-    def _teardown(self, kind: str, reason: BaseException | None = None) -> None:
-        """The one teardown (:class:`~._handle.CommHandle`), then the barrier's buffer goes
-        once the handle is retired (nothing can be queued on it any more)."""
-        try:
-            super()._teardown(kind, reason)
-        finally:
-            if self._barrier_buf and self._state in TERMINAL:
-                buf = self._barrier_buf.pop()
-                try:
-                    buf.close()
-                except Exception:  # a dead context at exit, or the watchdog thread
-                    if kind != "watchdog":
-                        raise
+    def _free_barrier(self, kind: str) -> None:
+        """The core's retire hook: the barrier's buffer goes once the handle is retired
+        (nothing can be queued on it any more)."""
+        if self.barrier_buf:
+            buf = self.barrier_buf.pop()
+            try:
+                buf.close()
+            except Exception:  # a dead context at exit, or the watchdog thread
+                if kind != "watchdog":
+                    raise

@@ -4,10 +4,11 @@ and the interface :class:`~._watchdog.Watchdog` calls (``watch_status``,
 
 from __future__ import annotations
 
+from _warnings import warn as _warn
 from ctypes import byref, c_int
 
 from ..enums import Result
-from ..errors import NcclError, NcclInvalidUsage
+from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError
 from ._handle import HANDLE, TERMINAL, State
 from ._observe import Observed
 
@@ -137,3 +138,50 @@ class Watched(Observed):
         except Exception:  # reported through the abort that follows
             return self._state is State.REVOKED
         return True
+
+    def _destroy_kind(self) -> tuple[str, BaseException | None]:
+        """What ``destroy()`` does: ``("destroy", None)``, or ``("abort", why)``.
+
+        * NCCL's destroy waits until every CUDA graph that captured the communicator is
+          destroyed: with a live :class:`pynccl.cuda.Graph` that did, it would block
+          for ever, so :class:`~pynccl.NcclInvalidUsage` names the graphs instead.
+        * After ``shrink(..., abort=True)`` the parent is aborted: from NCCL 2.31.2 on,
+          its destroy waits in a barrier for ranks that aborted (pytorch#194775).
+        * With a watchdog, the work it watches is waited for, each operation until the
+          watchdog's timeout after its issue; one still incomplete then makes it abort
+          (a RuntimeWarning names it; :attr:`error` holds the NcclTimeoutError), since
+          ``ncclCommDestroy`` would wait for it for ever.
+        """
+        if not self._owner:  # a borrowed handle is only forgotten: nothing waits
+            return "destroy", None
+        graphs = self._live_graphs()
+        if graphs:
+            names = ", ".join(repr(g) for g in graphs)
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "ncclCommDestroy",
+                f"cannot destroy communicator rank {self._rank}: {len(graphs)} live CUDA "
+                f"graph(s) captured its calls ({names}); NCCL's destroy waits until they "
+                "are destroyed: close them first (Graph.close()), or abort() (which closes them)",
+            )
+        if self._shrunk:
+            return "abort", None
+        watch = self._watch
+        if watch is None or self._state is not State.READY:
+            return "destroy", None
+        self._watch = None
+        self._unwatch()
+        hung = watch.drain()
+        if hung is None:
+            return "destroy", None
+        seq, waited = hung
+        error = NcclTimeoutError(
+            Result.TIMEOUT,
+            self.describe(seq),
+            f"destroy(): operation #{seq} ({self.describe(seq)}) did not complete within "
+            f"the watchdog's {watch.timeout:g} s (waited {waited:.3g} s since it was "
+            "issued), so the communicator was aborted instead of destroyed",
+        )
+        self._with_record(error)
+        _warn(str(error), RuntimeWarning, stacklevel=3)
+        return "abort", error

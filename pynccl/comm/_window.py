@@ -20,34 +20,27 @@ CUDA-graph capture (NCCL switches the thread to relaxed capture mode for them).
 
 from __future__ import annotations
 
-import gc
-from _thread import allocate_lock
-from ctypes import byref, c_int64, c_void_p, sizeof
+from ctypes import byref, c_void_p
 
 from .. import groups as _groups
 from .._closable import Closable
 from .._limits import U64, check_count, check_index
 from ..enums import WIN_REQUIRED_ALIGNMENT, DataType, Result, WinFlag
 from ..errors import NcclInvalidUsage
-from ._handle import HANDLE, TERMINAL
-from ._memory import Memory, buffer_range
+from ._agreement import agree, can_agree, flag_bits, misaligned, refuse_cuda_malloc
+from ._memory import buffer_range
+from ._state import HANDLE, TERMINAL
 
 __all__ = ["Window", "Windows"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    import weakref
-    from typing import Any
-
     from ..cuda import DeviceBuffer
     from ..typing import BufferLike
+    from ._communicator import Communicator
 
 _WINDOWS = (2, 27, 3)  # ncclCommWindowRegister
 _PEER_POINTER = (2, 29, 2)  # ncclGetPeerDevicePointer, ncclWinGetUserPtr
-#: From this release a symmetric window's size may differ across ranks (user guide 2.30.7).
-_SIZES_MAY_DIFFER = (2, 30, 7)
-_H2D, _D2H = 1, 2  # cudaMemcpyKind
-_RELAXED = 2  # cudaStreamCaptureModeRelaxed
 
 
 class Window(Closable):
@@ -64,7 +57,6 @@ class Window(Closable):
         "__weakref__",
         "_buf",
         "_closed",
-        "_comm",
         "_dtype",
         "_flags",
         "_key",
@@ -73,12 +65,13 @@ class Window(Closable):
         "_ptr",
         "_refs",
         "_streams",
+        "_windows",
     )
 
     def __init__(
-        self, comm: Windows, ptr: int, nbytes: int, flags: int, dtype: DataType, buf: object
+        self, windows: Windows, ptr: int, nbytes: int, flags: int, dtype: DataType, buf: object
     ) -> None:
-        self._comm = comm
+        self._windows = windows
         self._ptr = ptr
         self._nbytes = nbytes
         self._flags = flags
@@ -108,11 +101,11 @@ class Window(Closable):
         """This rank's registered address (``ncclWinGetUserPtr`` from NCCL 2.29 on; the
         address given to :meth:`Communicator.register_window` before)."""
         h = self.handle
-        comm = self._comm
-        if not comm._lib.has("ncclWinGetUserPtr"):
+        core = self._windows.core
+        if not core.library.has("ncclWinGetUserPtr"):
             return self._ptr
         out = c_void_p()
-        comm._call_locked("ncclWinGetUserPtr", HANDLE, h, byref(out))
+        core.call_locked("ncclWinGetUserPtr", HANDLE, h, byref(out))
         return int(out.value or 0)
 
     @property
@@ -141,7 +134,7 @@ class Window(Closable):
     @property
     def closed(self) -> bool:
         """True once deregistered, or once its communicator is gone."""
-        return self._closed or self._comm._state in TERMINAL
+        return self._closed or self._windows.core.state in TERMINAL
 
     def _check_open(self) -> None:
         if self.closed:
@@ -170,38 +163,39 @@ class Window(Closable):
         """``ncclGetPeerDevicePointer`` (NCCL >= 2.29): a device address of ``peer``'s
         window, ``offset`` elements of :attr:`dtype` in, that this device can load from and
         store to; ``None`` where ``peer`` is not reachable that way (another node)."""
-        comm = self._comm
-        p = check_index(peer, "peer", comm._size, f"for a communicator of size {comm._size}")
+        core = self._windows.core
+        p = check_index(peer, "peer", core.size, f"for a communicator of size {core.size}")
         off = self._byte_offset(offset)
         h = self.handle
-        comm._lib.require("ncclGetPeerDevicePointer", _PEER_POINTER)
+        core.library.require("ncclGetPeerDevicePointer", _PEER_POINTER)
         out = c_void_p()
-        comm._call_locked("ncclGetPeerDevicePointer", h, off, p, byref(out))
+        core.call_locked("ncclGetPeerDevicePointer", h, off, p, byref(out))
         return int(out.value) if out.value else None
 
     def lsa_pointer(self, lsa_rank: int, offset: int = 0) -> int:
         """``ncclGetLsaDevicePointer`` (NCCL >= 2.29): the address of rank ``lsa_rank`` *of
         this rank's load/store-accessible team* (``ncclTeamLsa``: the ranks whose memory
         this device can reach, numbered from 0), ``offset`` elements of :attr:`dtype` in."""
-        comm = self._comm
+        core = self._windows.core
         off = self._byte_offset(offset)
         h = self.handle
-        comm._lib.require("ncclGetLsaDevicePointer", _PEER_POINTER)
-        size = int(comm._call_value("ncclTeamLsa").nRanks)
+        core.library.require("ncclGetLsaDevicePointer", _PEER_POINTER)
+        core.live()
+        size = int(core.under_gate(core.library.raw("ncclTeamLsa")).nRanks)
         r = check_index(lsa_rank, "lsa_rank", size, f"for an LSA team of size {size}")
         out = c_void_p()
-        comm._call_locked("ncclGetLsaDevicePointer", h, off, r, byref(out))
+        core.call_locked("ncclGetLsaDevicePointer", h, off, r, byref(out))
         return int(out.value or 0)
 
     def multimem_pointer(self, offset: int = 0) -> int | None:
         """``ncclGetLsaMultimemDevicePointer`` (NCCL >= 2.29): the multicast (NVLS) address
         of the window's LSA team, ``offset`` elements in; ``None`` without multicast."""
-        comm = self._comm
+        core = self._windows.core
         off = self._byte_offset(offset)
         h = self.handle
-        comm._lib.require("ncclGetLsaMultimemDevicePointer", _PEER_POINTER)
+        core.library.require("ncclGetLsaMultimemDevicePointer", _PEER_POINTER)
         out = c_void_p()
-        comm._call_locked("ncclGetLsaMultimemDevicePointer", h, off, byref(out))
+        core.call_locked("ncclGetLsaMultimemDevicePointer", h, off, byref(out))
         return int(out.value) if out.value else None
 
     def close(self) -> None:
@@ -210,28 +204,37 @@ class Window(Closable):
         has run: the communicator's stream and the streams of the one-sided calls on it
         (work on other streams with buffers in the window: synchronize those first).
         Idempotent once closed."""
-        self._comm._close_window(self)
+        self._windows.close_window(self)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"refs={self._refs}"
         kind = "symmetric " if self.symmetric else ""
         return (
             f"<pynccl.Window {kind}ptr={self._ptr:#x} nbytes={self._nbytes} "
-            f"rank {self._comm._rank} {state}>"
+            f"rank {self._windows.core.rank} {state}>"
         )
 
 
-class Windows(Memory):
-    """register_window and the open windows (a base of Communicator)."""
+class Windows:
+    """register_window and the open windows: a part of :class:`~pynccl.Communicator`,
+    over its core's public surface."""
 
-    __slots__ = ()
+    __slots__ = ("core", "scratch", "wins")
 
-    _wins: dict[tuple[int, int, int], Window]
+    def __init__(self, core: Communicator, wins: dict[tuple[int, int, int], Window]) -> None:
+        self.core = core
+        #: The open windows by (pointer, size, flags) (the communicator's ``_wins``).
+        self.wins = wins
+        #: The agreement's device scratch, made by the first agreement, freed with the
+        #: communicator (see :func:`._agreement.scratch`).
+        self.scratch: list[DeviceBuffer] = []
+        core.on_close(self.close_windows)
+        core.on_retire(self._free_scratch)
 
     @property
     def windows(self) -> list[Window]:
         """The open windows of this communicator, oldest first."""
-        return [w for w in self._wins.values() if not w.closed]
+        return [w for w in self.wins.values() if not w.closed]
 
     def register_window(
         self, buf: BufferLike, *, nbytes: int | None = None, symmetric: bool = True,
@@ -252,111 +255,48 @@ class Windows(Memory):
         :class:`Window`, with one more reference. Allowed during a CUDA-graph capture
         (NCCL registers in relaxed capture mode; only this rank's values are checked).
         """
-        self._live()
-        ptr, size, dt = buffer_range(self, buf, nbytes, "register_window")
+        core = self.core
+        core.live()
+        ptr, size, dt = buffer_range(core.device, buf, nbytes, "register_window")
         if type(symmetric) is not bool:
             raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
-        bits = _flag_bits(flags) | (WinFlag.COLL_SYMMETRIC if symmetric else 0)
+        bits = flag_bits(flags) | (WinFlag.COLL_SYMMETRIC if symmetric else 0)
         if not size:
             raise ValueError("register_window needs a buffer of at least 1 byte, got 0 bytes")
-        _refuse_cuda_malloc(buf)
-        self._lib.require("ncclCommWindowRegister", _WINDOWS)
+        refuse_cuda_malloc(buf)
+        core.library.require("ncclCommWindowRegister", _WINDOWS)
         key = (ptr, size, bits)
-        known = self._wins.get(key)
+        known = self.wins.get(key)
         if known is not None and known.closed:
             known = None
-        if self._size > 1 and self._can_agree():
-            self._agree(ptr, size, bits, known is not None)
+        if core.size > 1 and can_agree(core):
+            agree(core, self.scratch, ptr, size, bits, known is not None)
         elif ptr % WIN_REQUIRED_ALIGNMENT:
-            raise ValueError(_misaligned(self._rank, ptr))
+            raise ValueError(misaligned(core.rank, ptr))
         if known is not None:
             known._refs += 1
             return known
         win = Window(self, ptr, size, bits, dt, buf)
-        rc = self._call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
+        rc = core.call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
         # Inside a group NCCL registers at the end: the communicator is one of the group's.
-        _groups.keep_alive((win, buf), self)  # type: ignore[arg-type]
+        _groups.keep_alive((win, buf), core)
         self._settle(rc)
-        self._wins[key] = win
+        self.wins[key] = win
         return win
 
-    def _can_agree(self) -> bool:
-        """Whether the agreement's all_gather can run and be waited for now: not inside a
-        group (it would be queued), not while this communicator's stream — or the legacy
-        stream of its device — is captured (it would be captured), not while another
-        capture forbids the wait and the thread cannot switch to relaxed mode."""
-        if _groups.group_depth() > 0:
-            return False
-        from ..cuda import _capture_blocks, _unsafe_calls_prohibited
-
-        s = self._stream
-        if (s not in (0, 1) and _capture_blocks(s)) or _capture_blocks(0):
-            return False
-        return not _unsafe_calls_prohibited() or _exchange_mode(-1) is not None
-
-    def _agree(self, ptr: int, size: int, bits: int, known: bool) -> None:
-        """Exchange (size, misaligned, flags, known) with every rank (one all_gather of
-        4 int64 each, on the communicator's stream) and raise the same ValueError on every
-        rank if they disagree."""
-        from .. import library
-        from ..cuda._device import _DeviceScope
-
-        n = self._size
-        mine = (c_int64 * 4)(size, ptr % WIN_REQUIRED_ALIGNMENT, bits, int(known))
-        everyone = (c_int64 * (4 * n))()
-        dev = self._agreement_buffer(n)
-        rt = library.cudart()
-        s = self._stream
-        comm: Any = self
-        # The copies are ordered with the all_gather on the communicator's stream (on a
-        # GPU a legacy-stream copy would not be), with its device current (the default
-        # streams are per device), in relaxed capture mode as NCCL's own registration.
-        previous = _exchange_mode(_RELAXED)
-        try:
-            with _DeviceScope(self.device), _no_collection():
-                rt.cudaMemcpyAsync(dev, byref(mine), sizeof(mine), _H2D, s)
-                comm.all_gather(dev, dev + sizeof(mine), count=4, dtype="int64")
-                # Non-blocking: the all_gather is on the stream only once NCCL is ready.
-                self._live()
-                rt.cudaMemcpyAsync(byref(everyone), dev + sizeof(mine), sizeof(everyone), _D2H, s)
-                self.synchronize()
-        finally:
-            if previous is not None and previous != _RELAXED:
-                _exchange_mode(previous)
-        _check_agreement([tuple(everyone[4 * r : 4 * r + 4]) for r in range(n)], bits, self)
-
-    def _agreement_buffer(self, n: int) -> int:
-        """The device scratch of the agreement (4 * (n + 1) int64), made once per
-        communicator and freed with it: no allocation or free (which synchronizes the
-        device) in the agreement itself."""
-        global _SCRATCH
-        if _SCRATCH is None:
-            import weakref  # not at import: `from pynccl import Communicator` stays light
-
-            _SCRATCH = weakref.WeakKeyDictionary()
-        buf = _SCRATCH.get(self)
-        if buf is None or buf.closed:
-            from ..cuda import DeviceBuffer
-
-            buf = _SCRATCH[self] = DeviceBuffer((4 * (n + 1),), "int64", self.device)
-        return buf.ptr
-
-    def _teardown(self, kind: str, reason: BaseException | None = None) -> None:
-        """The one teardown, then the agreement's scratch goes once the handle is retired
+    def _free_scratch(self, kind: str) -> None:
+        """The core's retire hook: the agreement's scratch goes once the handle is retired
         (an abort first stops what may still use it)."""
-        try:
-            super()._teardown(kind, reason)
-        finally:
-            if self._state in TERMINAL and _SCRATCH is not None:
-                buf = _SCRATCH.pop(self, None)
-                if buf is not None:
-                    try:
-                        buf.close()
-                    except Exception:  # a dead context at exit, or the watchdog thread
-                        if kind != "watchdog":
-                            raise
+        if self.scratch:
+            buf = self.scratch.pop()
+            try:
+                buf.close()
+            except Exception:  # a dead context at exit, or the watchdog thread
+                if kind != "watchdog":
+                    raise
 
-    def _close_window(self, win: Window) -> None:
+    def close_window(self, win: Window) -> None:
+        """Drop one reference to ``win``; the last deregisters (:meth:`Window.close`)."""
         if win._closed:
             return
         if win.closed:  # the communicator is gone: its teardown freed the window
@@ -367,7 +307,8 @@ class Windows(Memory):
             return
         h = win.handle
         self._wait_for_window(win)
-        raw = self._lib.raw("ncclCommWindowDeregister")
+        core = self.core
+        raw = core.library.raw("ncclCommWindowDeregister")
 
         def deregister(comm_handle: object) -> int:
             if win._closed:  # another thread closed it meanwhile
@@ -379,158 +320,81 @@ class Windows(Memory):
                 self._forget(win)
             return rc
 
-        self._live()
-        rc = self._under_gate(deregister)
+        core.live()
+        rc = core.under_gate(deregister)
         if rc and rc != Result.IN_PROGRESS:
-            raise self._lib.make_error(rc, "ncclCommWindowDeregister")
+            raise core.library.make_error(rc, "ncclCommWindowDeregister")
         self._settle(rc)
 
     def _wait_for_window(self, win: Window) -> None:
         """Wait for the work this rank queued that may use ``win``: the communicator's
         stream and the streams of the one-sided calls on it. A stream being captured has
         run nothing yet (its graph runs later): nothing to wait for there."""
-        if self._h is None and self._state.value != "initializing":
+        core = self.core
+        if not core.usable and core.state.value != "initializing":
             return  # revoked, suspended: the deregistration itself says what is allowed
         from ..cuda import _capture_blocks
 
-        for s in dict.fromkeys((self._stream, *sorted(win._streams))):
+        for s in dict.fromkeys((core.stream, *sorted(win._streams))):
             if not _capture_blocks(s):  # 0: also while a blocking stream captures
-                self.synchronize(s)
-
-    def _call_value(self, function: str) -> Any:
-        """A value-returning host function of ``nccl_device/host.h`` taking only the
-        communicator (``ncclTeamLsa``), under the gate."""
-        self._live()
-        return self._under_gate(self._lib.raw(function))
+                core.synchronize(s)
 
     def _settle(self, rc: int) -> None:
         """A non-blocking communicator's registration still in progress: wait for it
         (inside a group, the group's end does)."""
         if rc == Result.IN_PROGRESS:
             if _groups.group_depth() > 0:
-                _groups.in_progress_later(self)  # type: ignore[arg-type]
+                _groups.in_progress_later(self.core)
             else:
-                self._mark_pending()
-                self.wait_ready()
+                self.core.mark_pending()
+                self.core.wait_ready()
 
     def _forget(self, win: Window) -> None:
         win._closed = True
         win._refs = 0
         win._buf = None
-        if self._wins.get(win._key) is win:
-            del self._wins[win._key]
+        if self.wins.get(win._key) is win:
+            del self.wins[win._key]
 
-    def _close_windows(self, abort: bool) -> None:
-        """Before destroy or abort: only mark them closed. NCCL frees the windows left at
-        destroy itself (after the communicator's work has finished), and the abort frees
-        them too; nothing is called that could hang or free a window still in use."""
+    def close_windows(self, abort: bool) -> None:
+        """The core's close hook, before destroy or abort: only mark them closed. NCCL
+        frees the windows left at destroy itself (after the communicator's work has
+        finished), and the abort frees them too; nothing is called that could hang or
+        free a window still in use."""
         del abort
-        for win in list(self._wins.values()):
+        for win in list(self.wins.values()):
             self._forget(win)
 
+    # -- for the one-sided calls (:mod:`._signals`) -----------------------------------------
 
-#: The agreement's device scratch per communicator (see Windows._agreement_buffer): a
-#: ``weakref.WeakKeyDictionary`` from the first registration on.
-_SCRATCH: weakref.WeakKeyDictionary[Windows, DeviceBuffer] | None = None
+    def owns(self, win: Window) -> bool:
+        """Whether ``win`` was registered on this communicator."""
+        return win._windows is self
 
+    def in_symmetric(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` at ``ptr`` lie inside an open symmetric window."""
+        for (base, size, bits), win in self.wins.items():
+            inside = base <= ptr and ptr + nbytes <= base + size
+            if inside and bits & WinFlag.COLL_SYMMETRIC and not win._closed:
+                return True
+        return False
 
-def _check_agreement(rows: list[tuple[int, ...]], bits: int, comm: Windows) -> None:
-    """Raise the same ValueError on every rank if the ranks' (size, misaligned, flags,
-    known) rows disagree."""
-    for r, (sz, mis, fl, kn) in enumerate(rows):
-        if fl != rows[0][2]:
-            raise ValueError(
-                f"register_window: window flags differ between ranks (rank 0: "
-                f"{rows[0][2]:#x}, rank {r}: {fl:#x}); every rank must pass the same"
+    @staticmethod
+    def byte_offset(win: Window, offset: object, count: int, itemsize: int) -> int:
+        """:meth:`Window._byte_offset`: ``offset`` elements as bytes, checked to fit."""
+        return win._byte_offset(offset, count, itemsize)
+
+    @staticmethod
+    def use(win: Window, handle: int, function: str, s: int) -> None:
+        """Under the gate, before a one-sided call on ``win`` (whose handle was read as
+        ``handle``) on stream ``s``: refuse a window another thread's close deregistered
+        meanwhile (the deregistration holds the gate), else note ``s`` (its close waits
+        for that stream)."""
+        if win._closed or win._out.value != handle:
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                function,
+                f"{win!r} was closed by another thread before this call could "
+                "use it; close a window only once no call may use it any more",
             )
-        if kn != rows[0][3]:
-            has, lacks = (r, 0) if kn else (0, r)
-            raise ValueError(
-                f"register_window: rank {has} has this range registered already and "
-                f"rank {lacks} does not; every rank must register the same windows"
-            )
-        if mis:
-            raise ValueError(_misaligned(r, None))
-        if bits & WinFlag.COLL_SYMMETRIC and sz != rows[0][0]:
-            if comm._lib.version < _SIZES_MAY_DIFFER:
-                raise ValueError(
-                    f"register_window: a symmetric window needs the same size on every "
-                    f"rank before NCCL 2.30.7 (this is {_release(comm._lib.version)}), but "
-                    f"rank 0 registers {rows[0][0]} bytes and rank {r} {sz}"
-                )
-
-
-def _release(version: tuple[int, ...]) -> str:
-    return ".".join(str(v) for v in version)
-
-
-def _exchange_mode(mode: int) -> int | None:
-    """:func:`._held.exchange_mode` on the loaded libcudart."""
-    from .. import library
-    from ._held import exchange_mode
-
-    return exchange_mode(library.cudart(), mode)
-
-
-class _NoCollection:
-    """No automatic garbage collection on any thread while an agreement is under way.
-
-    A finalizer the collector runs — a cyclic ``DeviceBuffer``'s ``cudaFree``, which waits
-    for its device — on this thread, before it issued its all_gather, would wait for a
-    peer's pending all_gather on that device, which waits for this thread: a deadlock
-    with one thread per GPU in one process. Held only for the agreement's few calls
-    (counted: the collector comes back when the last agreement ends)."""
-
-    __slots__ = ()
-    _lock = allocate_lock()
-    _holds = 0
-    _was_enabled = False
-
-    def __enter__(self) -> None:
-        with _NoCollection._lock:
-            if _NoCollection._holds == 0:
-                _NoCollection._was_enabled = gc.isenabled()
-                gc.disable()
-            _NoCollection._holds += 1
-
-    def __exit__(self, *exc: object) -> None:
-        with _NoCollection._lock:
-            _NoCollection._holds -= 1
-            if _NoCollection._holds == 0 and _NoCollection._was_enabled:
-                gc.enable()
-
-
-_no_collection = _NoCollection
-
-
-def _refuse_cuda_malloc(buf: object) -> None:
-    """NCCL registers windows only from ncclMemAlloc or VMM memory: a DeviceBuffer tells
-    which allocator made it."""
-    from ..cuda import DeviceBuffer
-
-    if isinstance(buf, DeviceBuffer) and buf.allocator != "nccl":
-        raise ValueError(
-            f"register_window: buf is a DeviceBuffer from cudaMalloc (allocator="
-            f"{buf.allocator!r}); NCCL registers windows only in memory from ncclMemAlloc "
-            "(comm.mem_alloc, or DeviceBuffer(..., allocator='nccl')) or the CUDA VMM API"
-        )
-
-
-def _flag_bits(flags: object) -> int:
-    if isinstance(flags, bool) or not isinstance(flags, int):
-        raise TypeError(f"flags must be WinFlag bits (an int), got {type(flags).__name__}")
-    known = 0
-    for f in WinFlag:
-        known |= f
-    if flags & ~known or flags < 0:
-        raise ValueError(f"flags={flags:#x} has bits that are not WinFlag values")
-    return int(flags)
-
-
-def _misaligned(rank: int, ptr: int | None) -> str:
-    where = f"rank {rank}'s buffer" + ("" if ptr is None else f" {ptr:#x}")
-    return (
-        f"register_window: a window must start on WIN_REQUIRED_ALIGNMENT "
-        f"({WIN_REQUIRED_ALIGNMENT}) bytes, but {where} does not "
-        "(allocate it with comm.mem_alloc)"
-    )
+        win._streams.add(s)
