@@ -118,9 +118,9 @@ def _release(version: tuple[int, ...]) -> str:
 
 
 def _exchange_mode(mode: int) -> int | None:
-    """:func:`._held.exchange_mode` on the loaded libcudart."""
+    """:func:`._sync.exchange_mode` on the loaded libcudart."""
     from .. import library
-    from ._held import exchange_mode
+    from ._sync import exchange_mode
 
     return exchange_mode(library.cudart(), mode)
 

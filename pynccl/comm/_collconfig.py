@@ -132,14 +132,7 @@ class CollConfig:
                 c[_C_NAMES[name]] = value
             values[name] = value
         if alg_selection is not None:
-            if type(alg_selection) is not str:
-                raise TypeError(
-                    f"alg_selection must be a str (NCCL's algorithm selection string), "
-                    f"got {type(alg_selection).__name__} {alg_selection!r}"
-                )
-            if "\0" in alg_selection:
-                raise ValueError(f"alg_selection must not contain NUL: {alg_selection!r}")
-            c["algSelection"] = alg_selection.encode()
+            c["algSelection"] = _alg_selection(alg_selection)
         values["alg_selection"] = alg_selection
         if force_alg_selection is not None:
             # The rule of Config's bool fields too: a bool (numpy's included), never an int.
@@ -147,13 +140,7 @@ class CollConfig:
             c["forceAlgSelection"] = int(force_alg_selection)
         values["force_alg_selection"] = force_alg_selection
         if user_profiler_tag is not None:
-            tag = index_int(user_profiler_tag, "user_profiler_tag")
-            if not 0 <= tag < 1 << 63:
-                raise ValueError(
-                    f"user_profiler_tag={tag} is out of range; expected 0 <= user_profiler_tag "
-                    "< 2**63 (NCCL reserves the tags with the top bit set)"
-                )
-            c["userProfilerTag"] = user_profiler_tag = tag
+            c["userProfilerTag"] = user_profiler_tag = _profiler_tag(user_profiler_tag)
         values["user_profiler_tag"] = user_profiler_tag
         if launch_completion_event is not None:
             c["launchCompletionEvent"] = _event_handle(launch_completion_event)
@@ -240,3 +227,26 @@ def _py_name(c_name: str) -> str:
         if c == c_name:
             return name
     return c_name  # pragma: no cover - every C name is in FIELDS
+
+
+def _alg_selection(alg_selection: object) -> bytes:
+    """``alg_selection`` as the C string NCCL reads."""
+    if type(alg_selection) is not str:
+        raise TypeError(
+            f"alg_selection must be a str (NCCL's algorithm selection string), "
+            f"got {type(alg_selection).__name__} {alg_selection!r}"
+        )
+    if "\0" in alg_selection:
+        raise ValueError(f"alg_selection must not contain NUL: {alg_selection!r}")
+    return alg_selection.encode()
+
+
+def _profiler_tag(user_profiler_tag: object) -> int:
+    """``user_profiler_tag`` checked: NCCL reserves the tags with the top bit set."""
+    tag = index_int(user_profiler_tag, "user_profiler_tag")
+    if not 0 <= tag < 1 << 63:
+        raise ValueError(
+            f"user_profiler_tag={tag} is out of range; expected 0 <= user_profiler_tag "
+            "< 2**63 (NCCL reserves the tags with the top bit set)"
+        )
+    return tag

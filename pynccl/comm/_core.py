@@ -114,9 +114,11 @@ class Core(Watched):
         arguments as :func:`pynccl.bootstrap.from_env` (``timeout``, ``store``,
         ``mpi_comm``, ``file``, ``config``, ``nids``, ``device``, ``rank``, ...).
         """
-        from ._from_env import from_env
+        # Through the public facade, which loads ._from_env lazily: ._from_env builds a
+        # Communicator, so a direct import would close an import cycle.
+        from ..bootstrap import from_env
 
-        return from_env(**kwargs)
+        return from_env(**kwargs)  # type: ignore[no-any-return]
 
     def __reduce_ex__(self, protocol: object) -> NoReturn:
         # pickle and copy both come here: a copy would own (and destroy) the same handle
@@ -169,13 +171,6 @@ class Core(Watched):
         handle owns nothing: its stream is the caller's to keep)."""
         self._use_stream(0 if value is None else as_stream(value))
         self._stream_ref = None if value is None or type(value) is int else value
-
-    @property
-    def state(self) -> State:
-        """``"ready"``, ``"initializing"`` (non-blocking), ``"suspended"``, ``"revoked"``,
-        ``"finalized"``, ``"destroyed"``, ``"aborted"`` or ``"closed"`` (a :class:`State`,
-        equal to those strings)."""
-        return self._state
 
     @property
     def usable(self) -> bool:

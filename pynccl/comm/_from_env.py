@@ -17,6 +17,7 @@ from ..bootstrap.tcp import TcpRendezvous
 
 if TYPE_CHECKING:
     from pynccl.comm import Communicator, Config
+    from pynccl.comm._uid import UniqueId
     from pynccl.typing import DeviceLike
 
 __all__ = ["auto_nids", "from_env", "make_rendezvous"]
@@ -216,7 +217,25 @@ def from_env(
         timeout=timeout,
     )
 
-    from pynccl.comm import Communicator, UniqueId  # the object layer sits above this one
+    from pynccl.comm import Communicator  # the object layer sits above this one
+
+    ids = _share_ids(env, backend, nids, timeout)
+    return Communicator(
+        env.world_size,
+        ids[0] if len(ids) == 1 else ids,
+        env.rank,
+        device=device,
+        config=config,
+        watchdog_timeout=watchdog_timeout,
+    )
+
+
+def _share_ids(
+    env: LaunchEnv, backend: Rendezvous, nids: int | None, timeout: float
+) -> list[UniqueId]:
+    """Rank 0 makes ``nids`` unique ids (None: :func:`auto_nids`, or one where its library
+    lacks ncclCommInitRankScalable) and shares them; every rank returns them."""
+    from ._uid import UniqueId
 
     payload = None
     if env.rank == 0:
@@ -235,11 +254,4 @@ def from_env(
             f"but this rank expects {expects}: call from_env with the same nids on every rank"
         )
     ids = [UniqueId.from_bytes(data[i : i + _ID_BYTES]) for i in range(0, len(data), _ID_BYTES)]
-    return Communicator(
-        env.world_size,
-        ids[0] if len(ids) == 1 else ids,
-        env.rank,
-        device=device,
-        config=config,
-        watchdog_timeout=watchdog_timeout,
-    )
+    return ids

@@ -25,9 +25,10 @@ from ..cuda import DeviceBuffer
 from ..cuda._graph import capturing_graphs
 from ._collconfig import CollConfig
 from ._persistent import PersistentOp
+from ._sync import exchange_mode
 from ._window import Window
 
-__all__ = ["Held", "exchange_mode", "hold", "needs_order", "release"]
+__all__ = ["Held", "hold", "needs_order", "release"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
         comm, stream = entry[0], entry[1]
         if comm is not None and stream is not None and (waiting or needs_order(entry[2:])):
             handle = stream if type(stream) is int else (stream.value or 0)
-            device = comm._device
+            device = comm.watch_device()  # known, or asked without the gate
             streams.setdefault((-1 if device is None else device, handle), comm)
     if not streams and not waiting:
         return False  # nothing stream-ordered to wait for
@@ -227,25 +228,3 @@ def _release(rt: Any, held: list[Held]) -> None:
         item.objs = None  # the last reference: a buffer's memory may go now
 
 
-_EXCHANGE: tuple[object, Any] = (None, None)  # (libcudart, its function or None)
-
-
-def exchange_mode(rt: Any, mode: int) -> int | None:
-    """``cudaThreadExchangeStreamCaptureMode``: make ``mode`` the calling thread's capture
-    interaction mode (2: relaxed); the previous one, or None where libcudart ``rt`` lacks
-    the call (``mode=-1``: only tell whether it has it, as 0, changing nothing)."""
-    global _EXCHANGE
-    lib, fn = _EXCHANGE
-    if lib is not rt:
-        has = rt.has("cudaThreadExchangeStreamCaptureMode")
-        fn = rt.raw("cudaThreadExchangeStreamCaptureMode") if has else None
-        _EXCHANGE = (rt, fn)
-    if fn is None:
-        return None
-    if mode < 0:
-        return 0
-    value = c_int(mode)
-    if fn(byref(value)):
-        rt.raw("cudaGetLastError")()
-        return None
-    return int(value.value)

@@ -74,6 +74,13 @@ class Observed(CommHandle):
         return self._rank
 
     @property
+    def state(self) -> State:
+        """``"ready"``, ``"initializing"`` (non-blocking), ``"suspended"``, ``"revoked"``,
+        ``"finalized"``, ``"destroyed"``, ``"aborted"`` or ``"closed"`` (a :class:`State`,
+        equal to those strings)."""
+        return self._state
+
+    @property
     def device(self) -> int:
         """The CUDA device of this communicator (``ncclCommCuDevice``)."""
         if self._device is None:
@@ -280,7 +287,7 @@ def _hook_captures() -> None:
 def _on_capture(begins: bool) -> None:
     """A capture began or ended: every live communicator's call slots follow."""
     for comm in live_handles():
-        if isinstance(comm, Observed) and comm._state not in TERMINAL:
+        if isinstance(comm, Observed) and comm.state not in TERMINAL:
             comm._install_slots()
 
 

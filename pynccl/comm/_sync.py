@@ -11,7 +11,7 @@ from ctypes import byref, c_int
 from ..enums import Result
 from ..errors import NcclInvalidUsage
 
-__all__ = ["sync_stream", "wait_stream"]
+__all__ = ["exchange_mode", "sync_stream", "wait_stream"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -113,3 +113,27 @@ def wait_stream(
             raise timed_out(s)
         time.sleep(delay)
         delay = min(delay * 2 or 0.0001, 0.005)
+
+
+_EXCHANGE: tuple[object, Any] = (None, None)  # (libcudart, its function or None)
+
+
+def exchange_mode(rt: Any, mode: int) -> int | None:
+    """``cudaThreadExchangeStreamCaptureMode``: make ``mode`` the calling thread's capture
+    interaction mode (2: relaxed); the previous one, or None where libcudart ``rt`` lacks
+    the call (``mode=-1``: only tell whether it has it, as 0, changing nothing)."""
+    global _EXCHANGE
+    lib, fn = _EXCHANGE
+    if lib is not rt:
+        has = rt.has("cudaThreadExchangeStreamCaptureMode")
+        fn = rt.raw("cudaThreadExchangeStreamCaptureMode") if has else None
+        _EXCHANGE = (rt, fn)
+    if fn is None:
+        return None
+    if mode < 0:
+        return 0
+    value = c_int(mode)
+    if fn(byref(value)):
+        rt.raw("cudaGetLastError")()
+        return None
+    return int(value.value)
