@@ -1,12 +1,7 @@
-"""``Communicator``: constructors and the public surface. It is a :class:`~._core.Core`
-(handle, gate, state, flight record, watchdog, lifecycle) composed with parts, each a
-plain object over the core's public surface: :class:`~._memory.Memory`,
-:class:`~._window.Windows`, :class:`~._signals.Signals`, :class:`~._suspend.Suspend`,
-:class:`~._extras.Extras` (split, custom ops), :class:`~._resilience.Resilience`,
-:class:`~._vcoll.VCollectives` and :class:`~._introspect.Introspection`; the methods they
-implement are one delegating line each below. The collectives are generated from the spec
-table (:mod:`._codegen`) and attached at import; their one slow path is
-:meth:`._collectives.Collectives._slow`, a base of the class."""
+"""``Communicator``: constructors and the public surface. A :class:`~._core.Core` composed
+with parts (plain objects over the core's public surface; one delegating line per method
+they implement, below). The collectives are generated from the spec table (:mod:`._codegen`)
+and attached at import; their one slow path is :meth:`._collectives.Collectives._slow`."""
 
 from __future__ import annotations
 
@@ -14,14 +9,6 @@ from collections.abc import Sequence
 from ctypes import byref, c_int, c_void_p
 
 from .._capi._enumargs import C_DATATYPE
-from .._limits import (
-    C_INT_MAX,
-    check_c_int,
-    check_device_ordinal,
-    check_index,
-    check_on_hang,
-    check_timeout,
-)
 from ..enums import DataType, Result
 from ..library import cudart, lib
 from . import _recorder
@@ -32,13 +19,14 @@ from ._config import Config
 from ._core import Core
 from ._delegate import delegate, delegate_property
 from ._extras import Extras
+from ._init import init_all_devices, init_args, init_rank, rank_and_size
 from ._introspect import Introspection
 from ._memory import Memory
 from ._resilience import Resilience, join_args, refuse_in_group
 from ._signals import Signals, rma_limits
 from ._spec import COLLECTIVES
 from ._suspend import Suspend
-from ._uid import UniqueId, as_unique_ids, init_rank
+from ._uid import UniqueId, as_unique_ids
 from ._vcoll import VCollectives
 from ._window import Windows
 
@@ -46,7 +34,6 @@ __all__ = ["Communicator"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-
     from .._capi.nccl import NcclLibrary
     from .._capi.structs import ncclConfig_t
     from ..cuda import DeviceBuffer
@@ -109,16 +96,9 @@ class Communicator(Collectives, Core):
     ) -> None:  # fmt: skip
         L = lib()
         self._init_handle(L, True)
-        nranks = check_c_int(nranks, "nranks", 1, C_INT_MAX)
-        rank = check_index(rank, "rank", nranks, f"for a communicator of size {nranks}")
-        if device is not None:
-            device = check_device_ordinal(device)
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config must be a pynccl.Config, got {type(config).__name__}")
-        if watchdog_timeout is not None:
-            check_timeout(watchdog_timeout, "watchdog_timeout")
-        if check_on_hang(watchdog_on_hang, "watchdog_on_hang") == "revoke":
-            L.require("watchdog_on_hang='revoke'", L.PROTOTYPES["ncclCommRevoke"].first)
+        nranks, rank, device = init_args(
+            L, nranks, rank, device, config, watchdog_timeout, watchdog_on_hang
+        )
         ids = as_unique_ids(unique_id)
         self._setup(L, rank, nranks, device, config, stream)
         if device is not None:
@@ -221,11 +201,7 @@ class Communicator(Collectives, Core):
         child._signals.rma = self._signals.rma if cfg is None else rma_limits(L.version, cfg)
         if not blocking:
             child.wait_ready()
-        value = c_int()
-        L.ncclCommUserRank(handle, byref(value))
-        child._rank = value.value
-        L.ncclCommCount(handle, byref(value))
-        child._size = value.value
+        child._rank, child._size = rank_and_size(L, handle)
         child._sized(child._size)
         return child
 
@@ -263,13 +239,10 @@ class Communicator(Collectives, Core):
         if type(handle) is not int or not 0 < handle < 1 << 64:
             raise ValueError(f"handle must be a non-NULL ncclComm_t as an int, got {handle!r}")
         L = lib()
-        value = c_int()
-        L.ncclCommCount(handle, byref(value))
-        size = value.value
-        L.ncclCommUserRank(handle, byref(value))
-        rank = value.value
-        L.ncclCommCuDevice(handle, byref(value))
-        return cls._wrap(L, handle, rank, size, value.value, owner=False, stream=stream)
+        rank, size = rank_and_size(L, handle)
+        device = c_int()
+        L.ncclCommCuDevice(handle, byref(device))
+        return cls._wrap(L, handle, rank, size, device.value, owner=False, stream=stream)
 
     @classmethod
     def init_all(
@@ -279,14 +252,7 @@ class Communicator(Collectives, Core):
 
         ``devices`` is a list of device ordinals or a count (``range(n)``).
         """
-        if isinstance(devices, Sequence):
-            devs = [check_device_ordinal(d, "devices") for d in devices]
-        else:
-            devs = list(range(check_c_int(devices, "devices", 0)))
-        if not devs:
-            raise ValueError("init_all needs at least one device")
-        if len(set(devs)) != len(devs):
-            raise ValueError(f"devices has duplicates: {devs}")
+        devs = init_all_devices(devices)
         L = lib()
         n = len(devs)
         handles = (c_void_p * n)()

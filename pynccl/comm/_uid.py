@@ -15,9 +15,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from .._capi.nccl import NcclLibrary
-    from .._capi.structs import ncclConfig_t
-
 
 class UniqueId:
     """An ``ncclUniqueId``: 128 bytes that name one communicator being created.
@@ -105,24 +102,3 @@ def as_unique_ids(unique_id: object) -> list[UniqueId]:
         f"unique_id must be a UniqueId, 128 bytes or a sequence of them, got "
         f"{type(unique_id).__name__}"
     )
-
-
-def init_rank(
-    L: NcclLibrary, ids: list[UniqueId], nranks: int, rank: int, cfg: ncclConfig_t | None
-) -> tuple[int | None, bool]:
-    """``ncclCommInitRank`` (``...Config`` with ``cfg``; ``...Scalable`` — NCCL >= 2.23
-    — with several ids): the new handle, and whether a non-blocking init is pending."""
-    from ..enums import Result
-
-    comm = ctypes.c_void_p()
-    if len(ids) > 1:
-        L.require("ncclCommInitRankScalable (several unique ids)", (2, 23, 4))
-        id_array = (ncclUniqueId * len(ids))(*(uid.struct for uid in ids))
-        result = L.ncclCommInitRankScalable(
-            byref(comm), nranks, rank, len(ids), id_array, None if cfg is None else byref(cfg)
-        )
-    elif cfg is not None:
-        result = L.ncclCommInitRankConfig(byref(comm), nranks, ids[0].struct, rank, byref(cfg))
-    else:
-        result = L.ncclCommInitRank(byref(comm), nranks, ids[0].struct, rank)
-    return comm.value, result == Result.IN_PROGRESS
