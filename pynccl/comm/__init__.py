@@ -2,12 +2,13 @@
 
 A package by role (see the README's layout table): ``_spec`` (the table of collectives),
 ``_codegen`` (rows -> methods), ``_args`` (the one slow path and its argument rules),
-``_fallback`` (grouped send/recv plans below 2.28), ``_handle`` (the state machine and the
-gate), ``_recorder`` (the flight recorder), ``_watchdog``, ``_observe`` / ``_extras`` /
-``_memory`` / ``_window`` / ``_signals`` / ``_vcoll`` / ``_introspect`` / ``_collectives``
-(the collectives' slow path) / ``_communicator`` (the class), ``_uid``, ``_config``,
-``_collconfig`` (per-call ``CollConfig``), ``_persistent`` (``<method>_init``
-operations) and ``_from_env``.
+``_fallback`` (grouped send/recv plans below 2.28), ``_recorder`` (the flight recorder),
+``_watchdog``; the core of a communicator (``_handle``: state machine and gate,
+``_observe``, ``_watched``, ``_core``), its parts over the core's public surface
+(``_memory``, ``_window``, ``_signals``, ``_suspend``, ``_extras``, ``_resilience``,
+``_vcoll``, ``_introspect``), ``_collectives`` (the collectives' slow path),
+``_communicator`` (the class), ``_uid``, ``_config``, ``_collconfig`` (per-call
+``CollConfig``), ``_persistent`` (``<method>_init`` operations) and ``_from_env``.
 
 Importing it loads no library; it avoids :mod:`dataclasses`, :mod:`typing` and
 :mod:`hashlib`, so that the first use of the object API stays cheap.
@@ -18,9 +19,9 @@ from __future__ import annotations
 from ._collconfig import CollConfig
 from ._communicator import Communicator
 from ._config import Config
-from ._handle import State
 from ._memory import Registration
 from ._signals import SignalWait
+from ._state import State
 from ._uid import UniqueId
 from ._window import Window
 

@@ -1,8 +1,10 @@
-"""The communicator's one state machine: states, the gate, one teardown.
+"""The communicator's one state machine and its gate (the base of :class:`~._core.Core`,
+which holds the one teardown).
 
-* :class:`State` lists the states; :meth:`CommHandle._set_state` is the only code that
-  assigns one, and it keeps ``_h`` (the handle calls may use) equal to the handle in
-  state READY and None in every other state, so the hot path tests one attribute.
+* :class:`State` (:mod:`._state`) lists the states; :meth:`CommHandle._set_state` is the
+  only code that assigns one, and it keeps ``_h`` (the handle calls may use) equal to
+  the handle in state READY and None in every other state, so the hot path tests one
+  attribute.
   ``_h`` is the handle as a ``c_void_p``, made once when the handle is adopted: what the
   generated calls pass to functions without argtypes, and what functions with argtypes
   take as readily as an int (``_handle`` is the int).
@@ -28,8 +30,8 @@
   small lock (``_life``) that the teardown also takes to retire the handle, just before
   the C call that frees it — so a watchdog never waits behind a call blocked inside NCCL
   (a finalize, a first collective, a full work queue) and never uses a freed handle.
-* :meth:`CommHandle._teardown` is the one teardown: ``destroy``, ``abort``, ``close`` and
-  the watchdog all go through it.
+* ``Core._teardown`` is the one teardown: ``destroy``, ``abort``, ``close`` and the
+  watchdog all go through it.
 """
 
 from __future__ import annotations

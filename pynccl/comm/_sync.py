@@ -1,7 +1,8 @@
 """The waiting of :meth:`~pynccl.Communicator.synchronize`: refuse a stream being
 captured, switch to relaxed capture mode and the communicator's device, and poll the
 stream, watching the communicator's asynchronous error, until it drains or the deadline
-passes."""
+passes; and :func:`exchange_mode`, the thread's capture interaction mode (shared with the
+group's holder and the window agreement)."""
 
 from __future__ import annotations
 
