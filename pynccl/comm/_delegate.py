@@ -9,11 +9,16 @@ __all__ = ["delegate", "delegate_property"]
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
-    from typing import Any, Concatenate, ParamSpec, TypeVar
+    from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
     P = ParamSpec("P")
     R = TypeVar("R")
     T = TypeVar("T")
+
+    class ReadOnly(Generic[R]):
+        """What a type checker sees of a delegated property: a read-only ``R``."""
+
+        def __get__(self, obj: object, owner: object = None) -> R: ...
 
 
 def delegate(part: str, method: Callable[Concatenate[T, P], R]) -> Callable[Concatenate[Any, P], R]:
@@ -26,15 +31,16 @@ def delegate(part: str, method: Callable[Concatenate[T, P], R]) -> Callable[Conc
     return call
 
 
-def delegate_property(part: str, prop: Any) -> Any:
-    """A read-only property reading property ``prop`` of the object at attribute ``part``."""
-    fget = prop.fget
+def delegate_property(part: str, prop: Callable[[T], R]) -> ReadOnly[R]:
+    """A read-only property reading property ``prop`` of the object at attribute ``part``
+    (a type checker sees a class's property as its getter)."""
+    fget = getattr(prop, "fget")  # a property at run time
 
-    def get(self: Any) -> Any:
-        return fget(getattr(self, part))
+    def get(self: Any) -> R:
+        return fget(getattr(self, part))  # type: ignore[no-any-return]
 
     _wraps(get, fget)
-    return property(get, doc=prop.__doc__)
+    return property(get, doc=prop.__doc__)  # type: ignore[return-value]
 
 
 def _wraps(wrapper: Any, wrapped: Any) -> None:
