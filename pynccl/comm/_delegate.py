@@ -34,7 +34,7 @@ def delegate(part: str, method: Callable[Concatenate[T, P], R]) -> Callable[Conc
 def delegate_property(part: str, prop: Callable[[T], R]) -> ReadOnly[R]:
     """A read-only property reading property ``prop`` of the object at attribute ``part``
     (a type checker sees a class's property as its getter)."""
-    fget = getattr(prop, "fget")  # a property at run time
+    fget = getattr(prop, "fget")  # noqa: B009 - typed as its getter, a property at run time
 
     def get(self: Any) -> R:
         return fget(getattr(self, part))  # type: ignore[no-any-return]
