@@ -19,14 +19,13 @@ from ._config import Config
 from ._core import Core
 from ._delegate import delegate, delegate_property
 from ._extras import Extras
-from ._init import init_all_devices, init_args, init_rank, rank_and_size
 from ._introspect import Introspection
 from ._memory import Memory
 from ._resilience import Resilience, join_args, refuse_in_group
 from ._signals import Signals, rma_limits
 from ._spec import COLLECTIVES
 from ._suspend import Suspend
-from ._uid import UniqueId, as_unique_ids
+from ._uid import UniqueId, as_unique_ids, init_all_devices, init_args, init_rank, rank_and_size
 from ._vcoll import VCollectives
 from ._window import Windows
 

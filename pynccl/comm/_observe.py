@@ -15,7 +15,6 @@ from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupported
 from . import _recorder
 from ._handle import HANDLE, TERMINAL, CommHandle, State, live_handles
 from ._memos import empty_memos as _empty_memos
-from ._sync import sync_stream
 
 __all__ = ["Observed"]
 
@@ -158,6 +157,8 @@ class Observed(CommHandle):
             self._with_record(error)
             self.abort()
             return error
+
+        from ._sync import sync_stream  # its CUDA waits: only when used
 
         sync_stream(s, lambda: self.device, deadline, self._raise_async_error, timed_out)
         if self._state is State.REVOKED:  # revoked meanwhile: its work was stopped, not done

@@ -27,7 +27,6 @@ from .._closable import Closable
 from .._limits import U64, check_count, check_index
 from ..enums import WIN_REQUIRED_ALIGNMENT, DataType, Result, WinFlag
 from ..errors import NcclInvalidUsage
-from ._agreement import agree, can_agree, flag_bits, misaligned, refuse_cuda_malloc
 from ._memory import buffer_range
 from ._state import HANDLE, TERMINAL
 
@@ -225,8 +224,7 @@ class Windows:
         self.core = core
         #: The open windows by (pointer, size, flags) (the communicator's ``_wins``).
         self.wins = wins
-        #: The agreement's device scratch, made by the first agreement, freed with the
-        #: communicator (see :func:`._agreement.scratch`).
+        #: The agreement's device scratch (:func:`._agreement.scratch_buffer`).
         self.scratch: list[DeviceBuffer] = []
         core.on_close(self.close_windows)
         core.on_retire(self._free_scratch)
@@ -255,6 +253,8 @@ class Windows:
         :class:`Window`, with one more reference. Allowed during a CUDA-graph capture
         (NCCL registers in relaxed capture mode; only this rank's values are checked).
         """
+        from ._agreement import agree, can_agree, flag_bits, misaligned, refuse_cuda_malloc
+
         core = self.core
         core.live()
         ptr, size, dt = buffer_range(core.device, buf, nbytes, "register_window")
