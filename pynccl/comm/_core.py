@@ -62,9 +62,8 @@ class Core(Watched):
 
     __slots__ = ("_closers", "_codes", "_retirers", "_stream_ref")
 
+    #: The ncclDataType_t argument of each type the library accepts; None: too old.
     _codes: dict[DataType, c_int | None]
-    _config: object  # the ncclConfig_t it was made with (kept: NCCL keeps commName), or None
-    _blocking: bool
 
     def _init_handle(self, lib: NcclLibrary, owner: bool) -> None:
         super()._init_handle(lib, owner)
@@ -97,9 +96,7 @@ class Core(Watched):
             raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, self._lib.version)
         return dt
 
-    _datatype = datatype
-
-    # -- construction, pickling, repr ---------------------------------------------------------
+    # -- construction, pickling, repr -----------------------------------------------------
 
     @classmethod
     def from_env(cls, **kwargs: Any) -> Communicator:

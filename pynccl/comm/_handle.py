@@ -141,7 +141,7 @@ class CommHandle:
         self._closing: str | None = None
         self._error: BaseException | None = None
         self._watch = None
-        #: Shrunk with NCCL_SHRINK_ABORT: its destroy() aborts (see Observed._destroy_kind).
+        #: Shrunk with NCCL_SHRINK_ABORT: its destroy() aborts (see Watched._destroy_kind).
         self._shrunk = False
 
     # -- the one place that changes state --------------------------------------------------

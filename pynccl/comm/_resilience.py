@@ -1,4 +1,5 @@
-"""Fault tolerance: ``revoke``, ``shrink``, ``grow_id`` / ``grow`` and ``join``.
+"""Fault tolerance: ``revoke``, ``shrink``, ``grow_id`` / ``grow`` (the :class:`Resilience`
+part of :class:`~pynccl.Communicator`) and the checks of ``Communicator.join``.
 
 * :meth:`Resilience.revoke` (``ncclCommRevoke``, NCCL >= 2.28) stops the in-flight
   operations; the communicator becomes ``"revoked"`` and only :meth:`~Resilience.shrink`,
@@ -9,7 +10,7 @@
   parent's ``destroy()`` then aborts it (NCCL >= 2.31.2's destroy would wait for the
   ranks that aborted).
 * :meth:`Resilience.grow_id` / :meth:`Resilience.grow` on the existing ranks and
-  :meth:`Resilience.join` on the new ones (``ncclCommGetUniqueId`` / ``ncclCommGrow``,
+  ``Communicator.join`` on the new ones (``ncclCommGetUniqueId`` / ``ncclCommGrow``,
   NCCL >= 2.29) make a larger communicator in which the existing ranks keep their numbers.
 
 None of them can be captured in a CUDA graph, and shrink, grow and join cannot be issued
