@@ -22,6 +22,7 @@ __all__ = [
     "canonical_name",
     "complex_component",
     "complex_name",
+    "known_names",
     "to_numpy_dtype",
 ]
 
@@ -41,6 +42,13 @@ _BY_NAME: dict[str, DataType] = {
     "bfloat16": DataType.BFLOAT16,
     "float8_e4m3fn": DataType.FLOAT8_E4M3,
     "float8_e5m2": DataType.FLOAT8_E5M2,
+    # The short spellings of ML code (vLLM, SGLang, Megatron configs).
+    "bf16": DataType.BFLOAT16,
+    "fp16": DataType.FLOAT16,
+    "fp32": DataType.FLOAT32,
+    "fp64": DataType.FLOAT64,
+    "fp8_e4m3": DataType.FLOAT8_E4M3,
+    "fp8_e5m2": DataType.FLOAT8_E5M2,
 }
 _BY_NAME.update({dt.c_name: dt for dt in DataType})
 _BY_NAME.update({dt.name.lower(): dt for dt in DataType})  # "float8_e4m3", "bfloat16", ...
@@ -71,6 +79,12 @@ def _parse_typestr(text: str) -> tuple[str, str, str] | None:
 
 
 _CACHE: dict[Any, DataType] = {}
+
+
+def known_names() -> dict[str, DataType]:
+    """Every name :func:`as_datatype` reads without parsing (``"float32"``, ``"bf16"``,
+    ``"ncclFloat32"``, ...), with its type: a new dict."""
+    return dict(_BY_NAME)
 
 _ML_NAMES = {
     DataType.BFLOAT16: "bfloat16",

@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 
 
 __all__ = [
-    "JOIN",
-    "KEEP_ALIVE",
+    "OPEN",
+    "STATE",
     "Group",
     "SimulatedGroup",
     "group",
@@ -111,6 +111,9 @@ class _Local(_ThreadLocal):
 
 #: ``_local.s``: the calling thread's state (one per-thread lookup, then plain slots).
 _local = _Local()
+#: The same object under its public name, for hot paths in other modules
+#: (``STATE.s.gid``, ``STATE.s.keep``, ``STATE.s.comms``: see :class:`_GroupState`).
+STATE = _local
 #: Threads with a group open: the hot paths look up the thread-local group number only
 #: when this is not empty (set add/discard are atomic under the GIL).
 OPEN: set[int] = set()
@@ -144,7 +147,7 @@ def keep_alive(objs: object, comm: GroupMember | None = None, stream: object = N
     has run on ``stream`` (a handle; ``None``: every stream the group used), and count
     ``comm`` among the group's communicators (called for operations queued inside a
     group; nothing happens outside one). Returns that group's number (0: none), which
-    the flight recorder stores with the operation. :data:`KEEP_ALIVE` is the same, inline.
+    the flight recorder stores with the operation. The collectives' fast path does the same inline.
     """
     st = _local.s
     gid = st.gid
@@ -157,30 +160,6 @@ def kept_objects() -> list[object]:
     """The objects the calling thread's open group keeps alive so far (what
     :func:`keep_alive` and the generated calls kept), in order."""
     return [obj for entry in _local.s.keep for obj in entry[2:]]
-
-
-#: :func:`keep_alive` as source lines for generated hot paths, whose globals bind
-#: ``_GROUPS`` to this module's thread-local state and ``_OPEN`` to :data:`OPEN` (no
-#: thread has a group open: nothing to look up): ``{comm}`` joins the group, ``{objs}``
-#: (names separated by commas) are kept until stream ``{stream}`` passes, ``gid`` is bound.
-KEEP_ALIVE = (
-    "gid = 0",
-    "if _OPEN:",
-    "    st = _GROUPS.s",
-    "    gid = st.gid",
-    "    if gid:",
-    "        st.keep.append(({comm}, {stream}, {objs}))",
-)
-#: The same for a call that keeps nothing alive (raw pointers): ``{comm}`` joins the
-#: group, ``gid`` is bound.
-JOIN = (
-    "gid = 0",
-    "if _OPEN:",
-    "    st = _GROUPS.s",
-    "    gid = st.gid",
-    "    if gid:",
-    "        st.comms.append({comm})",
-)
 
 
 def in_progress_later(comm: GroupMember) -> None:

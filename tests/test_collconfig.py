@@ -16,13 +16,13 @@ from _worlds import ThreadWorld, use_loopback
 import pynccl
 from pynccl import CollConfig, DataType
 from pynccl.comm import Communicator, UniqueId
-from pynccl.comm._spec import COLLECTIVES
+from pynccl.comm._spec import COLLECTIVES, Where
 from pynccl.cuda import DeviceBuffer, Event
 from pynccl.errors import NcclInvalidArgument, NotSupportedError
 
 N = 4  # elements per rank block
 SIZE = 3
-COLLS = [row.method for row in COLLECTIVES if row.where != "peer"]
+COLLS = [row.method for row in COLLECTIVES if row.where is not Where.PEER]
 
 
 # -- an independent oracle: what each collective leaves on each rank -----------------------------

@@ -22,7 +22,7 @@ from test_arg_policy import MISTAKES, _call, _shape
 import pynccl
 from pynccl import CollConfig, DataType, PersistentOp
 from pynccl.comm import Communicator, UniqueId
-from pynccl.comm._spec import COLLECTIVES
+from pynccl.comm._spec import COLLECTIVES, Where
 from pynccl.cuda import DeviceBuffer, Stream
 from pynccl.errors import NcclInvalidUsage
 
@@ -32,7 +32,7 @@ ROOT = 2
 BLOCKED = ("reduce_scatter", "scatter", "all_to_all")
 GATHERING = ("all_gather", "gather", "all_to_all")
 ROOTED = ("reduce", "broadcast", "gather", "scatter")
-COLLS = [row.method for row in COLLECTIVES if row.where != "peer"]
+COLLS = [row.method for row in COLLECTIVES if row.where is not Where.PEER]
 
 
 def _data(method: str, rank: int, step: int) -> np.ndarray:
@@ -146,8 +146,10 @@ def test_every_row_has_an_init_with_the_method_signature(lb: Any) -> None:
     for row in COLLECTIVES:
         method = getattr(Communicator, row.method)
         init = getattr(Communicator, row.method + "_init")
-        assert inspect.signature(init) == inspect.signature(method)
-        assert init.__qualname__ == f"Communicator.{row.method}_init"
+        sig, want = inspect.signature(init), inspect.signature(method)
+        assert sig.parameters == want.parameters
+        assert sig.return_annotation == "PersistentOp" and want.return_annotation == "None"
+        assert init.__qualname__.endswith(f".{row.method}_init")
         assert f":meth:`{row.method}`" in (init.__doc__ or "")
 
 
@@ -168,7 +170,7 @@ def test_init_raises_the_methods_own_errors(solo: Communicator, mistake: str) ->
     b = DeviceBuffer(8, "float32", device=0)
     try:
         for row in COLLECTIVES:
-            if "root" in override and not row.where:
+            if "root" in override and row.where is Where.NONE:
                 continue
             before = solo._seq
             with pytest.raises(Exception) as direct:

@@ -1,23 +1,23 @@
-"""The spec table of collectives: consistent with the C prototypes, the same list as the
-tests' own, the generated source as a golden file, tracebacks through generated code
-readable, and the documented parts of the object layer's surface."""
+"""The spec table of collectives: consistent with the C prototypes, with the loopback
+libnccl's own table (collectives.h) and with the tests' list; the methods hand-written with
+the rows' signatures; and the documented parts of the object layer's surface."""
 
 from __future__ import annotations
 
-import difflib
 import inspect
-import traceback
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _worlds import COLLECTIVES as TEST_COLLECTIVES
 
+import pynccl.testing
 from pynccl._capi.nccl import PROTOTYPES
-from pynccl.comm import Communicator, Config, UniqueId, _codegen
-from pynccl.comm._spec import COLLECTIVES, by_cfunc, by_method
+from pynccl.comm import Communicator, Config, UniqueId
+from pynccl.comm._spec import COLLECTIVES, Extent, On, Side, Where, by_cfunc, by_method
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "comm_generated.py.txt"
+LOOPBACK_TABLE = Path(pynccl.testing.__file__).parent / "loopback" / "nccl" / "collectives.h"
 
 
 @pytest.mark.parametrize("row", COLLECTIVES, ids=[r.method for r in COLLECTIVES])
@@ -26,19 +26,53 @@ def test_rows_agree_with_the_c_prototypes(row: Any) -> None:
     names = [name for name, _ in proto.args]
     assert proto.first == row.since, f"{row.cfunc}: first release"
     assert ("op" in names) == row.has_op
-    assert ("root" in names) == (row.where == "root")
-    assert ("peer" in names) == (row.where == "peer")
-    assert names[-2:] == ["comm", "stream"]  # the recorder and the slow path rely on it
-    if row.where:
-        assert names[-3] == row.where  # root/peer just before (comm, stream)
-    for which in ("send", "recv"):
-        assert getattr(row, which) in ("1", "n", "-")
-        assert getattr(row, which + "_on") in ("all", "root")
-    assert row.count_from in ("send", "recv") and getattr(row, row.count_from) != "-"
-    assert row.in_place in ("", "recvbuf=None", "offset")
-    assert bool(row.fallback) == (row.since >= (2, 28, 0)), "native only from 2.28"
+    assert ("root" in names) == (row.where is Where.ROOT)
+    assert ("peer" in names) == (row.where is Where.PEER)
+    assert names[-2:] == ["comm", "stream"]  # the recorder and the checked path rely on it
+    if row.where is not Where.NONE:
+        assert names[-3] == row.where.value  # root/peer just before (comm, stream)
+    assert row.extent(row.count_from) is not Extent.NONE
+    assert row.fallback == (row.since >= (2, 28, 0)), "native only from 2.28"
     assert by_method(row.method) is row and by_cfunc(row.cfunc) is row
-    assert row.multiplier("send", 4) == {"1": 1, "n": 4, "-": 0}[row.send]
+    assert row.multiplier(Side.SEND, 4) == {Extent.COUNT: 1, Extent.PER_RANK: 4,
+                                            Extent.NONE: 0}[row.send]  # fmt: skip
+
+
+def _loopback_rows() -> dict[str, dict[str, object]]:
+    """collectives.h's LB_COLLECTIVES and LB_P2P rows, parsed from the C source."""
+    text = LOOPBACK_TABLE.read_text()
+    rows: dict[str, dict[str, object]] = {}
+    coll = re.search(r"#define LB_COLLECTIVES\(X\)(.*?)\n\n", text, re.S)
+    p2p = re.search(r"#define LB_P2P\(X\)(.*?)\n\n", text, re.S)
+    assert coll and p2p, "collectives.h no longer has its two tables"
+    for m in re.finditer(r"X\((\w+), \w+, (\w+), \w+, (\w+), \w+, (\w+), (\w+)\)", coll[1]):
+        name, since, args, send, recv = m.groups()
+        rows["nccl" + name] = {"since": since, "op": "OP" in args, "root": "ROOT" in args,
+                               "send": send, "recv": recv}  # fmt: skip
+    for m in re.finditer(r"X\((\w+), \w+, (\w+), (\w+)\)", p2p[1]):
+        name, send, recv = m.groups()
+        rows["nccl" + name] = {"since": "ALWAYS", "op": False, "root": False, "send": send,
+                               "recv": recv}  # fmt: skip
+    return rows
+
+
+def test_the_spec_is_the_loopbacks_table() -> None:
+    # The loopback libnccl validates calls from its own table (collectives.h): the Python
+    # spec and it describe the same calls, or one of them is wrong.
+    lb = _loopback_rows()
+    assert set(lb) == {row.cfunc for row in COLLECTIVES}
+    extent = {"NB": (Extent.COUNT, On.ALL), "ALL": (Extent.PER_RANK, On.ALL),
+              "ROOT_NB": (Extent.COUNT, On.ROOT), "ROOT_ALL": (Extent.PER_RANK, On.ROOT),
+              "ZERO": (Extent.NONE, On.ALL)}  # fmt: skip
+    for row in COLLECTIVES:
+        c = lb[row.cfunc]
+        assert c["op"] == row.has_op, row.cfunc
+        assert c["root"] == (row.where is Where.ROOT), row.cfunc
+        assert extent[str(c["send"])] == (row.send, row.send_on), row.cfunc
+        assert extent[str(c["recv"])] == (row.recv, row.recv_on), row.cfunc
+        assert (c["since"] != "ALWAYS") == row.fallback, row.cfunc
+        if c["since"] != "ALWAYS":
+            assert c["since"] == "_".join(map(str, row.since)), row.cfunc
 
 
 def test_the_tests_list_the_same_collectives() -> None:
@@ -47,36 +81,30 @@ def test_the_tests_list_the_same_collectives() -> None:
     assert ours == {row.method for row in COLLECTIVES}
 
 
-def test_methods_carry_the_rows_signature_and_doc(lb: Any) -> None:
+def test_methods_carry_the_rows_signature_and_doc() -> None:
     for row in COLLECTIVES:
-        fn = getattr(Communicator, row.method)
-        assert fn.__doc__ == row.doc and fn.__qualname__ == f"Communicator.{row.method}"
-        params = list(inspect.signature(fn).parameters)
-        assert params[-4:] == ["count", "dtype", "stream", "config"]
-        assert ("op" in params) == row.has_op and (row.where in params if row.where else True)
+        for name in (row.method, row.method + "_init"):
+            fn = getattr(Communicator, name)
+            assert fn.__doc__ and fn.__qualname__.endswith(f".{name}")
+            params = list(inspect.signature(fn).parameters)
+            assert params[-4:] == ["count", "dtype", "stream", "config"]
+            assert ("op" in params) == row.has_op
+            if row.where is not Where.NONE:
+                assert row.where.value in params
 
 
-def test_generated_source_matches_the_golden_file() -> None:
-    # A template change shows here as a readable diff; regenerate the file with
-    # python -c "from pynccl.comm import _codegen; print(_codegen.source(), end='')"
-    want = GOLDEN.read_text()
-    got = _codegen.source()
-    diff = "".join(
-        difflib.unified_diff(want.splitlines(True), got.splitlines(True), "golden", "generated")
-    )
-    assert not diff, diff
+def test_no_generated_source_in_the_object_api() -> None:
+    # The object API is hand-written: every method's code comes from a real file.
+    import pynccl.comm as comm_pkg
 
-
-def test_tracebacks_show_the_generated_lines(lb: Any) -> None:
-    comm = Communicator(1, UniqueId(), 0, device=0)
-    try:
-        with pytest.raises(TypeError) as info:
-            comm.all_gather(1.5, 2.5)
-        text = "".join(traceback.format_exception(info.value))
-        assert _codegen.FILENAME in text
-        assert "self._slow(_ROWS[" in text  # the source line itself, from the loader
-    finally:
-        comm.destroy()
+    for name in dir(Communicator):
+        fn = getattr(Communicator, name)
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            assert Path(code.co_filename).is_file(), (name, code.co_filename)
+    for path in Path(comm_pkg.__file__).parent.glob("*.py"):
+        src = path.read_text()
+        assert "exec(" not in src and "compile(" not in src, path.name
 
 
 def test_config_help_shows_the_minimum_releases() -> None:
@@ -115,13 +143,14 @@ def test_rank_args_are_shared_c_ints_of_each_rank() -> None:
     assert [a.value for a in rank_args(0)[-2:]] == [RANK_ARGS_LIMIT - 2, RANK_ARGS_LIMIT - 1]
 
 
-def test_a_rooted_inline_call_records_the_root_as_an_int(lb: Any) -> None:
+def test_a_rooted_fast_call_records_the_root_as_an_int(lb: Any) -> None:
     from pynccl.cuda import DeviceBuffer
 
     comm = Communicator(1, UniqueId(), 0, device=0)
     x = DeviceBuffer(4, "float32", device=0)
     try:
-        comm.broadcast(x.ptr, x.ptr, root=0, count=4, dtype="float32")  # the inline path
+        comm.broadcast(x.ptr, x.ptr, root=0, count=4, dtype="float32")
+        comm.broadcast(x.ptr, x.ptr, root=0, count=4, dtype="float32")  # the fast path
         _seq, name, where, args = comm.flight_record()[-1]
         assert (name, where, type(args[4]), args[4]) == ("ncclBroadcast", 0, int, 0)
         assert comm.last_operation().endswith("root=0 stream=0x0")

@@ -4,7 +4,6 @@ reports (``.device`` or ``__dlpack_device__``)."""
 from __future__ import annotations
 
 import math
-from types import FunctionType
 
 from .._limits import check_extent, check_pointer
 from ..dtypes import as_datatype, canonical_name, complex_component
@@ -231,164 +230,25 @@ def _from_cai(
     return ptr, n, dt, device
 
 
-def common_case(
-    obj: str,
-    writable: str,
-    out: tuple[str, str, str],
-    ok: list[str],
-    ptr_checked: bool = True,
-    parts: tuple[str, str, str] = ("shape", "data", "typestr"),
-    stream: str = "stream",
-) -> list[str]:
-    """Source lines reading ``obj``'s ``__cuda_array_interface__`` in its common case — a
-    dict describing a 1-D, C-contiguous, unmasked array of fewer than 2**30 elements of a
-    typestr seen before, whose data pointer is an int (in [1, 2**63) unless
-    ``ptr_checked`` is False: then ``ok`` must check it), which is writable if
-    ``writable`` (a source expression, or the constants ``"True"``/``"False"``), whose
-    version (if given) is an int from 0 to 3 and whose producer stream (if given) is the
-    consumer's, the expression ``stream`` (a handle; None, 0 and 1 are the legacy default
-    stream), so that nothing is to be ordered — into the names ``out`` (pointer, element
-    count, DataType), then the lines ``ok``; in any other case ``cai`` is None and nothing
-    else is bound (the full reading, :func:`_from_cai` through the type's handler, says
-    what is wrong, or makes the consumer's stream wait for the producer's).
-
-    The dict's own ``shape``, ``data`` and ``typestr`` objects are bound to the names
-    ``parts``, its version (3 when absent) and stream objects to ``v_<ptr>`` and
-    ``ps_<ptr>`` (``<ptr>`` the first name of ``out``): the result depends on nothing else
-    of the dict but the consumer's stream (see :func:`same_case`).
-
-    The one definition of the common case: the handlers run it (:func:`_make_cai_handler`)
-    and the Communicator's generated methods inline it, in the namespace of
-    :func:`common_case_globals`.
-    """
-    ptr, n, dt = out
-    shape, data, typestr = parts
-    version, pstream = f"v_{ptr}", f"ps_{ptr}"
-    # Items are at most 8 bytes (complex typestrs take the full reading): with fewer than
-    # 2**30 of them, [ptr, ptr + n items) ends below 2**64. The bound is a one-digit int,
-    # which the interpreter compares with a specialised instruction.
-    conds = ["type(cai) is dict", f"type({shape}) is tuple", f"type({n}) is int",
-             f"0 <= {n} < _CAI_N", f"type({ptr}) is int"]  # fmt: skip
-    if ptr_checked:
-        conds.append(f"0 < {ptr} < _CAI_P63")
-    if writable == "True":
-        conds.append("not readonly")
-    elif writable != "False":
-        conds.append(f"not (readonly and {writable})")
-    conds += ["cai.get('strides') is None", "'mask' not in cai",
-              _version_ok(version), _stream_ok(pstream, stream)]  # fmt: skip
-    return [
-        "try:  # a missing key or an odd value: the full reading",
-        f"    cai = {obj}.__cuda_array_interface__",
-        f"    ({n},) = {shape} = cai['shape']",
-        f"    {ptr}, readonly = {data} = cai['data']",
-        f"    {dt} = _CAI_TYPESTRS[{typestr} := cai['typestr']]",
-        f"    {version} = cai.get('version', 3)",
-        f"    {pstream} = cai.get('stream')",
-        "except Exception:",
-        "    cai = None",
-        "if " + " and ".join(conds) + ":",
-        *["    " + line for line in ok],
-        "else:",
-        "    cai = None",
-    ]
-
-
-def _version_ok(version: str) -> str:
-    """The source test that the version bound to ``version`` is an int from 0 to 3; the
-    common ones (3: CuPy, Numba; 2: PyTorch) by identity first, a few times cheaper than
-    the type test (CPython's small ints are single objects; anything else, an int
-    subclass included, takes the exact test)."""
-    return (f"({version} is _CAI_V3 or {version} is _CAI_V2 or type({version}) is int and "
-            f"0 <= {version} <= 3)")  # fmt: skip
-
-
-def _stream_ok(pstream: str, stream: str) -> str:
-    """The source test that the producer's stream bound to ``pstream`` asks for no order
-    on the consumer's, whose handle is the expression ``stream`` (None, 0 and 1 all
-    legacy): none given, or the same stream (the legacy one's 1 against 0 by identity
-    first)."""
-    return (f"({pstream} is None or {pstream} is _CAI_V1 and not {stream} or "
-            f"type({pstream}) is int and {pstream} == ({stream} or 1))")  # fmt: skip
-
-
-def same_case(cai: str, parts: tuple[str, str, str, str]) -> str:
-    """A source condition: the dict ``cai`` is in the common case whose ``shape``,
-    ``data``, ``typestr`` and producer's stream objects were ``parts`` (bound by
-    :func:`common_case`: the first three to its ``parts``, the stream to ``ps_<ptr>``;
-    remembered since, for the same consumer stream). Those objects being the very same
-    ones (tuples of ints, a str, an int or None: immutable), and strides and mask still
-    absent, :func:`common_case` would read the same result again, for any object of the
-    same array type. (The version, which changes no result, is not read again: a kept
-    interface keeps its format.)"""
-    shape, data, typestr, pstream = parts
-    return (
-        f"type({cai}) is dict and {cai}['data'] is {data} and {cai}['shape'] is {shape} and "
-        f"{cai}['typestr'] is {typestr} and {cai}.get('strides') is None and "
-        f"'mask' not in {cai} and {cai}.get('stream') is {pstream}"
-    )
-
-
-def common_case_globals() -> dict[str, object]:
-    """The names :func:`common_case`'s lines use."""
-    return {
-        "_CAI_TYPESTRS": _TYPESTR_CACHE,
-        "_CAI_N": 1 << 30,
-        "_CAI_P63": 1 << 63,
-        "_CAI_V1": 1,
-        "_CAI_V2": 2,
-        "_CAI_V3": 3,
-    }
-
-
-#: The types read through a ``__cuda_array_interface__`` handler: each one's device
-#: getter; None when its arrays tell no device and keep their interface (the same dict at
-#: every read), NO_DEVICE when they tell none but build it afresh (see
-#: :func:`inline_device_getter`). Generated code inlines :func:`common_case` for these.
-CAI_TYPES: dict[type, DeviceGetter | None] = {}
-
-#: :data:`CAI_TYPES`' getter of arrays that tell no device and build their interface
-#: afresh at every read.
-NO_DEVICE: DeviceGetter = _no_device
-
-
-def inline_device_getter(getter: DeviceGetter | None, obj: Any) -> DeviceGetter | None:
-    """What :data:`CAI_TYPES` holds for the type of ``obj`` whose handler's device getter
-    is ``getter`` (None: its arrays tell no device). The generated methods' interface memo
-    remembers only arrays whose type maps to None: those that tell no device and keep
-    their interface, as ``obj`` does (an attribute, or a property that caches it); arrays
-    that build theirs afresh (CuPy, Numba, PyTorch) could never match a remembered one."""
-    if getter is not None:
-        return getter
-    try:
-        kept = obj.__cuda_array_interface__ is obj.__cuda_array_interface__
-    except Exception:  # this instance cannot say (a torch CPU tensor): the next may
-        kept = False
-    return None if kept else NO_DEVICE
-
-
-def _handler_code() -> Any:
-    ok = ["return ptr, n, dt, None if device_of is None else device_of(obj, name)"]
-    lines = [
-        "def handler(obj, count, dtype, name, writable, stream):",
-        "    if count is None and dtype is None:",
-        *["        " + line for line in common_case("obj", "writable", ("ptr", "n", "dt"), ok)],
-        "    return full(obj, count, dtype, name, writable, stream)",
-    ]
-    namespace: dict[str, Any] = {}
-    exec(compile("\n".join(lines) + "\n", __file__ + ":common_case", "exec"), namespace)
-    return namespace["handler"].__code__
-
-
-_HANDLER_CODE: Any = None
+_N_MAX = 1 << 30  # elements of at most 8 bytes: [ptr, ptr + n items) ends below 2**64
+_P63 = 1 << 63
 
 
 def _make_cai_handler(cls: type, obj: Any) -> tuple[BufferHandler, DeviceGetter | None]:
-    """The handler for ``cls`` and its device getter (None: none); the handler runs
-    :func:`common_case`, then the full reading."""
-    global _HANDLER_CODE
+    """The handler for ``cls`` and its device getter (None: its arrays tell none).
+
+    The handler reads the interface's common case — a dict describing a 1-D, C-contiguous,
+    unmasked array of fewer than 2**30 elements of a typestr seen before, whose data pointer
+    is an int in [1, 2**63), writable if it must be, whose version (if given) is 0 to 3 and
+    whose producer stream (if given) is the consumer's, so that nothing is to be ordered —
+    by value, straight through; anything else (a missing key, an odd value, count= or
+    dtype=, another producer stream) gets the full reading, :func:`_from_cai`, which says
+    what is wrong or orders the streams. An interface built afresh at every read (CuPy,
+    Numba, PyTorch) costs the same as one kept."""
     device_of = _device_getter(cls, obj)
+    getter = None if device_of is _no_device else device_of
     dlpack = _make_dlpack_handler(cls) if hasattr(cls, "__dlpack__") else None
+    typestrs = _TYPESTR_CACHE
 
     def full(
         obj: Any, count: Any, dtype: Any, name: str, writable: bool, stream: int | None
@@ -406,9 +266,35 @@ def _make_cai_handler(cls: type, obj: Any) -> tuple[BufferHandler, DeviceGetter 
             raise _not_a_buffer(obj, name) from None
         return _from_cai(obj, cai, count, dtype, name, writable, device_of, stream)
 
-    if _HANDLER_CODE is None:
-        _HANDLER_CODE = _handler_code()
-    getter = None if device_of is _no_device else device_of
-    namespace = {**common_case_globals(), "device_of": getter, "full": full}
-    handler: BufferHandler = FunctionType(_HANDLER_CODE, namespace, "handler")
+    def handler(
+        obj: Any, count: Any, dtype: Any, name: str, writable: bool, stream: int | None
+    ) -> BufferInfo:
+        if count is None and dtype is None:
+            try:  # a missing key or an odd value: the full reading says what
+                cai = obj.__cuda_array_interface__
+                (n,) = shape = cai["shape"]
+                ptr, readonly = data = cai["data"]
+                dt = typestrs[cai["typestr"]]
+                version = cai.get("version", 3)
+                producer = cai.get("stream")
+                if (
+                    type(cai) is dict
+                    and type(shape) is tuple
+                    and type(data) is tuple
+                    and type(n) is int
+                    and 0 <= n < _N_MAX
+                    and type(ptr) is int
+                    and 0 < ptr < _P63
+                    and not (readonly and writable)
+                    and cai.get("strides") is None
+                    and "mask" not in cai
+                    and type(version) is int
+                    and 0 <= version <= 3
+                    and (producer is None or (type(producer) is int and producer == (stream or 1)))
+                ):
+                    return ptr, n, dt, None if getter is None else getter(obj, name)
+            except Exception:
+                pass
+        return full(obj, count, dtype, name, writable, stream)
+
     return handler, getter

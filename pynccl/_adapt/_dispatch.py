@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..enums import DataType
-from ._cai import CAI_TYPES, _make_cai_handler, inline_device_getter
+from ._cai import _make_cai_handler
 from ._common import _CACHE_LIMIT, _instance_has, _not_a_buffer
 from ._devbuf import _device_buffer_handler
 from ._dlpack import _make_dlpack_handler
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
     """Pick (and cache) the handler for buffers of type ``cls``; raise if none fits."""
-    cai = False
     if issubclass(cls, int):
         if issubclass(cls, bool):
             raise _not_a_buffer(obj, name)
@@ -31,16 +30,13 @@ def _buffer_handler(cls: type, obj: Any, name: str) -> BufferHandler:
     elif hasattr(cls, "__cuda_array_interface__") or _instance_has(obj, "__cuda_array_interface__"):
         # Decided on the class where possible: evaluating the property may raise
         # for this instance (a torch CPU or bfloat16 tensor) and not for the next.
-        handler, device_of = _make_cai_handler(cls, obj)
-        cai = True
+        handler, _ = _make_cai_handler(cls, obj)
     elif hasattr(cls, "__dlpack__"):
         handler = _make_dlpack_handler(cls)
     else:
         raise _not_a_buffer(obj, name)
     if len(_BUFFER_HANDLERS) < _CACHE_LIMIT:
         _BUFFER_HANDLERS[cls] = handler
-        if cai:  # inlined by the generated methods, which fall back on the cached handler
-            CAI_TYPES[cls] = inline_device_getter(device_of, obj)
     return handler
 
 

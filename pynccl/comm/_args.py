@@ -8,12 +8,13 @@ the same way (the rules themselves are :mod:`pynccl._limits`).
 
 from __future__ import annotations
 
-from ctypes import c_int, c_size_t
+import sys
+from ctypes import c_int, c_size_t, c_void_p
 
 from .. import _adapt
 from .._adapt import _BUFFER_HANDLERS, as_stream, buffer_handler, check_device
-from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, size_arg
-from .._capi._enumargs import C_REDOP
+from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, ptr_arg, size_arg
+from .._capi._enumargs import C_DATATYPE, C_REDOP
 from .._limits import (
     U64,
     check_count,
@@ -24,16 +25,20 @@ from .._limits import (
     is_pointer_object,
     pointer_int,
 )
-from ..dtypes import as_datatype, canonical_name
+from ..dtypes import as_datatype, canonical_name, known_names, to_numpy_dtype
 from ..enums import DataType, RedOp
 from ..errors import NotSupportedError
 from ._collconfig import CollConfig
-from ._spec import CollSpec
+from ._spec import BROADCAST, RECV, SEND, CollSpec, Extent, InPlace, On, Side, Where
 
 __all__ = [
     "RANK_ARGS_LIMIT",
+    "DTypeEntry",
+    "OpEntry",
     "Plan",
     "config_arg",
+    "dtype_table",
+    "learn_dtype",
     "op_table",
     "prepare",
     "rank_args",
@@ -52,7 +57,7 @@ if TYPE_CHECKING:
 #: argument of the row's ``nccl*Config`` variant (None: the plain call).
 Plan = tuple[list[tuple[int, tuple[object, ...]]], int, object]
 
-# -- ops ----------------------------------------------------------------------------------
+# -- the value-keyed tables of the fast path ----------------------------------------------
 
 _AVG_SINCE: Release = (2, 10, 3)
 _NO_COMPLEX = frozenset({RedOp.PROD, RedOp.MAX, RedOp.MIN})
@@ -60,25 +65,76 @@ _OP_FORMS = (
     "a pynccl.RedOp, one of 'sum', 'prod', 'max', 'min', 'avg', "
     "or an int op from create_premul_sum()"
 )
-_OP_TABLES: dict[tuple[Release, bool], dict[object, c_int | None]] = {}
+#: An op table's entry: the key's exact type (a hit of an equal key of another type —
+#: ``0`` for ``RedOp.SUM`` — is no hit), the shared c_int NCCL takes, and whether the op
+#: is defined for complex arrays.
+OpEntry = tuple[type, c_int, bool]
+#: A data-type table's entry: the key's exact type (``7.0 == DataType.FLOAT32`` is no
+#: hit) and the shared c_int NCCL takes.
+DTypeEntry = tuple[type, c_int]
+_OP_TABLES: dict[Release, dict[object, OpEntry]] = {}
+_DTYPE_TABLES: dict[Release, dict[object, DTypeEntry]] = {}
+#: The most keys a data-type table learns (foreign dtype objects are few).
+DTYPE_KEYS_LIMIT = 1024
 
 
-def op_table(version: Release, arrays: bool = False) -> dict[object, c_int | None]:
-    """RedOp members and their names -> the shared c_int NCCL takes; ``None`` for avg
-    on a library older than 2.10.3 (the slow path then raises NotSupportedError), and
-    with ``arrays`` for prod/max/min too (the slow path checks them against complex)."""
-    table = _OP_TABLES.get((version, arrays))
+def op_table(version: Release) -> dict[object, OpEntry]:
+    """The built-in ops the fast path resolves for a library of ``version``, keyed by
+    value: every RedOp member, its name (``"sum"``) and its C name (``"ncclSum"``); avg
+    only from 2.10.3 (before, the checked path raises NotSupportedError). One table per
+    release, shared by its communicators and never changed."""
+    table = _OP_TABLES.get(version)
     if table is None:
         table = {}
         for op in RedOp:
-            code = None if op is RedOp.AVG and version < _AVG_SINCE else C_REDOP[op]
-            if arrays and op in _NO_COMPLEX:
-                code = None
-            table[op] = code
-            table[op.name.lower()] = code
-            table[op.c_name] = code
-        _OP_TABLES[(version, arrays)] = table
+            if op is RedOp.AVG and version < _AVG_SINCE:
+                continue
+            entry = C_REDOP[op], op not in _NO_COMPLEX
+            table[op] = (RedOp, *entry)
+            table[op.name.lower()] = (str, *entry)
+            table[op.c_name] = (str, *entry)
+        _OP_TABLES[version] = table
     return table
+
+
+def dtype_table(version: Release) -> dict[object, DTypeEntry]:
+    """The data types the fast path resolves for a library of ``version``, keyed by value:
+    each DataType member the library has, its names (``"float32"``, ``"bf16"``), and every
+    other form the checked path has
+    resolved since (names, aliases, numpy dtypes and scalar types, torch dtypes ...:
+    :func:`learn_dtype`). One table per release, shared; a key's meaning never changes,
+    so nothing in it is ever invalidated."""
+    table = _DTYPE_TABLES.get(version)
+    if table is None:
+        table = {dt: (DataType, C_DATATYPE[dt]) for dt in DataType if version >= dt.first_release}
+        for name, dt in known_names().items():
+            if dt in table:
+                table[name] = (str, C_DATATYPE[dt])
+        if "numpy" in sys.modules:  # its dtypes and scalar types (else learned on first use)
+            for dt in DataType:
+                if dt in table:
+                    try:
+                        nd = to_numpy_dtype(dt)
+                    except TypeError:  # bfloat16 / float8 without ml_dtypes
+                        continue
+                    table[nd] = (type(nd), C_DATATYPE[dt])
+                    table[nd.type] = (type, C_DATATYPE[dt])
+        _DTYPE_TABLES[version] = table
+    return table
+
+
+def learn_dtype(table: dict[object, DTypeEntry], key: object, code: c_int) -> None:
+    """Let the fast path resolve ``key`` (which the checked path just resolved to the
+    type whose c_int is ``code``): numbers are never keys (``True == 1``), nor unhashable
+    objects."""
+    kind = type(key)
+    if kind is bool or kind is int or kind is float or kind is complex:
+        return
+    if len(table) < DTYPE_KEYS_LIMIT:
+        try:
+            table[key] = (kind, code)
+        except TypeError:  # unhashable
+            pass
 
 
 def _builtin(op: object) -> RedOp | None:
@@ -153,7 +209,7 @@ def config_arg(comm: Communicator, spec: CollSpec, config: object) -> object:
         raise TypeError(
             f"config must be a pynccl.CollConfig or None, got {type(config).__name__} {config!r}"
         )
-    if spec.where == "peer":
+    if spec.where is Where.PEER:
         raise NotSupportedError(
             f"config= on {spec.method} (a per-call CollConfig for {spec.cfunc})",
             None,
@@ -169,8 +225,10 @@ def config_arg(comm: Communicator, spec: CollSpec, config: object) -> object:
 
 def _datatype(comm: Communicator, dtype: object) -> DataType:
     dt = as_datatype(dtype)
-    if comm._codes[dt] is None:
+    code = comm._codes[dt]
+    if code is None:
         raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, comm._lib.version)
+    learn_dtype(comm._dtypes, dtype, code)
     return dt
 
 
@@ -214,100 +272,121 @@ def prepare(
     config, stream, root/peer, count, dtype, the buffers (count source first), sizes, op.
     """
     cfg = config_arg(comm, spec, config)
-    size, rank = comm._size, comm._rank
+    size = comm._size
     s = comm._stream if stream is None else as_stream(stream)
     w = -1
-    if spec.where:
-        w = check_index(where, spec.where, size, f"for a communicator of size {size}")
+    if spec.where is not Where.NONE:
+        w = check_index(where, spec.where.value, size, f"for a communicator of size {size}")
     n = None if count is None else check_count(count)
     user_dt = None if dtype is None else _datatype(comm, dtype)
-    dt = user_dt
-    is_root = w == rank
-    # Which buffers this rank must pass (the others may be None).
-    in_place = spec.in_place == "recvbuf=None" and recvbuf is None
-    need_send = spec.send != "-" and (spec.send_on == "all" or is_root)
-    need_recv = spec.recv != "-" and (spec.recv_on == "all" or is_root) and not in_place
-    if in_place:
-        need_send = True
-    bufs = {"send": sendbuf, "recv": recvbuf}
-    needs = {"send": need_send, "recv": need_recv}
-    first = spec.count_from
-    if bufs[first] is None or not needs[first]:
-        other = "recv" if first == "send" else "send"
-        if bufs[other] is not None and needs[other]:
-            first = other
-    order = (first, "recv" if first == "send" else "send")
-    ptrs = {"send": 0, "recv": 0}
-    for which in order:
-        obj = bufs[which]
-        if type(obj) is not int and is_pointer_object(obj):
-            obj = pointer_int(obj, which)  # a cuda.bindings CUdeviceptr: its raw pointer
-        name = which + "buf"
-        kind = spec.send if which == "send" else spec.recv
-        if kind == "-" or (which == "recv" and in_place):
-            continue
-        if obj is None:
-            if needs[which]:
-                on = "" if _on_all(spec, which) else " on the root"
-                raise TypeError(f"{name} is required{on} of {spec.method}")
-            continue
-        mult = size if kind == "n" else 1
-        writable = which == "recv" or (which == "send" and in_place)
-        if type(obj) is int:
-            _raw_needs(obj, name, n, dt)
-            assert n is not None and dt is not None
-            nbytes = check_extent(n * mult, dt.itemsize, name) if needs[which] else 0
-            ptrs[which] = check_pointer(obj, name, nbytes)
-            continue
-        if isinstance(obj, bool) or isinstance(obj, float):
-            raise TypeError(
-                f"{name} must be a device buffer or a raw pointer (int), "
-                f"got {type(obj).__name__} {obj!r}"
-            )
-        ptr, have, got = _read(obj, name, writable, user_dt, s, comm)
-        if dt is None:
-            dt = got
-        elif got is not dt:
-            other = "sendbuf" if which == "recv" else "recvbuf"
-            raise TypeError(
-                f"sendbuf and recvbuf have different data types: {other} is "
-                f"{canonical_name(dt)} but {name} is {canonical_name(got)}"
-            )
-        if n is None:
-            if have % mult:
-                raise ValueError(
-                    f"{name} holds {have} elements, not a multiple of the {size} ranks"
-                )
-            n = have // mult
-        if needs[which] and have < n * mult:
-            raise ValueError(f"{name} holds {have} elements but this call needs {n * mult}")
-        ptrs[which] = ptr
-    if n is None or dt is None:  # no buffer given at all
+    call = _Call(comm, spec, sendbuf, recvbuf, w, n, user_dt, s)
+    for side in call.order():
+        call.read(side)
+    if call.n is None or call.dt is None:  # no buffer given at all
         raise TypeError(f"{spec.method} needs a buffer: sendbuf and recvbuf are both None")
-    sp, rp = ptrs["send"], ptrs["recv"]
-    if in_place:
+    sp, rp = call.ptrs[Side.SEND], call.ptrs[Side.RECV]
+    if call.in_place:
         rp = sp
-    elif spec.method == "broadcast" and not is_root and sendbuf is None:
+    elif spec is BROADCAST and w != comm._rank and sendbuf is None:
         sp = rp  # NCCL reads sendbuff on the root only
-    code = comm._codes[dt]
+    code = comm._codes[call.dt]
     cop: object = None
     if spec.has_op:
         cop = resolve_op(op, comm, (sendbuf, recvbuf))
         if type(cop) is int:  # a custom op: its device scalar must outlive this work
             comm._note_op_use(cop, s)
-    cn = size_arg(n)
-    return _args_for(comm, spec, sp, rp, cn, n, dt, code, cop, w), s, cfg
+    ptr_arg(s)  # the stream's shared c_void_p, for the fast path's next call
+    plan = _args_for(comm, spec, ptr_arg(sp), ptr_arg(rp), size_arg(call.n), call.n, call.dt,
+                     code, cop, w)  # fmt: skip
+    return plan, s, cfg
 
 
-def _on_all(spec: CollSpec, which: str) -> bool:
-    return (spec.send_on if which == "send" else spec.recv_on) == "all"
+class _Call:
+    """One call's buffers, read and checked side by side (:func:`prepare`)."""
+
+    def __init__(
+        self,
+        comm: Communicator,
+        spec: CollSpec,
+        sendbuf: object,
+        recvbuf: object,
+        w: int,
+        n: int | None,
+        dt: DataType | None,
+        s: int,
+    ) -> None:
+        self.comm, self.spec, self.s, self.n, self.dt, self.user_dt = comm, spec, s, n, dt, dt
+        is_root = w == comm._rank
+        # Which buffers this rank must pass (the others may be None).
+        self.in_place = spec.in_place is InPlace.RECVBUF_NONE and recvbuf is None
+        need_send = spec.send is not Extent.NONE and (spec.send_on is On.ALL or is_root)
+        need_recv = (spec.recv is not Extent.NONE and (spec.recv_on is On.ALL or is_root)
+                     and not self.in_place)  # fmt: skip
+        self.bufs = {Side.SEND: sendbuf, Side.RECV: recvbuf}
+        self.needs = {Side.SEND: need_send or self.in_place, Side.RECV: need_recv}
+        self.ptrs = {Side.SEND: 0, Side.RECV: 0}
+
+    def order(self) -> tuple[Side, Side]:
+        """The count source first (the other buffer when it is absent or not needed)."""
+        first = self.spec.count_from
+        other = Side.RECV if first is Side.SEND else Side.SEND
+        if (self.bufs[first] is None or not self.needs[first]) and (
+            self.bufs[other] is not None and self.needs[other]
+        ):
+            first, other = other, first
+        return first, other
+
+    def read(self, side: Side) -> None:
+        spec, obj = self.spec, self.bufs[side]
+        name = side.value + "buf"
+        kind = spec.extent(side)
+        if kind is Extent.NONE or (side is Side.RECV and self.in_place):
+            return
+        if type(obj) is not int and is_pointer_object(obj):
+            obj = pointer_int(obj, name)  # a cuda.bindings CUdeviceptr: its raw pointer
+        if obj is None:
+            if self.needs[side]:
+                on = "" if spec.on(side) is On.ALL else " on the root"
+                raise TypeError(f"{name} is required{on} of {spec.method}")
+            return
+        mult = self.comm._size if kind is Extent.PER_RANK else 1
+        if type(obj) is int:
+            _raw_needs(obj, name, self.n, self.dt)
+            assert self.n is not None and self.dt is not None
+            nbytes = check_extent(self.n * mult, self.dt.itemsize, name) if self.needs[side] else 0
+            self.ptrs[side] = check_pointer(obj, name, nbytes)
+            return
+        if isinstance(obj, bool) or isinstance(obj, float):
+            raise TypeError(
+                f"{name} must be a device buffer or a raw pointer (int), "
+                f"got {type(obj).__name__} {obj!r}"
+            )
+        writable = side is Side.RECV or self.in_place
+        ptr, have, got = _read(obj, name, writable, self.user_dt, self.s, self.comm)
+        if self.dt is None:
+            self.dt = got
+        elif got is not self.dt:
+            other = "sendbuf" if side is Side.RECV else "recvbuf"
+            raise TypeError(
+                f"sendbuf and recvbuf have different data types: {other} is "
+                f"{canonical_name(self.dt)} but {name} is {canonical_name(got)}"
+            )
+        if self.n is None:
+            if have % mult:
+                raise ValueError(
+                    f"{name} holds {have} elements, not a multiple of the {self.comm._size} ranks"
+                )
+            self.n = have // mult
+        if self.needs[side] and have < self.n * mult:
+            raise ValueError(f"{name} holds {have} elements but this call needs {self.n * mult}")
+        self.ptrs[side] = ptr
 
 
 def _args_for(
     comm: Communicator,
     spec: CollSpec,
-    sp: int,
-    rp: int,
+    sp: c_void_p,
+    rp: c_void_p,
     cn: c_size_t,
     n: int,
     dt: DataType,
@@ -317,18 +396,19 @@ def _args_for(
 ) -> list[tuple[int, tuple[object, ...]]]:
     """The C calls (before ``comm, stream``) that carry one call of ``spec``."""
     i = spec.index
-    if spec.cfunc == "ncclSend":
+    if spec is SEND:
         return [(i, (sp, cn, code, w))]
-    if spec.cfunc == "ncclRecv":
+    if spec is RECV:
         return [(i, (rp, cn, code, w))]
     if comm._fn[i] is None and spec.fallback:
         from ._fallback import grouped
 
-        return grouped(spec, comm._rank, comm._size, sp, rp, n, dt.itemsize, cn, code, w)
+        return grouped(spec, comm._rank, comm._size, sp.value or 0, rp.value or 0, n,
+                       dt.itemsize, cn, code, w)  # fmt: skip
     pre: tuple[object, ...] = (sp, rp, cn, code)
     if spec.has_op:
         pre += (cop,)
-    if spec.where:
+    if spec.where is not Where.NONE:
         pre += (w,)
     return [(i, pre)]
 

@@ -1,19 +1,59 @@
-"""The collectives' side of :class:`~pynccl.Communicator` (a mixin): the one slow path
-every generated method falls back to (:meth:`Collectives._slow`), the issue of a checked
-plan, the result check, and the generated methods' signatures for type checkers.
+"""Every collective and send/recv of :class:`~pynccl.Communicator`, through one path.
 
-The methods themselves (every row of :data:`~._spec.COLLECTIVES` and its ``_init``) are
-generated from the spec table (:mod:`._codegen`) and installed on ``Communicator``.
+Each method is a line that names its row of the spec table (:mod:`._spec`) and hands its
+arguments to :meth:`Collectives._call`, the one fast path, written once and read top to
+bottom. It resolves every documented argument form through the same cheap step — value-keyed
+tables, as NCCL's own ``ncclEnqueueCheck`` fills one ``ncclInfo``:
+
+* ``dtype`` and ``op`` through a dict keyed by value (:func:`._args.dtype_table`,
+  :func:`._args.op_table`): ``DataType``/``RedOp`` members, names and aliases, and every
+  form the checked path has resolved before (numpy dtypes and scalar types, torch dtypes);
+* raw pointers (the same ints or made afresh: keyed by value), counts, roots/peers and
+  stream handles through the shared ctypes objects of :mod:`pynccl._capi._binding`;
+* arrays (``DeviceBuffer``, ``__cuda_array_interface__``, DLPack) through their type's
+  handler (:mod:`pynccl._adapt`), once per buffer.
+
+then joins the open group, takes the gate, stores one flight-record entry, makes one C
+call (a function without argtypes: every argument is already a ctypes object) and checks
+its result. Anything else — a form seen for the first time, ``None`` buffers, a per-call
+``config=``, a capture under way, a communicator not ready — goes to the checked path
+(:meth:`Collectives._slow`, :func:`._args.prepare`), which words every mistake the same way
+for every row; what it resolves, the fast path knows from then on. No cache here needs
+invalidating: every table maps a value to what that value means.
 """
 
 from __future__ import annotations
 
+from ctypes import c_int, c_size_t, c_void_p
+
 from .. import groups as _groups
+from .._adapt import _BUFFER_HANDLERS, as_stream
+from .._capi._binding import PTR_ARGS, SIZE_ARGS, ptr_arg, size_arg
+from ..enums import DataType
 from ..errors import NotSupportedError
 from . import _recorder
-from ._args import prepare
+from ._args import DTypeEntry, OpEntry, prepare
 from ._observe import Observed
-from ._spec import COLLECTIVES, CollSpec
+from ._persistent import PersistentOp, persistent
+from ._spec import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    BROADCAST,
+    COLLECTIVES,
+    GATHER,
+    RECV,
+    REDUCE,
+    REDUCE_SCATTER,
+    SCATTER,
+    SEND,
+    CollSpec,
+    Extent,
+    InPlace,
+    On,
+    Side,
+    Where,
+)
 
 __all__ = ["Collectives"]
 
@@ -22,49 +62,206 @@ if TYPE_CHECKING:
     from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
     from ._collconfig import CollConfig
     from ._communicator import Communicator
-    from ._persistent import PersistentOp
 
 _IN_PROGRESS = 7
+_OPEN = _groups.OPEN  # threads with a group open (empty: nothing to look up)
+_GROUPS = _groups.STATE  # the calling thread's group state: ``.s``
+_NULL = c_void_p(0)  # the legacy default stream
+_MASK = _recorder.RING_MASK
+_RECVBUF_NONE = InPlace.RECVBUF_NONE
+_NO_BUF = Extent.NONE
+_NOWHERE = Where.NONE
+_PER_RANK = Extent.PER_RANK
+_SEND_SIDE = Side.SEND
+_ON_ALL = On.ALL
+#: What :meth:`Collectives._arrays` resolves: send and recv pointers, count, type.
+_Resolved = tuple[c_void_p | None, c_void_p | None, c_size_t, c_int]
+_SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
+
+# Each row's C argument layout (before the handle and the stream).
+_LAYOUT = {ALL_REDUCE: 1, REDUCE_SCATTER: 1, REDUCE: 3, BROADCAST: 2, GATHER: 2, SCATTER: 2,
+           ALL_GATHER: 0, ALL_TO_ALL: 0, SEND: 4, RECV: 5}  # fmt: skip
+for _row in COLLECTIVES:
+    assert _LAYOUT[_row] == (4 if _row is SEND else 5 if _row is RECV else
+                             _row.has_op + 2 * (_row.where is Where.ROOT))  # fmt: skip
+_LAYOUTS = tuple(_LAYOUT[row] for row in COLLECTIVES)
+del _row, _LAYOUT
+
+_COMMON = """
+
+``count`` is NCCL's ``count`` ({unit}); omitted, it is read from ``{count_from}``. Buffers
+are raw device pointers (``int``, with ``count=`` and ``dtype=``), ``DeviceBuffer`` objects
+or objects exposing ``__cuda_array_interface__`` or DLPack on this communicator's device.
+``dtype`` is a :class:`~pynccl.DataType`, its name (``"float32"``, ``"bf16"``), a numpy
+dtype or scalar type, or a torch/CuPy dtype; ``op`` a :class:`~pynccl.RedOp`, its name or
+an op from :meth:`create_premul_sum`. ``stream=None`` uses :attr:`stream`; an ``int``
+handle, a :class:`~pynccl.cuda.Stream` or any stream protocol object is taken too.
+``config=`` (a :class:`CollConfig`, NCCL >= 2.31) issues the ``nccl*Config`` variant."""
+
+
+def _doc(row: CollSpec, text: str) -> str:
+    unit = "elements per rank" if _PER_RANK in (row.send, row.recv) else "elements"
+    return text + _COMMON.format(unit=unit, count_from=row.count_from.value + "buf")
 
 
 class Collectives(Observed):
-    """The collectives' shared path (a base of Communicator)."""
+    """The collectives (a base of Communicator): the one fast path and the checked one."""
 
     __slots__ = ()
 
-    def _slow(
-        self,
-        spec: CollSpec,
-        sendbuf: object,
-        recvbuf: object,
-        op: object,
-        where: object,
-        count: object,
-        dtype: object,
-        stream: StreamLike,
-        config: object = None,
-    ) -> None:
-        """Every call the generated inline path does not take: checked in full here.
-        ``sendbuf``/``recvbuf`` (and ``config``) stay referenced by this frame until the C
-        calls return (and by the group, if one is open, until it ends)."""
+    # Set up by Communicator._setup (see there): the fast path's tables.
+    _optab: dict[object, OpEntry]
+    _dtypes: dict[object, DTypeEntry]
+    _codes: dict[DataType, c_int | None]
+    _wargs: list[c_int]
+    _fast_n: int
+    _fast_w: int
+
+    def _call(self, row: CollSpec, sendbuf: object, recvbuf: object, op: object,
+              where: object, count: object, dtype: object, stream: StreamLike,
+              config: object) -> None:  # fmt: skip
+        """The one path of every collective and send/recv (see the module's docstring)."""
+        i = row.index
+        fn = self._bfn[i]  # None: not exported, or a capture under way (the checked path)
+        try:
+            if fn is None or config is not None:
+                raise KeyError(config)
+            if stream is None:
+                s, cst = self._stream, self._cstream
+            else:
+                s = stream if type(stream) is int else as_stream(stream)
+                cst = PTR_ARGS[s] if s else _NULL
+            cop = cw = None
+            if row.has_op:
+                kind, cop, _ = self._optab[op]
+                if type(op) is not kind:
+                    raise KeyError(op)
+            if row.where is not _NOWHERE:
+                if type(where) is not int or not 0 <= where < self._fast_w:
+                    raise KeyError(where)
+                cw = self._wargs[where]
+            if dtype is not None and type(count) is int and 0 <= count < self._fast_n:
+                kind, code = self._dtypes[dtype]  # raw pointers: count= and dtype= given
+                if type(dtype) is not kind:
+                    raise KeyError(dtype)
+                cn = SIZE_ARGS[count]
+                rb = sendbuf if recvbuf is None and row.in_place is _RECVBUF_NONE else recvbuf
+                cs = PTR_ARGS[sendbuf] if type(sendbuf) is int else None
+                cr = PTR_ARGS[rb] if type(rb) is int else None
+                keep = False
+            else:  # arrays: each read by its type's handler
+                cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, where, s, count, dtype, op,
+                                                cop)
+                keep = True
+            if (cs is None) is not (row.send is _NO_BUF) or (cr is None) is not (
+                row.recv is _NO_BUF
+            ):  # a raw call with a None buffer (or one an array): the checked path
+                raise KeyError(i)
+        except _SLOW:
+            return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
+        gid = 0
+        if _OPEN:  # inside a group: join it, and keep arrays alive until it is launched
+            st = _GROUPS.s
+            gid = st.gid
+            if gid:
+                if keep:
+                    st.keep.append((self, s, sendbuf, recvbuf))
+                else:
+                    st.comms.append(self)  # type: ignore[arg-type]  # the only subclass
+        gate = self._gate
+        try:
+            gate.pop()
+        except IndexError:
+            self._wait_gate()
+        try:
+            h = self._h
+            if h is not None:
+                lay = _LAYOUTS[i]
+                args = ((cs, cr, cn, code, h, cst) if lay == 0 else
+                        (cs, cr, cn, code, cop, h, cst) if lay == 1 else
+                        (cs, cr, cn, code, cw, h, cst) if lay == 2 else
+                        (cs, cr, cn, code, cop, cw, h, cst) if lay == 3 else
+                        (cs, cn, code, cw, h, cst) if lay == 4 else
+                        (cr, cn, code, cw, h, cst))  # fmt: skip
+                seq = self._seq + 1
+                self._seq = seq
+                self._ring[seq & _MASK] = (i, args, gid) if gid else (i, args)
+                rc = fn(*args)
+        finally:
+            gate.append(True)
+        if h is None:  # not ready yet, or gone: the checked path waits, or says why
+            return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
+        if rc:
+            self._failed(i, rc)
+
+    def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, where: object, s: int,
+                count: object, dtype: object, op: object,
+                cop: object) -> _Resolved:  # fmt: skip
+        """The fast path's arrays: ``(send c_void_p, recv c_void_p, c_size_t count, c_int
+        type)``, None for a buffer the row has not. Read as :func:`._args.prepare` reads
+        them (the count's source first, a buffer this rank does not need unchecked for
+        size) and raises KeyError for anything it must look at instead: count= or dtype=
+        given, a type read for the first time, a buffer on another device or of another
+        type, odd sizes, prod/max/min (complex arrays refuse them), a custom op."""
+        if count is not None or dtype is not None or (cop is not None and not self._optab[op][2]):
+            raise KeyError(count)
+        in_place = recvbuf is None and row.in_place is _RECVBUF_NONE
+        on_root = where == self._rank
+        need_send = in_place or row.send_on is _ON_ALL or on_root
+        need_recv = not in_place and (row.recv_on is _ON_ALL or on_root)
+        send_first = row.count_from is _SEND_SIDE
+        if not (need_send if send_first else need_recv):
+            send_first = not send_first  # a buffer this rank must pass gives the count
+        sp = rp = n = dt = None
+        for first in (send_first, not send_first):
+            obj, kind, need = (sendbuf, row.send, need_send) if first else (
+                recvbuf, row.recv, need_recv)  # fmt: skip
+            if kind is _NO_BUF or (obj is None and not need) or (in_place and not first):
+                continue
+            ptr, have, got, dev = _BUFFER_HANDLERS[type(obj)](
+                obj, None, None, "sendbuf" if first else "recvbuf", in_place or not first, s
+            )
+            mult = self._size if kind is _PER_RANK else 1
+            if n is None:
+                dt, n = got, have // mult
+                if have % mult:
+                    raise KeyError(have)
+            if got is not dt or (need and have < n * mult) or (
+                dev is not None and dev != self._device
+            ):
+                raise KeyError(got)
+            if first:
+                sp = ptr
+            else:
+                rp = ptr
+        code = self._codes[dt]  # type: ignore[index]  # dt is set: n is
+        if code is None or n is None:
+            raise KeyError(dt)
+        if in_place or (row is BROADCAST and sp is None):
+            sp, rp = (sp, sp) if in_place else (rp, rp)  # NCCL reads sendbuff on the root only
+        cs = _NULL if sp is None else PTR_ARGS.get(sp) or ptr_arg(sp)
+        cr = _NULL if rp is None else PTR_ARGS.get(rp) or ptr_arg(rp)
+        return (None if row.send is _NO_BUF else cs, None if row.recv is _NO_BUF else cr,
+                SIZE_ARGS.get(n) or size_arg(n), code)  # fmt: skip
+
+    def _slow(self, spec: CollSpec, sendbuf: object, recvbuf: object, op: object,
+              where: object, count: object, dtype: object, stream: StreamLike,
+              config: object = None) -> None:  # fmt: skip
+        """Every call the fast path does not take: checked in full. ``sendbuf``/``recvbuf``
+        (and ``config``) stay referenced by this frame until the C calls return (and by the
+        group, if one is open, until it ends)."""
         self._live()
         comm: Communicator = self  # type: ignore[assignment]  # the only subclass
-        plan, s, cfg = prepare(
-            comm, spec, sendbuf, recvbuf, op, where, count, dtype, stream, config
-        )
+        plan, s, cfg = prepare(comm, spec, sendbuf, recvbuf, op, where, count, dtype, stream,
+                               config)  # fmt: skip
         if type(sendbuf) is not int or type(recvbuf) is not int or config is not None:
             _groups.keep_alive((sendbuf, recvbuf, config), comm, s)
         self._run(plan, s, cfg, config)
         if self._captures:  # a Graph capture under way: it keeps what it captured alive
             self._note_capture(s, (sendbuf, recvbuf, config))
 
-    def _run(
-        self,
-        plan: list[tuple[int, tuple[object, ...]]],
-        s: int,
-        cfg: object = None,
-        config: object = None,
-    ) -> None:
+    def _run(self, plan: list[tuple[int, tuple[object, ...]]], s: int, cfg: object = None,
+             config: object = None) -> None:  # fmt: skip
         """Issue a checked plan (:func:`._args.prepare`): one call, or a grouped fallback's
         calls inside one group."""
         if len(plan) == 1:
@@ -74,14 +271,8 @@ class Collectives(Observed):
             for index, pre in plan:
                 self._issue(index, pre, s)
 
-    def _issue(
-        self,
-        index: int,
-        pre: tuple[object, ...],
-        s: int,
-        cfg: object = None,
-        config: object = None,
-    ) -> None:
+    def _issue(self, index: int, pre: tuple[object, ...], s: int, cfg: object = None,
+               config: object = None) -> None:  # fmt: skip
         """One checked C call of row ``index`` (its ``nccl*Config`` variant when ``cfg``,
         the config struct's pointer, is given; ``config`` is the CollConfig recorded)."""
         row = COLLECTIVES[index]
@@ -91,21 +282,17 @@ class Collectives(Observed):
                 raise NotSupportedError(row.cfunc, row.since, self._lib.version)
         else:  # outside the watchdog's slots: it is told below
             fn = self._lib.raw(row.cfunc + "Config")
-
         if _groups.OPEN:  # one of the group's communicators (see pynccl.groups)
             _groups.in_progress_later(self)  # type: ignore[arg-type]
 
-        def issue(h: int) -> tuple[int, int]:
+        def issue(h: c_void_p) -> tuple[int, int]:
             seq = self._seq + 1
             self._seq = seq
-            gid = _groups._local.s.gid if _groups.OPEN else 0
-            if cfg is None:
-                args: tuple[object, ...] = (*pre, h, s)
-                slot: tuple[object, ...] = (index, args, gid) if gid else (index, args)
-            else:
-                args = (*pre, h, s, cfg)
-                slot = (index, args, gid, config)
-            self._ring[seq & _recorder.RING_MASK] = slot
+            gid = _GROUPS.s.gid if _OPEN else 0
+            args: tuple[object, ...] = (*pre, h, s) if cfg is None else (*pre, h, s, cfg)
+            self._ring[seq & _MASK] = ((index, args, gid) if cfg is None and gid else
+                                       (index, args) if cfg is None else
+                                       (index, args, gid, config))  # fmt: skip
             return fn(*args), seq
 
         rc, seq = self._under_gate(issue)
@@ -113,6 +300,9 @@ class Collectives(Observed):
             self._failed(index, rc, cfg is not None)
         elif cfg is not None and self._watch is not None:
             self._watch.enqueued(seq, s)
+
+    def _me(self) -> Communicator:
+        return self  # type: ignore[return-value]  # the only subclass
 
     def _failed(self, index: int, rc: int, config: bool = False) -> None:
         if rc == _IN_PROGRESS:
@@ -125,110 +315,165 @@ class Collectives(Observed):
         name = COLLECTIVES[index].cfunc
         raise self._lib.make_error(rc, name + "Config" if config else name)
 
-    if TYPE_CHECKING:
-        # Generated from the spec table (see _codegen); declared here for type checkers.
-        def all_reduce(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def broadcast(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
-            root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def reduce(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def all_gather(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def reduce_scatter(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def gather(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def scatter(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def all_to_all(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def send(
-            self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def recv(
-            self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> None: ...  # fmt: skip
-        def all_reduce_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def broadcast_init(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
-            root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def reduce_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, op: OpLike = ...,
-            *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
-            stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def all_gather_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def reduce_scatter_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = ..., *,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def gather_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def scatter_init(
-            self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
-            count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def all_to_all_init(
-            self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def send_init(
-            self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
-        def recv_init(
-            self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
-            dtype: DTypeLike = None, stream: StreamLike = None,
-            config: CollConfig | None = None,
-        ) -> PersistentOp: ...  # fmt: skip
+    # -- the collectives ---------------------------------------------------------------------
 
+    def all_reduce(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None,
+                   op: OpLike = "sum", *, count: int | None = None, dtype: DTypeLike = None,
+                   stream: StreamLike = None,
+                   config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(ALL_REDUCE, sendbuf, recvbuf, op, None, count, dtype, stream, config)
+
+    def broadcast(self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
+                  root: int = 0, count: int | None = None, dtype: DTypeLike = None,
+                  stream: StreamLike = None,
+                  config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(BROADCAST, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+
+    def reduce(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None,
+               op: OpLike = "sum", *, root: int = 0, count: int | None = None,
+               dtype: DTypeLike = None, stream: StreamLike = None,
+               config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(REDUCE, sendbuf, recvbuf, op, root, count, dtype, stream, config)
+
+    def all_gather(self, sendbuf: BufferLike, recvbuf: BufferLike, *,
+                   count: int | None = None, dtype: DTypeLike = None,
+                   stream: StreamLike = None,
+                   config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(ALL_GATHER, sendbuf, recvbuf, None, None, count, dtype, stream, config)
+
+    def reduce_scatter(self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = "sum", *,
+                       count: int | None = None, dtype: DTypeLike = None,
+                       stream: StreamLike = None,
+                       config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(REDUCE_SCATTER, sendbuf, recvbuf, op, None, count, dtype, stream,
+                          config)  # fmt: skip
+
+    def gather(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
+               count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+               config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(GATHER, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+
+    def scatter(self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
+                count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
+                config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(SCATTER, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+
+    def all_to_all(self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
+                   dtype: DTypeLike = None, stream: StreamLike = None,
+                   config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(ALL_TO_ALL, sendbuf, recvbuf, None, None, count, dtype, stream, config)
+
+    def send(self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
+             dtype: DTypeLike = None, stream: StreamLike = None,
+             config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(SEND, sendbuf, None, None, peer, count, dtype, stream, config)
+
+    def recv(self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
+             dtype: DTypeLike = None, stream: StreamLike = None,
+             config: CollConfig | None = None) -> None:  # fmt: skip
+        return self._call(RECV, None, recvbuf, None, peer, count, dtype, stream, config)
+
+    # -- persistent operations: checked once, issued with prebuilt arguments ---------------
+
+    def all_reduce_init(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None,
+                        op: OpLike = "sum", *, count: int | None = None,
+                        dtype: DTypeLike = None, stream: StreamLike = None,
+                        config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), ALL_REDUCE, sendbuf, recvbuf, op, None, count, dtype, stream,
+                          config)  # fmt: skip
+
+    def broadcast_init(self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None,
+                       *, root: int = 0, count: int | None = None, dtype: DTypeLike = None,
+                       stream: StreamLike = None,
+                       config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), BROADCAST, sendbuf, recvbuf, None, root, count, dtype, stream,
+                          config)  # fmt: skip
+
+    def reduce_init(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None,
+                    op: OpLike = "sum", *, root: int = 0, count: int | None = None,
+                    dtype: DTypeLike = None, stream: StreamLike = None,
+                    config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), REDUCE, sendbuf, recvbuf, op, root, count, dtype, stream,
+                          config)  # fmt: skip
+
+    def all_gather_init(self, sendbuf: BufferLike, recvbuf: BufferLike, *,
+                        count: int | None = None, dtype: DTypeLike = None,
+                        stream: StreamLike = None,
+                        config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), ALL_GATHER, sendbuf, recvbuf, None, None, count, dtype,
+                          stream, config)  # fmt: skip
+
+    def reduce_scatter_init(self, sendbuf: BufferLike, recvbuf: BufferLike,
+                            op: OpLike = "sum", *, count: int | None = None,
+                            dtype: DTypeLike = None, stream: StreamLike = None,
+                            config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), REDUCE_SCATTER, sendbuf, recvbuf, op, None, count, dtype,
+                          stream, config)  # fmt: skip
+
+    def gather_init(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *,
+                    root: int = 0, count: int | None = None, dtype: DTypeLike = None,
+                    stream: StreamLike = None,
+                    config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), GATHER, sendbuf, recvbuf, None, root, count, dtype, stream,
+                          config)  # fmt: skip
+
+    def scatter_init(self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
+                     count: int | None = None, dtype: DTypeLike = None,
+                     stream: StreamLike = None,
+                     config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), SCATTER, sendbuf, recvbuf, None, root, count, dtype, stream,
+                          config)  # fmt: skip
+
+    def all_to_all_init(self, sendbuf: BufferLike, recvbuf: BufferLike, *,
+                        count: int | None = None, dtype: DTypeLike = None,
+                        stream: StreamLike = None,
+                        config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), ALL_TO_ALL, sendbuf, recvbuf, None, None, count, dtype,
+                          stream, config)  # fmt: skip
+
+    def send_init(self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
+                  dtype: DTypeLike = None, stream: StreamLike = None,
+                  config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), SEND, sendbuf, None, None, peer, count, dtype, stream, config)
+
+    def recv_init(self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
+                  dtype: DTypeLike = None, stream: StreamLike = None,
+                  config: CollConfig | None = None) -> PersistentOp:  # fmt: skip
+        return persistent(self._me(), RECV, None, recvbuf, None, peer, count, dtype, stream, config)
+
+
+_DOCS = {
+    ALL_REDUCE: "``ncclAllReduce``: every rank gets op(sendbuf of all ranks) in ``recvbuf``."
+    "\n\n``recvbuf=None`` reduces in place into ``sendbuf``.",
+    BROADCAST: "``ncclBroadcast``: copy ``root``'s ``sendbuf`` into every rank's ``recvbuf``."
+    "\n\n``recvbuf=None`` broadcasts in place in ``sendbuf``; on the other ranks ``sendbuf`` "
+    "may be ``None`` (NCCL reads it on the root only).",
+    REDUCE: "``ncclReduce``: op(sendbuf of all ranks) into ``root``'s ``recvbuf``.\n\n"
+    "``recvbuf=None`` reduces in place (on the root the result lands in ``sendbuf``).",
+    ALL_GATHER: "``ncclAllGather``: ``recvbuf`` = every rank's ``sendbuf`` (``count`` each), "
+    "by rank.",
+    REDUCE_SCATTER: "``ncclReduceScatter``: rank r gets block r (``count`` elements) of "
+    "op(sendbuf).",
+    GATHER: "Gather ``count`` elements from each rank into ``root``'s ``recvbuf``, in rank "
+    "order.\n\n``ncclGather`` where the library has it (NCCL >= 2.28), otherwise grouped "
+    "``ncclSend``/``ncclRecv`` with the same result. ``recvbuf`` matters on the root only "
+    "(may be ``None`` elsewhere).",
+    SCATTER: "Scatter block r (``count`` elements) of ``root``'s ``sendbuf`` to rank r's "
+    "``recvbuf``.\n\n``ncclScatter`` where available (NCCL >= 2.28), otherwise grouped "
+    "send/recv. ``sendbuf`` matters on the root only (may be ``None`` elsewhere).",
+    ALL_TO_ALL: "Send block r (``count`` elements) of ``sendbuf`` to rank r; receive rank r's "
+    "block for this rank into block r of ``recvbuf``.\n\n``ncclAlltoAll`` where available "
+    "(NCCL >= 2.28), otherwise grouped send/recv. ``count`` defaults to "
+    "``len(sendbuf) // size``.",
+    SEND: "``ncclSend`` (NCCL >= 2.7): send ``count`` elements to ``peer`` (pair with its "
+    "recv).",
+    RECV: "``ncclRecv`` (NCCL >= 2.7): receive ``count`` elements from ``peer``.",
+}
+for _row, _text in _DOCS.items():
+    getattr(Collectives, _row.method).__doc__ = _doc(_row, _text)
+    getattr(Collectives, _row.method + "_init").__doc__ = (
+        f"A persistent ``{_row.method}`` (:class:`PersistentOp`): the arguments are checked "
+        f"once, as :meth:`{_row.method}` checks them, and each ``op()`` issues the same "
+        "operation again with prebuilt C arguments (``op(stream=s)`` on another stream)."
+    )
+del _row, _text

@@ -1,7 +1,7 @@
 """``Communicator``: constructors and the public surface. A :class:`~._core.Core` composed
 with parts (plain objects over the core's public surface; one delegating line per method
-they implement, below). The collectives are generated from the spec table (:mod:`._codegen`)
-and attached at import; their one slow path is :meth:`._collectives.Collectives._slow`."""
+they implement, below). The collectives and their one fast path are
+:class:`._collectives.Collectives`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from .._capi._enumargs import C_DATATYPE
 from ..enums import DataType, Result
 from ..library import cudart, lib
 from . import _recorder
-from ._args import RANK_ARGS_LIMIT, op_table, rank_args
-from ._codegen import install
+from ._args import RANK_ARGS_LIMIT, dtype_table, op_table, rank_args
 from ._collectives import Collectives
 from ._config import Config
 from ._core import Core
@@ -41,13 +40,13 @@ if TYPE_CHECKING:
     from ._window import Window
 
 _P63 = 1 << 63
-#: The inline raw-pointer path's largest count is a one-digit int (below 2**30), which
+#: The fast path's largest raw-pointer count is a one-digit int (below 2**30), which
 #: the interpreter compares with a specialised instruction.
 _FAST_N_MAX = (1 << 30) - 1
 
 
 def _fast_n(size: int) -> int:
-    """The largest count the inline raw-pointer path takes: pointer + count * 16 bytes
+    """The largest count the fast path takes with raw pointers: pointer + count * 16 bytes
     * nranks then stays below 2**64 without a multiplication per call."""
     return min(_FAST_N_MAX, _P63 // (16 * max(size, 1)))
 
@@ -82,8 +81,8 @@ class Communicator(Collectives, Core):
     """
 
     __slots__ = (
-        "_array_ops", "_barrier_buf", "_custom_ops", "_extras", "_fast_n", "_fast_w",
-        "_introspect", "_memory", "_ops", "_regs", "_resilience", "_signals", "_suspend",
+        "_barrier_buf", "_custom_ops", "_dtypes", "_extras", "_fast_n", "_fast_w",
+        "_introspect", "_memory", "_optab", "_regs", "_resilience", "_signals", "_suspend",
         "_vcoll", "_wargs", "_windows", "_wins",
     )  # fmt: skip
 
@@ -125,9 +124,9 @@ class Communicator(Collectives, Core):
         self._codes = {
             dt: C_DATATYPE[dt] if version >= dt.first_release else None for dt in DataType
         }
-        self._ops = op_table(version)
-        # Ops the inline array path takes: not prod/max/min, which need the complex check.
-        self._array_ops = op_table(version, arrays=True)
+        # The fast path's value-keyed tables (shared per release; see _collectives).
+        self._optab = op_table(version)
+        self._dtypes = dtype_table(version)
         self._sized(size)
         self._raw_fn = [L.raw(row.cfunc) if L.has(row.cfunc) else None for row in COLLECTIVES]
         self._fn = list(self._raw_fn)
@@ -166,12 +165,11 @@ class Communicator(Collectives, Core):
             _ = self.device  # known from now on, so buffers can be checked against it
 
     def _sized(self, size: int) -> None:
-        """What the inline paths derive from the size: the count bound, and the shared
+        """What the fast path derives from the size: the count bound, and the shared
         c_int of each root/peer they take (``_wargs[r]`` for ``0 <= r < _fast_w``)."""
         self._fast_n = _fast_n(size)
         self._fast_w = min(size, RANK_ARGS_LIMIT)
         self._wargs = rank_args(size)
-        self._forget_memos()
 
     @classmethod
     def _wrap(
@@ -287,5 +285,3 @@ class Communicator(Collectives, Core):
     barrier = delegate("_vcoll", VCollectives.barrier)
     properties = delegate_property("_introspect", Introspection.properties)
 
-
-install(Communicator)

@@ -169,9 +169,6 @@ class CommHandle:
         """Called once a handle is adopted (:class:`~._observe.Observed` installs its
         call slots for a CUDA-graph capture under way)."""
 
-    def _forget_memos(self) -> None:
-        """Forget what the generated calls remember (:class:`~._observe.Observed`)."""
-
     def mark_pending(self) -> None:
         """A non-blocking call returned ncclInProgress: poll before the next call."""
         if self._state is State.READY:
@@ -207,11 +204,8 @@ class CommHandle:
                 except IndexError:
                     pass
             queue.append(ticket)
-            hide = self._gate is tokens
-            if hide:  # calls from now on find no token and queue behind this one
+            if self._gate is tokens:  # calls from now on find no token: they queue too
                 self._gate = self._queued
-        if hide:
-            self._forget_memos()  # they hold the token list as their gate
         deadline = time.monotonic() + timeout
         try:
             while True:
@@ -231,11 +225,8 @@ class CommHandle:
             with self._qlock:
                 queue.remove(ticket)
                 _wake(queue)  # the next head (the token may be waiting already)
-                shown = not queue and self._gate is not tokens
-                if shown:
+                if not queue and self._gate is not tokens:
                     self._gate = tokens
-            if shown:
-                self._forget_memos()  # they hold the stand-in: back to the fast path
 
     def gone(self) -> NoReturn:
         """Raise why there is no handle to call with."""

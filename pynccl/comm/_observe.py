@@ -14,7 +14,6 @@ from ..enums import Result
 from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
 from . import _recorder
 from ._handle import HANDLE, TERMINAL, CommHandle, State, live_handles
-from ._memos import empty_memos as _empty_memos
 
 __all__ = ["Observed"]
 
@@ -39,7 +38,6 @@ class Observed(CommHandle):
         "_device",
         "_fn",
         "_graphs",
-        "_memo",
         "_raw_bfn",
         "_raw_fn",
         "_ring",
@@ -52,7 +50,6 @@ class Observed(CommHandle):
     _raw_fn: list[Any]
     _bfn: list[Any]
     _raw_bfn: list[Any]
-    _memo: list[tuple[object, ...]]  # every row's memos: see _memos.ARRAYS
     _ring: list[object]
     _seq: int
     _stream: int
@@ -190,7 +187,6 @@ class Observed(CommHandle):
             bfn = [None if f is None else _watched(self, f, watch) for f in self._raw_bfn]
         self._fn = fn
         self._bfn = [None] * len(bfn) if self._captures else bfn
-        self._forget_memos()  # they hold the previous functions
 
     def _init_handle(self, lib: Any, owner: bool) -> None:
         super()._init_handle(lib, owner)
@@ -227,19 +223,10 @@ class Observed(CommHandle):
         return [] if graphs is None else [g for g in list(graphs) if g.holds(self)]
 
     def _use_stream(self, stream: int) -> None:
-        """Make ``stream`` (a handle) the default stream of every call: the generated
-        calls' shared c_void_p of it too, and their memos are forgotten (their C
-        arguments hold the previous one)."""
+        """Make ``stream`` (a handle) the default stream of every call (and its c_void_p
+        the fast path's)."""
         self._stream = stream
         self._cstream = c_void_p(stream)
-        self._forget_memos()
-
-    def _forget_memos(self) -> None:
-        """Forget each row's memos of its last raw-pointer, DeviceBuffer and interface
-        calls (``_memos.memo_hit``): what they were built from (the size, the stream, the
-        row's function) changed — changed before this is called, so that a call that read
-        the old values stores into the list replaced here (``_memos.ARRAYS``)."""
-        self._memo = _empty_memos()
 
     # -- capture guard ---------------------------------------------------------------------
 

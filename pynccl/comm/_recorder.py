@@ -16,7 +16,7 @@ from __future__ import annotations
 from ctypes import c_int, c_size_t, c_void_p
 
 from ..enums import DataType, RedOp
-from ._spec import COLLECTIVES
+from ._spec import COLLECTIVES, Where
 
 __all__ = [
     "RING_MASK",
@@ -58,7 +58,7 @@ def entry(ring: list[Any], newest: int, seq: int) -> FlightRecord | None:
         args = args[:-1]
     plain = tuple(_plain(a) for a in args)
     # root / peer sit just before (comm, stream) in every prototype that has one.
-    where = int(plain[-3]) if spec.where else -1  # type: ignore[call-overload]
+    where = int(plain[-3]) if spec.where is not Where.NONE else -1  # type: ignore[call-overload]
     return (seq, name, where, plain)
 
 

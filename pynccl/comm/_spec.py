@@ -1,41 +1,71 @@
 """The table of collectives: one row per method of :class:`~pynccl.Communicator` that
 issues NCCL work (every collective, plus ``send`` and ``recv``).
 
-Each row is data about the C call: its name and first release, whether it takes an op,
-a root or a peer, how large its buffers are (in units of ``count``: ``"1"`` or ``"n"``
-for ``count * nranks``, ``"-"`` for none), on which ranks NCCL reads/writes them, its
-in-place rule and its fallback below NCCL 2.28. The methods are generated from these rows
-(:mod:`._codegen`); the flight recorder and ``perf`` read the same rows.
+Each row is data about the C call, in small enums: its name and first release, whether it
+takes an op, a root or a peer (:class:`Where`), how large its buffers are in units of
+``count`` (:class:`Extent`), on which ranks NCCL reads or writes them (:class:`On`), its
+in-place form (:class:`InPlace`), and whether it has a grouped send/recv fallback below
+NCCL 2.28. The checked path (:mod:`._args`), the fallback (:mod:`._fallback`), the flight
+recorder and ``perf`` read these rows; ``tests/comm/test_spec.py`` compares them with the
+loopback libnccl's own table (``collectives.h``), so the two cannot drift.
 """
 
 from __future__ import annotations
 
-__all__ = ["COLLECTIVES", "CollSpec", "by_cfunc", "by_method"]
+from enum import Enum
+
+__all__ = ["COLLECTIVES", "CollSpec", "Extent", "InPlace", "On", "Side", "Where", "by_cfunc",
+           "by_method"]  # fmt: skip
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..enums import Release
 
 
-class CollSpec:
-    """One row of :data:`COLLECTIVES` (read-only by convention; compared by value)."""
+class Extent(Enum):
+    """How many elements a buffer spans, in units of ``count``."""
 
-    __slots__ = (
-        "cfunc",
-        "count_from",
-        "doc",
-        "fallback",
-        "has_op",
-        "in_place",
-        "index",
-        "method",
-        "recv",
-        "recv_on",
-        "send",
-        "send_on",
-        "since",
-        "where",
-    )
+    NONE = "-"  #: the call has no such buffer
+    COUNT = "1"  #: ``count`` elements
+    PER_RANK = "n"  #: ``count * nranks`` elements
+
+
+class Where(Enum):
+    """The rank argument a call takes."""
+
+    NONE = ""
+    ROOT = "root"
+    PEER = "peer"
+
+
+class On(Enum):
+    """The ranks on which NCCL reads (send) or writes (recv) a buffer; elsewhere it may be
+    ``None``."""
+
+    ALL = "all"
+    ROOT = "root"
+
+
+class InPlace(Enum):
+    """How a call is made in place."""
+
+    NONE = ""  #: it is not
+    RECVBUF_NONE = "recvbuf=None"  #: omit ``recvbuf``
+    OFFSET = "offset"  #: NCCL's form: ``sendbuf`` is this rank's block of ``recvbuf``
+
+
+class Side(Enum):
+    """A buffer argument."""
+
+    SEND = "send"
+    RECV = "recv"
+
+
+class CollSpec:
+    """One row of :data:`COLLECTIVES` (read-only by convention)."""
+
+    __slots__ = ("cfunc", "count_from", "fallback", "has_op", "in_place", "index", "method",
+                 "recv", "recv_on", "send", "send_on", "since", "where")  # fmt: skip
 
     def __init__(
         self,
@@ -43,197 +73,80 @@ class CollSpec:
         cfunc: str,
         since: Release,
         *,
-        send: str,
-        recv: str,
-        count_from: str,
+        send: Extent,
+        recv: Extent,
+        count_from: Side,
         has_op: bool = False,
-        where: str = "",
-        send_on: str = "all",
-        recv_on: str = "all",
-        in_place: str = "",
-        fallback: str = "",
-        doc: str = "",
+        where: Where = Where.NONE,
+        send_on: On = On.ALL,
+        recv_on: On = On.ALL,
+        in_place: InPlace = InPlace.NONE,
+        fallback: bool = False,
     ) -> None:
-        #: The ``Communicator`` method (``"all_reduce"``).
-        self.method = method
-        #: The C function (``"ncclAllReduce"``).
-        self.cfunc = cfunc
-        #: First NCCL release exporting ``cfunc``.
-        self.since = since
-        #: ``send`` / ``recv`` buffer sizes in units of ``count``: ``"1"``, ``"n"``
-        #: (``count * nranks``) or ``"-"`` (no such buffer).
+        self.method = method  #: the ``Communicator`` method (``"all_reduce"``)
+        self.cfunc = cfunc  #: the C function (``"ncclAllReduce"``)
+        self.since = since  #: first NCCL release exporting ``cfunc``
         self.send = send
         self.recv = recv
-        #: Which buffer gives NCCL's count when ``count=`` is omitted: ``"send"``/``"recv"``.
+        #: The buffer that gives NCCL's count when ``count=`` is omitted.
         self.count_from = count_from
-        #: Takes a reduction op.
         self.has_op = has_op
-        #: ``"root"``, ``"peer"`` or ``""``: the rank argument it takes.
         self.where = where
-        #: ``"all"`` or ``"root"``: the ranks on which NCCL reads sendbuf / writes recvbuf;
-        #: elsewhere the buffer may be ``None``.
         self.send_on = send_on
         self.recv_on = recv_on
-        #: ``"recvbuf=None"`` (omit recvbuf to work in place), ``"offset"`` (NCCL's in-place
-        #: form: sendbuf is this rank's block of recvbuf) or ``""`` (none).
         self.in_place = in_place
-        #: Below 2.28 (no native call): ``"grouped send/recv"``; ``""`` when always native.
+        #: Below NCCL 2.28 (no native call) it is issued as grouped ``ncclSend``/``ncclRecv``.
         self.fallback = fallback
-        #: The method's docstring.
-        self.doc = doc
-        #: Position in :data:`COLLECTIVES` (set below).
-        self.index = -1
+        self.index = -1  #: position in :data:`COLLECTIVES` (set below)
 
-    def multiplier(self, which: str, nranks: int) -> int:
-        """Elements of the ``which`` (``"send"``/``"recv"``) buffer per ``count``."""
-        kind = self.send if which == "send" else self.recv
-        return 0 if kind == "-" else nranks if kind == "n" else 1
+    def extent(self, side: Side) -> Extent:
+        return self.send if side is Side.SEND else self.recv
+
+    def multiplier(self, side: Side, nranks: int) -> int:
+        """Elements of the ``side`` buffer per ``count``."""
+        kind = self.extent(side)
+        return 0 if kind is Extent.NONE else nranks if kind is Extent.PER_RANK else 1
+
+    def on(self, side: Side) -> On:
+        return self.send_on if side is Side.SEND else self.recv_on
 
     def __repr__(self) -> str:
         return f"<CollSpec {self.method} ({self.cfunc})>"
 
 
-_COMMON = """
+_1, _N, _0 = Extent.COUNT, Extent.PER_RANK, Extent.NONE
+_S, _R = Side.SEND, Side.RECV
+_ROOT = On.ROOT
 
-``count`` is NCCL's ``count`` ({unit}); omitted, it is read from {count_from}. Buffers are
-raw device pointers (``int``, with ``count=`` and ``dtype=``), ``DeviceBuffer`` objects or
-objects exposing ``__cuda_array_interface__`` or DLPack on this communicator's device.
-``stream=None`` uses :attr:`stream`.{extra}"""
+ALL_REDUCE = CollSpec("all_reduce", "ncclAllReduce", (2, 3, 5), send=_1, recv=_1,
+                      count_from=_S, has_op=True, in_place=InPlace.RECVBUF_NONE)  # fmt: skip
+BROADCAST = CollSpec("broadcast", "ncclBroadcast", (2, 3, 5), send=_1, recv=_1, count_from=_S,
+                     where=Where.ROOT, send_on=_ROOT, in_place=InPlace.RECVBUF_NONE)  # fmt: skip
+REDUCE = CollSpec("reduce", "ncclReduce", (2, 3, 5), send=_1, recv=_1, count_from=_S,
+                  has_op=True, where=Where.ROOT, recv_on=_ROOT,
+                  in_place=InPlace.RECVBUF_NONE)  # fmt: skip
+ALL_GATHER = CollSpec("all_gather", "ncclAllGather", (2, 3, 5), send=_1, recv=_N,
+                      count_from=_S, in_place=InPlace.OFFSET)  # fmt: skip
+REDUCE_SCATTER = CollSpec("reduce_scatter", "ncclReduceScatter", (2, 3, 5), send=_N, recv=_1,
+                          count_from=_R, has_op=True, in_place=InPlace.OFFSET)  # fmt: skip
+GATHER = CollSpec("gather", "ncclGather", (2, 28, 3), send=_1, recv=_N, count_from=_S,
+                  where=Where.ROOT, recv_on=_ROOT, in_place=InPlace.OFFSET,
+                  fallback=True)  # fmt: skip
+SCATTER = CollSpec("scatter", "ncclScatter", (2, 28, 3), send=_N, recv=_1, count_from=_R,
+                   where=Where.ROOT, send_on=_ROOT, in_place=InPlace.OFFSET,
+                   fallback=True)  # fmt: skip
+ALL_TO_ALL = CollSpec("all_to_all", "ncclAlltoAll", (2, 28, 3), send=_N, recv=_N,
+                      count_from=_S, fallback=True)  # fmt: skip
+SEND = CollSpec("send", "ncclSend", (2, 7, 3), send=_1, recv=_0, count_from=_S,
+                where=Where.PEER)  # fmt: skip
+RECV = CollSpec("recv", "ncclRecv", (2, 7, 3), send=_0, recv=_1, count_from=_R,
+                where=Where.PEER)  # fmt: skip
 
-COLLECTIVES: tuple[CollSpec, ...] = (
-    CollSpec(
-        "all_reduce",
-        "ncclAllReduce",
-        (2, 3, 5),
-        send="1",
-        recv="1",
-        count_from="send",
-        has_op=True,
-        in_place="recvbuf=None",
-        doc="``ncclAllReduce``: every rank gets op(sendbuf of all ranks) in ``recvbuf``.\n\n"
-        "``recvbuf=None`` reduces in place into ``sendbuf``.",
-    ),
-    CollSpec(
-        "broadcast",
-        "ncclBroadcast",
-        (2, 3, 5),
-        send="1",
-        recv="1",
-        count_from="send",
-        where="root",
-        send_on="root",
-        in_place="recvbuf=None",
-        doc="``ncclBroadcast``: copy ``root``'s ``sendbuf`` into every rank's ``recvbuf``.\n\n"
-        "``recvbuf=None`` broadcasts in place in ``sendbuf``; on the other ranks ``sendbuf`` "
-        "may be ``None`` (NCCL reads it on the root only).",
-    ),
-    CollSpec(
-        "reduce",
-        "ncclReduce",
-        (2, 3, 5),
-        send="1",
-        recv="1",
-        count_from="send",
-        has_op=True,
-        where="root",
-        recv_on="root",
-        in_place="recvbuf=None",
-        doc="``ncclReduce``: op(sendbuf of all ranks) into ``root``'s ``recvbuf``.\n\n"
-        "``recvbuf=None`` reduces in place (on the root the result lands in ``sendbuf``).",
-    ),
-    CollSpec(
-        "all_gather",
-        "ncclAllGather",
-        (2, 3, 5),
-        send="1",
-        recv="n",
-        count_from="send",
-        in_place="offset",
-        doc="``ncclAllGather``: ``recvbuf`` = every rank's ``sendbuf`` (``count`` each), by rank.",
-    ),
-    CollSpec(
-        "reduce_scatter",
-        "ncclReduceScatter",
-        (2, 3, 5),
-        send="n",
-        recv="1",
-        count_from="recv",
-        has_op=True,
-        in_place="offset",
-        doc="``ncclReduceScatter``: rank r gets block r (``count`` elements) of op(sendbuf).",
-    ),
-    CollSpec(
-        "gather",
-        "ncclGather",
-        (2, 28, 3),
-        send="1",
-        recv="n",
-        count_from="send",
-        where="root",
-        recv_on="root",
-        in_place="offset",
-        fallback="grouped send/recv",
-        doc="Gather ``count`` elements from each rank into ``root``'s ``recvbuf``, in rank "
-        "order.\n\n``ncclGather`` where the library has it (NCCL >= 2.28), otherwise grouped "
-        "``ncclSend``/``ncclRecv`` with the same result. ``recvbuf`` matters on the root only "
-        "(may be ``None`` elsewhere).",
-    ),
-    CollSpec(
-        "scatter",
-        "ncclScatter",
-        (2, 28, 3),
-        send="n",
-        recv="1",
-        count_from="recv",
-        where="root",
-        send_on="root",
-        in_place="offset",
-        fallback="grouped send/recv",
-        doc="Scatter block r (``count`` elements) of ``root``'s ``sendbuf`` to rank r's "
-        "``recvbuf``.\n\n``ncclScatter`` where available (NCCL >= 2.28), otherwise grouped "
-        "send/recv. ``sendbuf`` matters on the root only (may be ``None`` elsewhere).",
-    ),
-    CollSpec(
-        "all_to_all",
-        "ncclAlltoAll",
-        (2, 28, 3),
-        send="n",
-        recv="n",
-        count_from="send",
-        fallback="grouped send/recv",
-        doc="Send block r (``count`` elements) of ``sendbuf`` to rank r; receive rank r's "
-        "block for this rank into block r of ``recvbuf``.\n\n``ncclAlltoAll`` where available "
-        "(NCCL >= 2.28), otherwise grouped send/recv. ``count`` defaults to "
-        "``len(sendbuf) // size``.",
-    ),
-    CollSpec(
-        "send",
-        "ncclSend",
-        (2, 7, 3),
-        send="1",
-        recv="-",
-        count_from="send",
-        where="peer",
-        doc="``ncclSend`` (NCCL >= 2.7): send ``count`` elements to ``peer`` (pair with its recv).",
-    ),
-    CollSpec(
-        "recv",
-        "ncclRecv",
-        (2, 7, 3),
-        send="-",
-        recv="1",
-        count_from="recv",
-        where="peer",
-        doc="``ncclRecv`` (NCCL >= 2.7): receive ``count`` elements from ``peer``.",
-    ),
-)
-
+COLLECTIVES: tuple[CollSpec, ...] = (ALL_REDUCE, BROADCAST, REDUCE, ALL_GATHER, REDUCE_SCATTER,
+                                     GATHER, SCATTER, ALL_TO_ALL, SEND, RECV)  # fmt: skip
 for _i, _row in enumerate(COLLECTIVES):
     _row.index = _i
-    _unit = "elements per rank" if "n" in (_row.send, _row.recv) else "elements"
-    _src = "``sendbuf``" if _row.count_from == "send" else "``recvbuf``"
-    _row.doc += _COMMON.format(unit=_unit, count_from=_src, extra="")
-del _i, _row, _unit, _src
+del _i, _row
 
 _BY_METHOD = {row.method: row for row in COLLECTIVES}
 _BY_CFUNC = {row.cfunc: row for row in COLLECTIVES}

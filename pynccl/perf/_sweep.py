@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..comm._spec import COLLECTIVES as _SPEC
+from ..comm._spec import Extent, InPlace, Where
 
 if TYPE_CHECKING:
     from ._traffic import Traffic
@@ -137,7 +138,12 @@ class Collective:
 # The benchmarked operations are the object API's collectives (its spec table, the one list
 # of them) plus nccl-tests' sendrecv (a send and a recv in one group). What perf adds to a
 # row is nccl-tests' bus-bandwidth rule; the layout, op and root come from the row.
-_LAYOUTS = {("1", "1"): "flat", ("1", "n"): "gather", ("n", "1"): "scatter", ("n", "n"): "alltoall"}
+_LAYOUTS = {
+    (Extent.COUNT, Extent.COUNT): "flat",
+    (Extent.COUNT, Extent.PER_RANK): "gather",
+    (Extent.PER_RANK, Extent.COUNT): "scatter",
+    (Extent.PER_RANK, Extent.PER_RANK): "alltoall",
+}
 _BUS_RULES = {
     "all_reduce": "2(n-1)/n",
     "all_gather": "(n-1)/n",
@@ -154,11 +160,11 @@ COLLECTIVES: dict[str, Collective] = {
         _LAYOUTS[(row.send, row.recv)],
         _BUS_RULES[row.method],
         reduces=row.has_op,
-        rooted=row.where == "root",
-        in_place=bool(row.in_place),
+        rooted=row.where is Where.ROOT,
+        in_place=row.in_place is not InPlace.NONE,
     )
     for row in _SPEC
-    if row.where != "peer"
+    if row.where is not Where.PEER
 }
 COLLECTIVES["all_to_all"] = replace(COLLECTIVES["all_to_all"], program="alltoall_perf")
 COLLECTIVES["sendrecv"] = Collective("sendrecv", "flat", "1", in_place=False)

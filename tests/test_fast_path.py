@@ -1,11 +1,9 @@
-"""The generated methods' memo of their last raw-pointer call (``_memos.memo_hit``),
-and of their last array calls (what the DeviceBuffer and interface memos keep alive; the
-interface memo's own tests are in ``test_memo_cai.py``).
-
-A raw-pointer call made with the very objects of the row's previous one reuses that call's
-checked C arguments. These tests pin what must not change because of it: results (against
-numpy), the flight record, a changed default stream, the watchdog, teardown, and calls
-with equal but different objects or other types.
+"""The collectives' one fast path (``Collectives._call``): what it resolves by value (raw
+pointers made afresh, names, numpy dtypes, arrays read by their type's handler) and what it
+must leave to the checked path. These tests pin what must not change because of it:
+results (against numpy), the flight record, a changed default stream, the watchdog,
+teardown, calls with equal values of other types, and what stays alive (interfaces read
+afresh: ``test_fast_path_cai.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from _worlds import ThreadWorld
 
 from pynccl import DataType, NcclInvalidUsage
 from pynccl.comm import Communicator, UniqueId
-from pynccl.comm._memos import ARRAYS, INTERFACES
 from pynccl.cuda import DeviceBuffer, Stream
 from pynccl.groups import release_done
 
@@ -69,7 +66,7 @@ def test_repeated_calls_with_the_same_objects_compute_each_time() -> None:
             np.testing.assert_array_equal(results[r][2 * step + 1], np.concatenate(a))
 
 
-def test_memo_hits_are_recorded_like_other_calls(solo_comm: Any, new_buffers: Any) -> None:
+def test_fast_calls_are_recorded_like_other_calls(solo_comm: Any, new_buffers: Any) -> None:
     comm = solo_comm
     sp, rp = new_buffers(N).ptr, new_buffers(N).ptr
     for _ in range(3):
@@ -103,7 +100,7 @@ def test_a_new_default_stream_is_used_by_the_next_identical_call(
         s.close()
 
 
-def test_the_watchdog_sees_calls_that_hit_the_memo_and_calls_given_a_stream(
+def test_the_watchdog_sees_fast_calls_and_calls_given_a_stream(
     solo_comm: Any, new_buffers: Any
 ) -> None:
     comm = solo_comm
@@ -112,7 +109,7 @@ def test_the_watchdog_sees_calls_that_hit_the_memo_and_calls_given_a_stream(
     try:
         ptr = a.ptr
         comm.all_reduce(ptr, count=N, dtype=F32)
-        comm.all_reduce(ptr, count=N, dtype=F32)  # the memo now holds ctypes arguments
+        comm.all_reduce(ptr, count=N, dtype=F32)
         comm.start_watchdog(30.0, interval=0.01)
         watch = comm._watch
         assert watch is not None
@@ -154,7 +151,7 @@ def test_after_destroy_the_same_objects_are_refused(solo_comm: Any, new_buffers:
         ({"count": -1}, ValueError),
     ],
 )
-def test_a_remembered_call_does_not_let_an_equal_mistake_through(
+def test_a_fast_call_does_not_let_an_equal_mistake_through(
     bad: dict[str, Any], error: Any, solo_comm: Any, new_buffers: Any
 ) -> None:
     comm = solo_comm
@@ -168,22 +165,22 @@ def test_a_remembered_call_does_not_let_an_equal_mistake_through(
         comm.all_reduce(float(ptr), count=N, dtype=F32)
 
 
-def test_equal_ints_made_afresh_hit_the_memo_and_no_other_equal_value_does(
+def test_equal_values_made_afresh_take_the_fast_path_and_no_other_equal_value_does(
     solo_comm: Any, new_buffers: Any
 ) -> None:
-    # Pointers and counts come as new int objects at every call (t.data_ptr(), t.numel()):
-    # an int equal to the remembered one takes the memo; a bool, a float or a numpy
-    # integer of the same value is checked in full, as on a first call.
+    # Pointers and counts come as new int objects at every call (t.data_ptr(), t.numel()),
+    # dtypes as names or numpy objects: the fast path resolves them by value; a bool, a
+    # float or a numpy number of an equal value is checked in full (and refused).
     comm = solo_comm
     x = np.arange(1, N + 1, dtype=np.float32)
     buf = new_buffers(x)
     ptr = buf.ptr
     comm.all_reduce(ptr, count=N, dtype=F32)
     comm.all_reduce(ptr, count=N, dtype=F32)
-    remembered = comm._memo[0]
-    comm.all_reduce(ptr + 0, count=N + 0, dtype=F32)  # equal ints, new objects
-    assert comm._ring[comm._seq & 63] is remembered[-1]  # the memo's record entry: a hit
-    assert comm._memo[0] is remembered
+    assert takes_fast_path(lambda: comm.all_reduce(ptr + 0, count=N + 0, dtype=F32))
+    assert takes_fast_path(lambda: comm.all_reduce(ptr + 0, count=N + 0, dtype="float32"))
+    assert takes_fast_path(lambda: comm.all_reduce(ptr, count=N, dtype=np.float32, op="sum"))
+    assert takes_fast_path(lambda: comm.all_reduce(ptr, count=N, dtype=np.dtype("float32")))
     comm.synchronize()
     np.testing.assert_array_equal(buf.to_numpy(), x)
     comm.all_reduce(ptr, count=1, dtype=F32)
@@ -197,14 +194,22 @@ def test_equal_ints_made_afresh_hit_the_memo_and_no_other_equal_value_does(
     with pytest.raises(TypeError, match=r"got numpy\.int64"):
         comm.all_reduce(np.int64(ptr), count=1, dtype=F32)
     comm.all_reduce(ptr, count=np.int64(1), dtype=F32)  # a count may be any integer
-    assert comm._memo[0][2] == 1 and type(comm._memo[0][2]) is int
+    assert comm.flight_record()[-1][3][2] == 1
+    # The int 7 is FLOAT32's value (accepted, checked); equal values of other types are not.
+    assert not takes_fast_path(lambda: comm.all_reduce(ptr, count=1, dtype=7))
+    for dtype in (7.0, True, np.float64(7.0), np.int64(7)):
+        with pytest.raises(TypeError, match="data type"):
+            comm.all_reduce(ptr, count=1, dtype=dtype)
+    for op in (0.0, False):  # equal to SUM's value
+        with pytest.raises((TypeError, ValueError), match="op"):
+            comm.all_reduce(ptr, count=1, dtype=F32, op=op)
     comm.synchronize()
 
 
-# -- the DeviceBuffer memo (each buffer's _arg tuple, never the buffer) --------------------
+# -- arrays --------------------------------------------------------------------------------
 
 
-def test_devicebuffer_calls_hit_the_array_memo_and_compute_each_time() -> None:
+def test_repeated_devicebuffer_calls_compute_each_time() -> None:
     def bufs(comm: Communicator, send: DeviceBuffer, recv: DeviceBuffer) -> list[Any]:
         return [
             lambda: comm.all_reduce(send, recv, "max"),
@@ -219,9 +224,8 @@ def test_devicebuffer_calls_hit_the_array_memo_and_compute_each_time() -> None:
 
 
 def _pair(kind: str, new_buffers: Any) -> tuple[Any, Any]:
-    """Two arrays of ``kind`` for the array memos: DeviceBuffers (the DeviceBuffer memo;
-    freed when collected), or objects keeping an interface of one buffer of
-    ``new_buffers`` (the interface memo)."""
+    """Two arrays of ``kind``: DeviceBuffers (freed when collected), or objects keeping an
+    interface of one buffer of ``new_buffers``."""
     if kind == "DeviceBuffer":
         return DeviceBuffer(N, F32), DeviceBuffer(N, F32)
     buf = new_buffers(N)
@@ -232,23 +236,34 @@ def _pair(kind: str, new_buffers: Any) -> tuple[Any, Any]:
     return pair
 
 
-def _remembered(comm: Communicator, kind: str, x: Any, row: int = 0) -> bool:
-    """Whether ``row``'s memo of ``kind`` holds ``x`` (its first buffer)."""
-    if kind == "DeviceBuffer":
-        return comm._memo[ARRAYS + row][0] is x._arg
-    return comm._memo[INTERFACES + row][0] is type(x)
+def takes_fast_path(call: Any, *args: Any, **kwargs: Any) -> bool:
+    """Whether ``call(*args, **kwargs)`` issued without the checked path
+    (``Collectives._slow``)."""
+    seen: list[object] = []
+    checked = Communicator._slow
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(args)
+        checked(self, *args, **kwargs)
+
+    Communicator._slow = spy  # type: ignore[method-assign]
+    try:
+        call(*args, **kwargs)
+    finally:
+        Communicator._slow = checked  # type: ignore[method-assign]
+    return not seen
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
-def test_the_array_memos_keep_no_array_alive(kind: str, solo_comm: Any, new_buffers: Any) -> None:
+def test_the_fast_path_keeps_no_array_alive(kind: str, solo_comm: Any, new_buffers: Any) -> None:
     import gc
     import weakref
 
     comm = solo_comm
     a, b = _pair(kind, new_buffers)
-    for _ in range(3):
+    for _ in range(2):
         comm.all_reduce(a, b)
-    assert _remembered(comm, kind, a)
+    assert takes_fast_path(comm.all_reduce, a, b)
     refs = weakref.ref(a), weakref.ref(b)
     del a, b
     gc.collect()
@@ -277,16 +292,16 @@ def test_a_closed_or_replaced_buffer_is_checked_again(solo_comm: Any, new_buffer
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
-def test_the_array_memos_are_recorded_and_follow_the_stream(
+def test_fast_array_calls_are_recorded_and_follow_the_stream(
     kind: str, solo_comm: Any, new_buffers: Any
 ) -> None:
     comm = solo_comm
     s = Stream()
     try:
         a, b = _pair(kind, new_buffers)
-        for _ in range(3):
-            comm.reduce(a, b, root=0)
-        assert _remembered(comm, kind, a, row=2)
+        comm.reduce(a, b, root=0)
+        assert takes_fast_path(comm.reduce, a, b, root=0)
+        comm.reduce(a, b, root=0)
         records = comm.flight_record()[-3:]
         assert [r[0] for r in records] == [comm._seq - 2, comm._seq - 1, comm._seq]
         # (seq, function, root, (send, recv, count, dtype, op, root, comm, stream))
@@ -308,7 +323,7 @@ def test_the_array_memos_are_recorded_and_follow_the_stream(
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
-def test_an_array_memo_hit_inside_a_group_keeps_the_arrays_until_it_ends(
+def test_a_fast_array_call_inside_a_group_keeps_the_arrays_until_it_ends(
     kind: str, solo_comm: Any, new_buffers: Any
 ) -> None:
     import gc
@@ -319,8 +334,7 @@ def test_an_array_memo_hit_inside_a_group_keeps_the_arrays_until_it_ends(
     comm = solo_comm
     a, b = _pair(kind, new_buffers)
     comm.all_reduce(a, b)
-    comm.all_reduce(a, b)
-    assert _remembered(comm, kind, a)
+    assert takes_fast_path(comm.all_reduce, a, b)
     refs = weakref.ref(a), weakref.ref(b)
     with group():
         comm.all_reduce(a, b)  # a hit
