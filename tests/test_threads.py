@@ -112,7 +112,6 @@ def test_a_call_stuck_in_another_thread_is_reported_not_waited_on(
         return int(real(*args))
 
     comm._bfn[0] = stuck
-    comm._forget_memos()  # the memos hold the row's function
     late: list[BaseException] = []
 
     def issue() -> None:
@@ -161,7 +160,6 @@ def test_a_refused_destroy_leaves_the_communicator_usable(
         return int(real(*args))
 
     comm._bfn[0] = stuck
-    comm._forget_memos()  # the memos hold the row's function
     worker = threading.Thread(target=comm.all_reduce, args=(a, b))
     worker.start()
     try:
@@ -173,7 +171,6 @@ def test_a_refused_destroy_leaves_the_communicator_usable(
         release.set()
         worker.join(30)
     comm._bfn[0] = real
-    comm._forget_memos()
     b.copy_from(np.zeros(N, np.float32))
     comm.all_reduce(a, b)
     comm.synchronize(timeout=30)

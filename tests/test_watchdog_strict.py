@@ -174,7 +174,6 @@ def test_a_call_blocked_in_nccl_does_not_blind_the_watchdog(
         return int(real(*args))
 
     comm._bfn[1] = blocked
-    comm._forget_memos()  # the memos hold the row's function
     worker = threading.Thread(target=lambda: _swallow(lambda: comm.broadcast(buf)))
     worker.start()
     try:

@@ -74,6 +74,7 @@ OpEntry = tuple[type, c_int, bool]
 DTypeEntry = tuple[type, c_int]
 _OP_TABLES: dict[Release, dict[object, OpEntry]] = {}
 _DTYPE_TABLES: dict[Release, dict[object, DTypeEntry]] = {}
+_ML_TYPES = frozenset({DataType.BFLOAT16, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2})
 #: The most keys a data-type table learns (foreign dtype objects are few).
 DTYPE_KEYS_LIMIT = 1024
 
@@ -110,9 +111,12 @@ def dtype_table(version: Release) -> dict[object, DTypeEntry]:
         for name, dt in known_names().items():
             if dt in table:
                 table[name] = (str, C_DATATYPE[dt])
-        if "numpy" in sys.modules:  # its dtypes and scalar types (else learned on first use)
+        # numpy's dtypes and scalar types, if loaded (never loaded here; else learned on
+        # first use), and ml_dtypes' likewise.
+        if "numpy" in sys.modules:
+            ml = "ml_dtypes" in sys.modules
             for dt in DataType:
-                if dt in table:
+                if dt in table and (ml or dt not in _ML_TYPES):
                     try:
                         nd = to_numpy_dtype(dt)
                     except TypeError:  # bfloat16 / float8 without ml_dtypes

@@ -27,7 +27,7 @@ from __future__ import annotations
 from ctypes import c_int, c_size_t, c_void_p
 
 from .. import groups as _groups
-from .._adapt import _BUFFER_HANDLERS, as_stream
+from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
 from .._capi._binding import PTR_ARGS, SIZE_ARGS, ptr_arg, size_arg
 from ..enums import DataType
 from ..errors import NotSupportedError
@@ -202,9 +202,13 @@ class Collectives(Observed):
         them (the count's source first, a buffer this rank does not need unchecked for
         size) and raises KeyError for anything it must look at instead: count= or dtype=
         given, a type read for the first time, a buffer on another device or of another
-        type, odd sizes, prod/max/min (complex arrays refuse them), a custom op."""
-        if count is not None or dtype is not None or (cop is not None and not self._optab[op][2]):
+        type, odd sizes, a complex array with prod/max/min."""
+        if count is not None or dtype is not None:
             raise KeyError(count)
+        if cop is not None and not self._optab[op][2] and (is_complex(sendbuf) or (
+            recvbuf is not None and is_complex(recvbuf)
+        )):
+            raise KeyError(op)  # prod/max/min: complex arrays refuse them (the checked path)
         in_place = recvbuf is None and row.in_place is _RECVBUF_NONE
         on_root = where == self._rank
         need_send = in_place or row.send_on is _ON_ALL or on_root

@@ -21,7 +21,6 @@ from ctypes import c_int, c_size_t, c_void_p
 
 from .. import groups as _groups
 from .._adapt import as_stream
-from .._capi.nccl import PROTOTYPES
 from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
@@ -45,6 +44,8 @@ _GROUPS = _groups._local  # the thread's group state (groups.KEEP_ALIVE, inline 
 
 def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
     """``values`` (the slow path's C arguments) as ctypes objects of the C parameter types."""
+    from .._capi.nccl import PROTOTYPES  # loaded with the library, not with the object API
+
     out: list[object] = []
     value: Any
     for (_, ctype), value in zip(PROTOTYPES[cfunc].args, values):
