@@ -239,18 +239,20 @@ def _pair(kind: str, new_buffers: Any) -> tuple[Any, Any]:
 def takes_fast_path(call: Any, *args: Any, **kwargs: Any) -> bool:
     """Whether ``call(*args, **kwargs)`` issued without the checked path
     (``Collectives._slow``)."""
+    from pynccl.comm._collectives import Collectives  # where _slow is defined
+
     seen: list[object] = []
-    checked = Communicator._slow
+    checked = Collectives._slow
 
     def spy(self: Any, *args: Any, **kwargs: Any) -> None:
         seen.append(args)
         checked(self, *args, **kwargs)
 
-    Communicator._slow = spy  # type: ignore[method-assign]
+    Collectives._slow = spy  # type: ignore[method-assign]
     try:
         call(*args, **kwargs)
     finally:
-        Communicator._slow = checked  # type: ignore[method-assign]
+        Collectives._slow = checked  # type: ignore[method-assign]
     return not seen
 
 

@@ -33,7 +33,6 @@ from ._spec import BROADCAST, RECV, SEND, CollSpec, Extent, InPlace, On, Side, W
 
 __all__ = [
     "RANK_ARGS_LIMIT",
-    "DTypeEntry",
     "OpEntry",
     "Plan",
     "config_arg",
@@ -69,11 +68,8 @@ _OP_FORMS = (
 #: ``0`` for ``RedOp.SUM`` — is no hit), the shared c_int NCCL takes, and whether the op
 #: is defined for complex arrays.
 OpEntry = tuple[type, c_int, bool]
-#: A data-type table's entry: the key's exact type (``7.0 == DataType.FLOAT32`` is no
-#: hit) and the shared c_int NCCL takes.
-DTypeEntry = tuple[type, c_int]
 _OP_TABLES: dict[Release, dict[object, OpEntry]] = {}
-_DTYPE_TABLES: dict[Release, dict[object, DTypeEntry]] = {}
+_DTYPE_TABLES: dict[Release, dict[object, c_int]] = {}
 _ML_TYPES = frozenset({DataType.BFLOAT16, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2})
 #: The most keys a data-type table learns (foreign dtype objects are few).
 DTYPE_KEYS_LIMIT = 1024
@@ -98,45 +94,46 @@ def op_table(version: Release) -> dict[object, OpEntry]:
     return table
 
 
-def dtype_table(version: Release) -> dict[object, DTypeEntry]:
-    """The data types the fast path resolves for a library of ``version``, keyed by value:
-    each DataType member the library has, its names (``"float32"``, ``"bf16"``), and every
-    other form the checked path has
-    resolved since (names, aliases, numpy dtypes and scalar types, torch dtypes ...:
-    :func:`learn_dtype`). One table per release, shared; a key's meaning never changes,
-    so nothing in it is ever invalidated."""
+def dtype_table(version: Release) -> dict[object, c_int]:
+    """The data types the fast path resolves for a library of ``version`` beside the
+    DataType members themselves (``Communicator._codes``), keyed by value: their names
+    (``"float32"``, ``"bf16"``), numpy's dtypes and scalar types, and every other form the
+    checked path has resolved since (:func:`learn_dtype`: torch dtypes, ...). No key
+    equals a number (DataType members equal ints: ``7.0 == DataType.FLOAT32``), so no
+    number can hit. One table per release, shared; a key's meaning never changes, so
+    nothing in it is ever invalidated."""
     table = _DTYPE_TABLES.get(version)
     if table is None:
-        table = {dt: (DataType, C_DATATYPE[dt]) for dt in DataType if version >= dt.first_release}
+        table = {}
         for name, dt in known_names().items():
-            if dt in table:
-                table[name] = (str, C_DATATYPE[dt])
+            if version >= dt.first_release:
+                table[name] = C_DATATYPE[dt]
         # numpy's dtypes and scalar types, if loaded (never loaded here; else learned on
         # first use), and ml_dtypes' likewise.
         if "numpy" in sys.modules:
             ml = "ml_dtypes" in sys.modules
             for dt in DataType:
-                if dt in table and (ml or dt not in _ML_TYPES):
+                if version >= dt.first_release and (ml or dt not in _ML_TYPES):
                     try:
                         nd = to_numpy_dtype(dt)
                     except TypeError:  # bfloat16 / float8 without ml_dtypes
                         continue
-                    table[nd] = (type(nd), C_DATATYPE[dt])
-                    table[nd.type] = (type, C_DATATYPE[dt])
+                    table[nd] = table[nd.type] = C_DATATYPE[dt]
         _DTYPE_TABLES[version] = table
     return table
 
 
-def learn_dtype(table: dict[object, DTypeEntry], key: object, code: c_int) -> None:
+def learn_dtype(table: dict[object, c_int], key: object, code: c_int) -> None:
     """Let the fast path resolve ``key`` (which the checked path just resolved to the
-    type whose c_int is ``code``): numbers are never keys (``True == 1``), nor unhashable
-    objects."""
-    kind = type(key)
-    if kind is bool or kind is int or kind is float or kind is complex:
+    type whose c_int is ``code``): never a number (``True == 1``; DataType members are
+    looked up apart) nor an unhashable object."""
+    if isinstance(key, (int, float, complex)) or hasattr(key, "__index__") or (
+        hasattr(key, "__float__") and not isinstance(key, type)
+    ):
         return
     if len(table) < DTYPE_KEYS_LIMIT:
         try:
-            table[key] = (kind, code)
+            table[key] = code
         except TypeError:  # unhashable
             pass
 

@@ -28,11 +28,11 @@ from ctypes import c_int, c_size_t, c_void_p
 
 from .. import groups as _groups
 from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
-from .._capi._binding import PTR_ARGS, SIZE_ARGS, ptr_arg, size_arg
+from .._capi._binding import PTR_ARGS, SIZE_ARGS
 from ..enums import DataType
 from ..errors import NotSupportedError
 from . import _recorder
-from ._args import DTypeEntry, OpEntry, prepare
+from ._args import OpEntry, prepare
 from ._observe import Observed
 from ._persistent import PersistentOp, persistent
 from ._spec import (
@@ -49,10 +49,6 @@ from ._spec import (
     SEND,
     CollSpec,
     Extent,
-    InPlace,
-    On,
-    Side,
-    Where,
 )
 
 __all__ = ["Collectives"]
@@ -68,24 +64,9 @@ _OPEN = _groups.OPEN  # threads with a group open (empty: nothing to look up)
 _GROUPS = _groups.STATE  # the calling thread's group state: ``.s``
 _NULL = c_void_p(0)  # the legacy default stream
 _MASK = _recorder.RING_MASK
-_RECVBUF_NONE = InPlace.RECVBUF_NONE
-_NO_BUF = Extent.NONE
-_NOWHERE = Where.NONE
-_PER_RANK = Extent.PER_RANK
-_SEND_SIDE = Side.SEND
-_ON_ALL = On.ALL
 #: What :meth:`Collectives._arrays` resolves: send and recv pointers, count, type.
 _Resolved = tuple[c_void_p | None, c_void_p | None, c_size_t, c_int]
 _SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
-
-# Each row's C argument layout (before the handle and the stream).
-_LAYOUT = {ALL_REDUCE: 1, REDUCE_SCATTER: 1, REDUCE: 3, BROADCAST: 2, GATHER: 2, SCATTER: 2,
-           ALL_GATHER: 0, ALL_TO_ALL: 0, SEND: 4, RECV: 5}  # fmt: skip
-for _row in COLLECTIVES:
-    assert _LAYOUT[_row] == (4 if _row is SEND else 5 if _row is RECV else
-                             _row.has_op + 2 * (_row.where is Where.ROOT))  # fmt: skip
-_LAYOUTS = tuple(_LAYOUT[row] for row in COLLECTIVES)
-del _row, _LAYOUT
 
 _COMMON = """
 
@@ -100,7 +81,7 @@ handle, a :class:`~pynccl.cuda.Stream` or any stream protocol object is taken to
 
 
 def _doc(row: CollSpec, text: str) -> str:
-    unit = "elements per rank" if _PER_RANK in (row.send, row.recv) else "elements"
+    unit = "elements per rank" if Extent.PER_RANK in (row.send, row.recv) else "elements"
     return text + _COMMON.format(unit=unit, count_from=row.count_from.value + "buf")
 
 
@@ -111,7 +92,7 @@ class Collectives(Observed):
 
     # Set up by Communicator._setup (see there): the fast path's tables.
     _optab: dict[object, OpEntry]
-    _dtypes: dict[object, DTypeEntry]
+    _dtypes: dict[object, c_int]
     _codes: dict[DataType, c_int | None]
     _wargs: list[c_int]
     _fast_n: int
@@ -121,7 +102,7 @@ class Collectives(Observed):
               where: object, count: object, dtype: object, stream: StreamLike,
               config: object) -> None:  # fmt: skip
         """The one path of every collective and send/recv (see the module's docstring)."""
-        i = row.index
+        i, has_op, has_where, in_place, no_send, no_recv, lay, _, _, _, _ = row.fast
         fn = self._bfn[i]  # None: not exported, or a capture under way (the checked path)
         try:
             if fn is None or config is not None:
@@ -132,30 +113,29 @@ class Collectives(Observed):
                 s = stream if type(stream) is int else as_stream(stream)
                 cst = PTR_ARGS[s] if s else _NULL
             cop = cw = None
-            if row.has_op:
-                kind, cop, _ = self._optab[op]
+            on_complex = True  # the op is defined for complex arrays (prod/max/min are not)
+            if has_op:
+                kind, cop, on_complex = self._optab[op]
                 if type(op) is not kind:
                     raise KeyError(op)
-            if row.where is not _NOWHERE:
+            if has_where:
                 if type(where) is not int or not 0 <= where < self._fast_w:
                     raise KeyError(where)
                 cw = self._wargs[where]
             if dtype is not None and type(count) is int and 0 <= count < self._fast_n:
-                kind, code = self._dtypes[dtype]  # raw pointers: count= and dtype= given
-                if type(dtype) is not kind:
-                    raise KeyError(dtype)
+                # Raw pointers (count= and dtype= given); a type the library lacks is None.
+                code = self._codes[dtype] if type(dtype) is DataType else self._dtypes[dtype]
                 cn = SIZE_ARGS[count]
-                rb = sendbuf if recvbuf is None and row.in_place is _RECVBUF_NONE else recvbuf
+                rb = sendbuf if recvbuf is None and in_place else recvbuf
                 cs = PTR_ARGS[sendbuf] if type(sendbuf) is int else None
                 cr = PTR_ARGS[rb] if type(rb) is int else None
                 keep = False
             else:  # arrays: each read by its type's handler
-                cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, where, s, count, dtype, op,
-                                                cop)
+                cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, where, s, count, dtype,
+                                                on_complex)
                 keep = True
-            if (cs is None) is not (row.send is _NO_BUF) or (cr is None) is not (
-                row.recv is _NO_BUF
-            ):  # a raw call with a None buffer (or one an array): the checked path
+            if (cs is None) is not no_send or (cr is None) is not no_recv or code is None:
+                # a raw call with a None buffer (or one an array): the checked path
                 raise KeyError(i)
         except _SLOW:
             return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
@@ -176,9 +156,8 @@ class Collectives(Observed):
         try:
             h = self._h
             if h is not None:
-                lay = _LAYOUTS[i]
-                args = ((cs, cr, cn, code, h, cst) if lay == 0 else
-                        (cs, cr, cn, code, cop, h, cst) if lay == 1 else
+                args = ((cs, cr, cn, code, cop, h, cst) if lay == 1 else
+                        (cs, cr, cn, code, h, cst) if lay == 0 else
                         (cs, cr, cn, code, cw, h, cst) if lay == 2 else
                         (cs, cr, cn, code, cop, cw, h, cst) if lay == 3 else
                         (cs, cn, code, cw, h, cst) if lay == 4 else
@@ -195,58 +174,48 @@ class Collectives(Observed):
             self._failed(i, rc)
 
     def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, where: object, s: int,
-                count: object, dtype: object, op: object,
-                cop: object) -> _Resolved:  # fmt: skip
-        """The fast path's arrays: ``(send c_void_p, recv c_void_p, c_size_t count, c_int
-        type)``, None for a buffer the row has not. Read as :func:`._args.prepare` reads
-        them (the count's source first, a buffer this rank does not need unchecked for
-        size) and raises KeyError for anything it must look at instead: count= or dtype=
-        given, a type read for the first time, a buffer on another device or of another
-        type, odd sizes, a complex array with prod/max/min."""
-        if count is not None or dtype is not None:
-            raise KeyError(count)
-        if cop is not None and not self._optab[op][2] and (is_complex(sendbuf) or (
-            recvbuf is not None and is_complex(recvbuf)
+                count: object, dtype: object, on_complex: bool) -> _Resolved:  # fmt: skip
+        """The fast path's arrays, each read once by its type's handler, as
+        :func:`._args.prepare` reads them (the count's source first): ``(send c_void_p, recv
+        c_void_p, c_size_t count, c_int type)``, None for a buffer the row has not. Raises
+        KeyError for what prepare must look at instead: count= or dtype= given, a type read
+        for the first time, a buffer on another device or of another type, odd sizes, a
+        rooted call off its root, a complex array with prod/max/min."""
+        _, _, _, in_place, no_send, no_recv, _, send_n, recv_n, first, rooted = row.fast
+        in_place = in_place and recvbuf is None
+        if count is not None or dtype is not None or (not on_complex and (
+            is_complex(sendbuf) or (not in_place and is_complex(recvbuf))
         )):
-            raise KeyError(op)  # prod/max/min: complex arrays refuse them (the checked path)
-        in_place = recvbuf is None and row.in_place is _RECVBUF_NONE
-        on_root = where == self._rank
-        need_send = in_place or row.send_on is _ON_ALL or on_root
-        need_recv = not in_place and (row.recv_on is _ON_ALL or on_root)
-        send_first = row.count_from is _SEND_SIDE
-        if not (need_send if send_first else need_recv):
-            send_first = not send_first  # a buffer this rank must pass gives the count
-        sp = rp = n = dt = None
-        for first in (send_first, not send_first):
-            obj, kind, need = (sendbuf, row.send, need_send) if first else (
-                recvbuf, row.recv, need_recv)  # fmt: skip
-            if kind is _NO_BUF or (obj is None and not need) or (in_place and not first):
-                continue
-            ptr, have, got, dev = _BUFFER_HANDLERS[type(obj)](
-                obj, None, None, "sendbuf" if first else "recvbuf", in_place or not first, s
-            )
-            mult = self._size if kind is _PER_RANK else 1
-            if n is None:
-                dt, n = got, have // mult
-                if have % mult:
-                    raise KeyError(have)
-            if got is not dt or (need and have < n * mult) or (
-                dev is not None and dev != self._device
+            raise KeyError(count)
+        if in_place or no_send or no_recv:  # one buffer
+            one, name = (recvbuf, "recvbuf") if no_send else (sendbuf, "sendbuf")
+            ptr, n, dt, dev = _BUFFER_HANDLERS[type(one)](one, None, None, name,
+                                                          in_place or no_send, s)  # fmt: skip
+            sp = rp = ptr
+        else:
+            if rooted and where != self._rank:
+                raise KeyError(where)  # which buffers this rank reads depends on the root
+            a, b = (sendbuf, recvbuf) if first else (recvbuf, sendbuf)
+            ptr, n, dt, dev = _BUFFER_HANDLERS[type(a)](
+                a, None, None, "sendbuf" if first else "recvbuf", not first, s)  # fmt: skip
+            ptr2, n2, dt2, dev2 = _BUFFER_HANDLERS[type(b)](
+                b, None, None, "recvbuf" if first else "sendbuf", first, s)  # fmt: skip
+            size = self._size
+            ma, mb = (size if send_n else 1, size if recv_n else 1)
+            if not first:
+                ma, mb = mb, ma
+            if n % ma or dt2 is not dt or n2 < n // ma * mb or (
+                dev2 is not None and dev2 != self._device
             ):
-                raise KeyError(got)
-            if first:
-                sp = ptr
-            else:
-                rp = ptr
-        code = self._codes[dt]  # type: ignore[index]  # dt is set: n is
-        if code is None or n is None:
+                raise KeyError(n)
+            n //= ma
+            sp, rp = (ptr, ptr2) if first else (ptr2, ptr)
+        code = self._codes[dt]
+        if code is None or (dev is not None and dev != self._device):
             raise KeyError(dt)
-        if in_place or (row is BROADCAST and sp is None):
-            sp, rp = (sp, sp) if in_place else (rp, rp)  # NCCL reads sendbuff on the root only
-        cs = _NULL if sp is None else PTR_ARGS.get(sp) or ptr_arg(sp)
-        cr = _NULL if rp is None else PTR_ARGS.get(rp) or ptr_arg(rp)
-        return (None if row.send is _NO_BUF else cs, None if row.recv is _NO_BUF else cr,
-                SIZE_ARGS.get(n) or size_arg(n), code)  # fmt: skip
+        # A pointer or count not seen yet: the checked path makes its shared ctypes object.
+        return (None if no_send else PTR_ARGS[sp], None if no_recv else PTR_ARGS[rp],
+                SIZE_ARGS[n], code)  # fmt: skip
 
     def _slow(self, spec: CollSpec, sendbuf: object, recvbuf: object, op: object,
               where: object, count: object, dtype: object, stream: StreamLike,

@@ -21,6 +21,7 @@ from ctypes import c_int, c_size_t, c_void_p
 
 from .. import groups as _groups
 from .._adapt import as_stream
+from .._capi._binding import PTR_ARGS, ptr_arg
 from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
@@ -84,6 +85,7 @@ class PersistentOp(Closable):
     __slots__ = (
         "__weakref__",
         "_args",
+        "_at",
         "_cfg",
         "_checks",
         "_comm",
@@ -142,6 +144,7 @@ class PersistentOp(Closable):
         self._h: c_void_p | None = None
         self._fn: Any = None
         self._args: tuple[object, ...] = ()
+        self._at = 0
         self._slot: tuple[object, ...] = ()
         # One native call: prebuilt; a grouped fallback replays its plan.
         self._plain = len(plan) == 1
@@ -165,6 +168,7 @@ class PersistentOp(Closable):
             self._slot = (index, rec, 0, self._config)
         self._fn = self._comm._lib.bare(cfunc)
         self._args = _ctype_args(cfunc, rec)
+        self._at = len(pre) + 1  # where the stream is in the arguments
         self._h = h
 
     # -- the call ---------------------------------------------------------------------------
@@ -172,8 +176,17 @@ class PersistentOp(Closable):
     def __call__(self, stream: StreamLike = None) -> None:
         """Issue the operation again (on ``stream`` if given, else the stream it was made
         with)."""
-        if (stream is not None or self._checks) and self._general(stream):
+        if self._checks and self._general(stream):
             return
+        if stream is None:
+            s, args, slot = self._stream, self._args, self._slot
+        else:  # the prebuilt call with another stream
+            s = stream if type(stream) is int else as_stream(stream)
+            if s not in self._streams:
+                self._streams.add(s)  # close() waits for it too
+            args = (*self._args[: self._at], PTR_ARGS.get(s) or ptr_arg(s),
+                    *self._args[self._at + 1 :])  # fmt: skip
+            slot = (self._slot[0], args, *self._slot[2:])
         comm = self._comm
         gate = comm._gate
         try:
@@ -185,12 +198,12 @@ class PersistentOp(Closable):
                 seq = comm._seq + 1
                 comm._seq = seq
                 if _OPEN and (gid := (st := _GROUPS.s).gid):
-                    st.keep.append((comm, self._group_stream, self))  # groups.keep_alive
-                    slot = self._slot
+                    # groups.keep_alive: until the work passed its stream, if it must
+                    st.keep.append((comm, None if self._group_stream is None else s, self))
                     comm._ring[seq & _MASK] = (slot[0], slot[1], gid, *slot[3:])
                 else:
-                    comm._ring[seq & _MASK] = self._slot
-                rc = self._fn(*self._args)
+                    comm._ring[seq & _MASK] = slot
+                rc = self._fn(*args)
             else:
                 rc = -1
         finally:
@@ -202,9 +215,9 @@ class PersistentOp(Closable):
                 return self(stream)
             comm._failed(self._row, rc, self._cfg is not None)
         elif comm._watch is not None:
-            comm._watch.enqueued(seq, self._stream)
+            comm._watch.enqueued(seq, s)
         if comm._captures and not rc:  # a Graph capturing it keeps what it uses alive
-            comm._note_capture(self._stream, (self, self._keep, self._config))
+            comm._note_capture(s, (self, self._keep, self._config))
 
     def _general(self, stream: StreamLike) -> bool:
         """The checks a call needs beyond the plain prebuilt one (closed, a closed
@@ -231,7 +244,7 @@ class PersistentOp(Closable):
                 f"op {self._custom} of this persistent {method} was destroyed (destroy_op); "
                 "make a new persistent operation"
             )
-        if stream is None and self._plain:
+        if self._plain:
             return False
         s = self._stream if stream is None else as_stream(stream)
         comm._live()

@@ -61,11 +61,19 @@ class Side(Enum):
     RECV = "recv"
 
 
+#: A row as the fast path reads it, in one tuple: ``(index, has_op, takes a root or peer,
+#: in place by omitting recvbuf, has no send buffer, has no recv buffer, layout, send spans
+#: count * nranks, recv spans count * nranks, the count comes from sendbuf, its buffers
+#: matter on the root only)``.
+Fast = tuple[int, bool, bool, bool, bool, bool, int, bool, bool, bool, bool]
+
+
 class CollSpec:
     """One row of :data:`COLLECTIVES` (read-only by convention)."""
 
-    __slots__ = ("cfunc", "count_from", "fallback", "has_op", "in_place", "index", "method",
-                 "recv", "recv_on", "send", "send_on", "since", "where")  # fmt: skip
+    __slots__ = ("cfunc", "count_from", "fallback", "fast", "has_op", "in_place", "index",
+                 "layout", "method", "recv", "recv_on", "send", "send_on", "since",
+                 "where")  # fmt: skip
 
     def __init__(
         self,
@@ -98,6 +106,14 @@ class CollSpec:
         #: Below NCCL 2.28 (no native call) it is issued as grouped ``ncclSend``/``ncclRecv``.
         self.fallback = fallback
         self.index = -1  #: position in :data:`COLLECTIVES` (set below)
+        #: The C arguments before ``(comm, stream)``: 0 ``(send, recv, count, type)``, 1 the
+        #: same and ``op``, 2 and ``root``, 3 and ``op, root``; 4 ``(send, count, type,
+        #: peer)``; 5 ``(recv, count, type, peer)``.
+        self.layout = (4 if recv is Extent.NONE else 5 if send is Extent.NONE else
+                       has_op + 2 * (where is Where.ROOT))  # fmt: skip
+        #: What the fast path reads of the row, in one tuple (set below): see :data:`Fast`.
+        self.fast: Fast = (-1, False, False, False, False, False, -1, False, False, False,
+                           False)  # fmt: skip
 
     def extent(self, side: Side) -> Extent:
         return self.send if side is Side.SEND else self.recv
@@ -146,6 +162,11 @@ COLLECTIVES: tuple[CollSpec, ...] = (ALL_REDUCE, BROADCAST, REDUCE, ALL_GATHER, 
                                      GATHER, SCATTER, ALL_TO_ALL, SEND, RECV)  # fmt: skip
 for _i, _row in enumerate(COLLECTIVES):
     _row.index = _i
+    _row.fast = (_i, _row.has_op, _row.where is not Where.NONE,
+                 _row.in_place is InPlace.RECVBUF_NONE, _row.send is Extent.NONE,
+                 _row.recv is Extent.NONE, _row.layout, _row.send is Extent.PER_RANK,
+                 _row.recv is Extent.PER_RANK, _row.count_from is Side.SEND,
+                 _row.send_on is not _row.recv_on)  # fmt: skip
 del _i, _row
 
 _BY_METHOD = {row.method: row for row in COLLECTIVES}
