@@ -1,12 +1,13 @@
 """The object API: :class:`UniqueId`, :class:`Config` and :class:`Communicator`.
 
-A package by role (see the README's layout table): ``_spec`` (the table of collectives),
-``_codegen`` (rows -> methods), ``_args`` (the one slow path and its argument rules),
+A package by role (see docs/architecture.md): ``_spec`` (the table of collectives, typed),
+``_args`` (the fast path's value-keyed tables and the checked path with its argument rules),
 ``_fallback`` (grouped send/recv plans below 2.28), ``_recorder`` (the flight recorder),
 ``_watchdog``; the core of a communicator (``_handle``: state machine and gate,
 ``_observe``, ``_watched``, ``_core``), its parts over the core's public surface
 (``_memory``, ``_window``, ``_signals``, ``_suspend``, ``_extras``, ``_resilience``,
-``_vcoll``, ``_introspect``), ``_collectives`` (the collectives' slow path),
+``_vcoll``, ``_introspect``), ``_collectives`` (every collective, through the one fast
+path),
 ``_communicator`` (the class), ``_uid``, ``_config``, ``_collconfig`` (per-call
 ``CollConfig``), ``_persistent`` (``<method>_init`` operations) and ``_from_env``.
 

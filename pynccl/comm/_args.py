@@ -1,60 +1,49 @@
-"""Argument resolution for every generated collective: the one slow path.
+"""Argument resolution for every collective: the fast path's value-keyed tables, and the
+checked path (:func:`prepare`).
 
-The generated methods (:mod:`._codegen`) handle the common raw-pointer call inline;
-everything else — arrays, ``None`` buffers, in place, names, odd values — comes here, so
-that every collective checks the same things in the same order and words each mistake
-the same way (the rules themselves are :mod:`pynccl._limits`).
+The fast path (:meth:`._collectives.Collectives._call`) resolves the common forms through
+the tables here; everything else — a form seen for the first time, ``None`` buffers, odd
+values — comes to :func:`prepare`, so that every collective checks the same things in the
+same order and words each mistake the same way (the rules themselves are
+:mod:`pynccl._limits`).
 """
 
 from __future__ import annotations
 
 import sys
-from ctypes import c_int, c_size_t, c_void_p
+from ctypes import c_int
 
 from .. import _adapt
-from .._adapt import _BUFFER_HANDLERS, as_stream, buffer_handler, check_device
-from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, ptr_arg, size_arg
+from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, size_arg
 from .._capi._enumargs import C_DATATYPE, C_REDOP
 from .._limits import (
     U64,
-    check_count,
-    check_extent,
-    check_index,
-    check_pointer,
     index_int,
-    is_pointer_object,
-    pointer_int,
 )
-from ..dtypes import as_datatype, canonical_name, known_names, to_numpy_dtype
+from ..dtypes import known_names, to_numpy_dtype
 from ..enums import DataType, RedOp
 from ..errors import NotSupportedError
 from ._collconfig import CollConfig
-from ._spec import BROADCAST, RECV, SEND, CollSpec, Extent, InPlace, On, Side, Where
+from ._spec import CollSpec, Where
 
 __all__ = [
     "RANK_ARGS_LIMIT",
     "OpEntry",
-    "Plan",
     "config_arg",
     "dtype_table",
     "learn_dtype",
     "op_table",
-    "prepare",
     "rank_args",
+    "raw_needs",
     "resolve_op",
     "size_arg",
 ]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ..enums import Release
-    from ..typing import StreamLike
-    from ._communicator import Communicator
+    from collections.abc import Container
 
-#: What the slow path hands back: ``[(row index, C arguments before (comm, stream))]``
-#: (several rows for a grouped fallback), the stream, and the ``const ncclCollConfig_t*``
-#: argument of the row's ``nccl*Config`` variant (None: the plain call).
-Plan = tuple[list[tuple[int, tuple[object, ...]]], int, object]
+    from ..enums import Release
 
 # -- the value-keyed tables of the fast path ----------------------------------------------
 
@@ -154,19 +143,22 @@ def _builtin(op: object) -> RedOp | None:
         return None
 
 
-def resolve_op(op: object, comm: Communicator, objs: tuple[object, ...] = ()) -> c_int | int:
-    """The ncclRedOp_t argument for ``op``: refuses floats/bools/unknown names/handles,
-    avg before 2.10.3, and prod/max/min on complex arrays among ``objs``."""
+def resolve_op(
+    op: object, version: Release, custom: Container[int], objs: tuple[object, ...] = ()
+) -> c_int | int:
+    """The ncclRedOp_t argument for ``op`` on a library of ``version`` whose communicator
+    made the ops ``custom``: refuses floats/bools/unknown names/handles, avg before 2.10.3,
+    and prod/max/min on complex arrays among ``objs``."""
     member = _builtin(op)
     if member is None:
         value = index_int(op, "op", _OP_FORMS)
-        if value not in comm._custom_ops:
+        if value not in custom:
             raise ValueError(
                 f"op {value} is not a reduction op; expected {_OP_FORMS} on this communicator"
             )
         return value
-    if member is RedOp.AVG and comm._lib.version < _AVG_SINCE:
-        raise NotSupportedError("ncclAvg", _AVG_SINCE, comm._lib.version)
+    if member is RedOp.AVG and version < _AVG_SINCE:
+        raise NotSupportedError("ncclAvg", _AVG_SINCE, version)
     if member in _NO_COMPLEX and objs:
         is_complex = getattr(_adapt, "is_complex", None)
         for obj in objs:
@@ -200,7 +192,7 @@ def rank_args(size: int) -> list[c_int]:
 # -- per-call config ----------------------------------------------------------------------
 
 
-def config_arg(comm: Communicator, spec: CollSpec, config: object) -> object:
+def config_arg(version: Release, spec: CollSpec, config: object) -> object:
     """The ``const ncclCollConfig_t*`` argument for ``config=`` (None for None): a
     :class:`CollConfig` whose fields the loaded library knows, on a collective (NCCL has
     no per-call config for send/recv)."""
@@ -214,204 +206,23 @@ def config_arg(comm: Communicator, spec: CollSpec, config: object) -> object:
         raise NotSupportedError(
             f"config= on {spec.method} (a per-call CollConfig for {spec.cfunc})",
             None,
-            comm._lib.version,
+            version,
             "NCCL has per-call configs (nccl*Config) for collectives only, none for "
             "point-to-point calls",
         )
-    return config.check(comm._lib.version, spec.cfunc + "Config")
+    return config.check(version, spec.cfunc + "Config")
 
 
 # -- buffers --------------------------------------------------------------------------------
 
 
-def _datatype(comm: Communicator, dtype: object) -> DataType:
-    dt = as_datatype(dtype)
-    code = comm._codes[dt]
-    if code is None:
-        raise NotSupportedError(f"data type {dt.c_name}", dt.first_release, comm._lib.version)
-    learn_dtype(comm._dtypes, dtype, code)
-    return dt
-
-
-def _raw_needs(obj: int, name: str, count: object, dtype: object) -> None:
+def raw_needs(obj: int, name: str, count: object, dtype: object) -> None:
     if count is None or dtype is None:
         missing = " and ".join(a for a, v in (("count=", count), ("dtype=", dtype)) if v is None)
         raise TypeError(
             f"{name} is a raw pointer ({obj:#x}), which carries no size or type: "
             f"{missing} must be given"
         )
-
-
-def _read(
-    obj: object, name: str, writable: bool, dtype: object, s: int, comm: Communicator
-) -> tuple[int, int, DataType]:
-    """``(ptr, elements it holds, data type)`` of an array argument (not a raw pointer)."""
-    handler = _BUFFER_HANDLERS.get(type(obj)) or buffer_handler(obj, name)
-    ptr, n, dt, dev = handler(obj, None, dtype, name, writable, s)
-    if dev is not None:
-        check_device(dev, comm._device, name)
-    if comm._codes[dt] is None:
-        _datatype(comm, dt)  # raises NotSupportedError naming the type and releases
-    return ptr, n, dt
-
-
-def prepare(
-    comm: Communicator,
-    spec: CollSpec,
-    sendbuf: object,
-    recvbuf: object,
-    op: object,
-    where: object,
-    count: object,
-    dtype: object,
-    stream: StreamLike,
-    config: object = None,
-) -> Plan:
-    """Check every argument of one call of ``spec`` and return its plan.
-
-    Order (the same for every row, so the same mistake meets the same check first):
-    config, stream, root/peer, count, dtype, the buffers (count source first), sizes, op.
-    """
-    cfg = config_arg(comm, spec, config)
-    size = comm._size
-    s = comm._stream if stream is None else as_stream(stream)
-    w = -1
-    if spec.where is not Where.NONE:
-        w = check_index(where, spec.where.value, size, f"for a communicator of size {size}")
-    n = None if count is None else check_count(count)
-    user_dt = None if dtype is None else _datatype(comm, dtype)
-    call = _Call(comm, spec, sendbuf, recvbuf, w, n, user_dt, s)
-    for side in call.order():
-        call.read(side)
-    if call.n is None or call.dt is None:  # no buffer given at all
-        raise TypeError(f"{spec.method} needs a buffer: sendbuf and recvbuf are both None")
-    sp, rp = call.ptrs[Side.SEND], call.ptrs[Side.RECV]
-    if call.in_place:
-        rp = sp
-    elif spec is BROADCAST and w != comm._rank and sendbuf is None:
-        sp = rp  # NCCL reads sendbuff on the root only
-    code = comm._codes[call.dt]
-    cop: object = None
-    if spec.has_op:
-        cop = resolve_op(op, comm, (sendbuf, recvbuf))
-        if type(cop) is int:  # a custom op: its device scalar must outlive this work
-            comm._note_op_use(cop, s)
-    ptr_arg(s)  # the stream's shared c_void_p, for the fast path's next call
-    plan = _args_for(comm, spec, ptr_arg(sp), ptr_arg(rp), size_arg(call.n), call.n, call.dt,
-                     code, cop, w)  # fmt: skip
-    return plan, s, cfg
-
-
-class _Call:
-    """One call's buffers, read and checked side by side (:func:`prepare`)."""
-
-    def __init__(
-        self,
-        comm: Communicator,
-        spec: CollSpec,
-        sendbuf: object,
-        recvbuf: object,
-        w: int,
-        n: int | None,
-        dt: DataType | None,
-        s: int,
-    ) -> None:
-        self.comm, self.spec, self.s, self.n, self.dt, self.user_dt = comm, spec, s, n, dt, dt
-        is_root = w == comm._rank
-        # Which buffers this rank must pass (the others may be None).
-        self.in_place = spec.in_place is InPlace.RECVBUF_NONE and recvbuf is None
-        need_send = spec.send is not Extent.NONE and (spec.send_on is On.ALL or is_root)
-        need_recv = (spec.recv is not Extent.NONE and (spec.recv_on is On.ALL or is_root)
-                     and not self.in_place)  # fmt: skip
-        self.bufs = {Side.SEND: sendbuf, Side.RECV: recvbuf}
-        self.needs = {Side.SEND: need_send or self.in_place, Side.RECV: need_recv}
-        self.ptrs = {Side.SEND: 0, Side.RECV: 0}
-
-    def order(self) -> tuple[Side, Side]:
-        """The count source first (the other buffer when it is absent or not needed)."""
-        first = self.spec.count_from
-        other = Side.RECV if first is Side.SEND else Side.SEND
-        if (self.bufs[first] is None or not self.needs[first]) and (
-            self.bufs[other] is not None and self.needs[other]
-        ):
-            first, other = other, first
-        return first, other
-
-    def read(self, side: Side) -> None:
-        spec, obj = self.spec, self.bufs[side]
-        name = side.value + "buf"
-        kind = spec.extent(side)
-        if kind is Extent.NONE or (side is Side.RECV and self.in_place):
-            return
-        if type(obj) is not int and is_pointer_object(obj):
-            obj = pointer_int(obj, name)  # a cuda.bindings CUdeviceptr: its raw pointer
-        if obj is None:
-            if self.needs[side]:
-                on = "" if spec.on(side) is On.ALL else " on the root"
-                raise TypeError(f"{name} is required{on} of {spec.method}")
-            return
-        mult = self.comm._size if kind is Extent.PER_RANK else 1
-        if type(obj) is int:
-            _raw_needs(obj, name, self.n, self.dt)
-            assert self.n is not None and self.dt is not None
-            nbytes = check_extent(self.n * mult, self.dt.itemsize, name) if self.needs[side] else 0
-            self.ptrs[side] = check_pointer(obj, name, nbytes)
-            return
-        if isinstance(obj, bool) or isinstance(obj, float):
-            raise TypeError(
-                f"{name} must be a device buffer or a raw pointer (int), "
-                f"got {type(obj).__name__} {obj!r}"
-            )
-        writable = side is Side.RECV or self.in_place
-        ptr, have, got = _read(obj, name, writable, self.user_dt, self.s, self.comm)
-        if self.dt is None:
-            self.dt = got
-        elif got is not self.dt:
-            other = "sendbuf" if side is Side.RECV else "recvbuf"
-            raise TypeError(
-                f"sendbuf and recvbuf have different data types: {other} is "
-                f"{canonical_name(self.dt)} but {name} is {canonical_name(got)}"
-            )
-        if self.n is None:
-            if have % mult:
-                raise ValueError(
-                    f"{name} holds {have} elements, not a multiple of the {self.comm._size} ranks"
-                )
-            self.n = have // mult
-        if self.needs[side] and have < self.n * mult:
-            raise ValueError(f"{name} holds {have} elements but this call needs {self.n * mult}")
-        self.ptrs[side] = ptr
-
-
-def _args_for(
-    comm: Communicator,
-    spec: CollSpec,
-    sp: c_void_p,
-    rp: c_void_p,
-    cn: c_size_t,
-    n: int,
-    dt: DataType,
-    code: c_int | None,
-    cop: object,
-    w: int,
-) -> list[tuple[int, tuple[object, ...]]]:
-    """The C calls (before ``comm, stream``) that carry one call of ``spec``."""
-    i = spec.index
-    if spec is SEND:
-        return [(i, (sp, cn, code, w))]
-    if spec is RECV:
-        return [(i, (rp, cn, code, w))]
-    if comm._fn[i] is None and spec.fallback:
-        from ._fallback import grouped
-
-        return grouped(spec, comm._rank, comm._size, sp.value or 0, rp.value or 0, n,
-                       dt.itemsize, cn, code, w)  # fmt: skip
-    pre: tuple[object, ...] = (sp, rp, cn, code)
-    if spec.has_op:
-        pre += (cop,)
-    if spec.where is not Where.NONE:
-        pre += (w,)
-    return [(i, pre)]
 
 
 __all__ += ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "U64"]  # SIZE_ARGS: see pynccl._capi._binding

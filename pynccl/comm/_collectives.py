@@ -30,17 +30,14 @@ from .. import groups as _groups
 from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
 from .._capi._binding import PTR_ARGS, SIZE_ARGS
 from ..enums import DataType
-from ..errors import NotSupportedError
 from . import _recorder
-from ._args import OpEntry, prepare
-from ._observe import Observed
+from ._checked import Checked
 from ._persistent import PersistentOp, persistent
 from ._spec import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
     BROADCAST,
-    COLLECTIVES,
     GATHER,
     RECV,
     REDUCE,
@@ -67,6 +64,7 @@ _MASK = _recorder.RING_MASK
 #: What :meth:`Collectives._arrays` resolves: send and recv pointers, count, type.
 _Resolved = tuple[c_void_p | None, c_void_p | None, c_size_t, c_int]
 _SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
+_NO = 1 << 62  # an index no list has: IndexError, the checked path
 
 _COMMON = """
 
@@ -85,21 +83,19 @@ def _doc(row: CollSpec, text: str) -> str:
     return text + _COMMON.format(unit=unit, count_from=row.count_from.value + "buf")
 
 
-class Collectives(Observed):
-    """The collectives (a base of Communicator): the one fast path and the checked one."""
+class Collectives(Checked):
+    """The core's collectives: the one fast path and the checked one (Communicator
+    subclasses this; one line of inheritance: handle, record, core, collectives)."""
 
     __slots__ = ()
 
     # Set up by Communicator._setup (see there): the fast path's tables.
-    _optab: dict[object, OpEntry]
-    _dtypes: dict[object, c_int]
-    _codes: dict[DataType, c_int | None]
     _wargs: list[c_int]
     _fast_n: int
     _fast_w: int
 
-    def _call(self, row: CollSpec, sendbuf: object, recvbuf: object, op: object,
-              where: object, count: object, dtype: object, stream: StreamLike,
+    def _call(self, row: CollSpec, sendbuf: object, recvbuf: object, op: object, where: object,
+              count: object, dtype: object, stream: StreamLike,
               config: object) -> None:  # fmt: skip
         """The one path of every collective and send/recv (see the module's docstring)."""
         i, has_op, has_where, in_place, no_send, no_recv, lay, _, _, _, _ = row.fast
@@ -112,18 +108,14 @@ class Collectives(Observed):
             else:
                 s = stream if type(stream) is int else as_stream(stream)
                 cst = PTR_ARGS[s] if s else _NULL
-            cop = cw = None
-            on_complex = True  # the op is defined for complex arrays (prod/max/min are not)
+            cop, cw, on_complex = None, None, True  # on_complex: False for prod/max/min
             if has_op:
                 kind, cop, on_complex = self._optab[op]
                 if type(op) is not kind:
                     raise KeyError(op)
             if has_where:
-                if type(where) is not int or not 0 <= where < self._fast_w:
-                    raise KeyError(where)
-                cw = self._wargs[where]
+                cw = self._wargs[where if type(where) is int and 0 <= where < self._fast_w else _NO]
             if dtype is not None and type(count) is int and 0 <= count < self._fast_n:
-                # Raw pointers (count= and dtype= given); a type the library lacks is None.
                 code = self._codes[dtype] if type(dtype) is DataType else self._dtypes[dtype]
                 cn = SIZE_ARGS[count]
                 rb = sendbuf if recvbuf is None and in_place else recvbuf
@@ -135,19 +127,10 @@ class Collectives(Observed):
                                                 on_complex)
                 keep = True
             if (cs is None) is not no_send or (cr is None) is not no_recv or code is None:
-                # a raw call with a None buffer (or one an array): the checked path
-                raise KeyError(i)
+                raise KeyError(i)  # a raw call with a None (or array) buffer, a type too new
         except _SLOW:
             return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
-        gid = 0
-        if _OPEN:  # inside a group: join it, and keep arrays alive until it is launched
-            st = _GROUPS.s
-            gid = st.gid
-            if gid:
-                if keep:
-                    st.keep.append((self, s, sendbuf, recvbuf))
-                else:
-                    st.comms.append(self)  # type: ignore[arg-type]  # the only subclass
+        gid = self._join(keep, s, sendbuf, recvbuf) if _OPEN else 0
         gate = self._gate
         try:
             gate.pop()
@@ -172,6 +155,18 @@ class Collectives(Observed):
             return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
         if rc:
             self._failed(i, rc)
+
+    def _join(self, keep: bool, s: int, sendbuf: object, recvbuf: object) -> int:
+        """Inside a group (of this thread), join it, and keep arrays alive until its work
+        has run on ``s`` (:func:`pynccl.groups.keep_alive`); the group's number, else 0."""
+        st = _GROUPS.s
+        gid = st.gid
+        if gid:
+            if keep:
+                st.keep.append((self, s, sendbuf, recvbuf))
+            else:
+                st.comms.append(self)
+        return gid
 
     def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, where: object, s: int,
                 count: object, dtype: object, on_complex: bool) -> _Resolved:  # fmt: skip
@@ -217,76 +212,8 @@ class Collectives(Observed):
         return (None if no_send else PTR_ARGS[sp], None if no_recv else PTR_ARGS[rp],
                 SIZE_ARGS[n], code)  # fmt: skip
 
-    def _slow(self, spec: CollSpec, sendbuf: object, recvbuf: object, op: object,
-              where: object, count: object, dtype: object, stream: StreamLike,
-              config: object = None) -> None:  # fmt: skip
-        """Every call the fast path does not take: checked in full. ``sendbuf``/``recvbuf``
-        (and ``config``) stay referenced by this frame until the C calls return (and by the
-        group, if one is open, until it ends)."""
-        self._live()
-        comm: Communicator = self  # type: ignore[assignment]  # the only subclass
-        plan, s, cfg = prepare(comm, spec, sendbuf, recvbuf, op, where, count, dtype, stream,
-                               config)  # fmt: skip
-        if type(sendbuf) is not int or type(recvbuf) is not int or config is not None:
-            _groups.keep_alive((sendbuf, recvbuf, config), comm, s)
-        self._run(plan, s, cfg, config)
-        if self._captures:  # a Graph capture under way: it keeps what it captured alive
-            self._note_capture(s, (sendbuf, recvbuf, config))
-
-    def _run(self, plan: list[tuple[int, tuple[object, ...]]], s: int, cfg: object = None,
-             config: object = None) -> None:  # fmt: skip
-        """Issue a checked plan (:func:`._args.prepare`): one call, or a grouped fallback's
-        calls inside one group."""
-        if len(plan) == 1:
-            self._issue(plan[0][0], plan[0][1], s, cfg, config)
-            return
-        with _groups.group():
-            for index, pre in plan:
-                self._issue(index, pre, s)
-
-    def _issue(self, index: int, pre: tuple[object, ...], s: int, cfg: object = None,
-               config: object = None) -> None:  # fmt: skip
-        """One checked C call of row ``index`` (its ``nccl*Config`` variant when ``cfg``,
-        the config struct's pointer, is given; ``config`` is the CollConfig recorded)."""
-        row = COLLECTIVES[index]
-        if cfg is None:
-            fn = self._fn[index]
-            if fn is None:
-                raise NotSupportedError(row.cfunc, row.since, self._lib.version)
-        else:  # outside the watchdog's slots: it is told below
-            fn = self._lib.raw(row.cfunc + "Config")
-        if _groups.OPEN:  # one of the group's communicators (see pynccl.groups)
-            _groups.in_progress_later(self)  # type: ignore[arg-type]
-
-        def issue(h: c_void_p) -> tuple[int, int]:
-            seq = self._seq + 1
-            self._seq = seq
-            gid = _GROUPS.s.gid if _OPEN else 0
-            args: tuple[object, ...] = (*pre, h, s) if cfg is None else (*pre, h, s, cfg)
-            self._ring[seq & _MASK] = ((index, args, gid) if cfg is None and gid else
-                                       (index, args) if cfg is None else
-                                       (index, args, gid, config))  # fmt: skip
-            return fn(*args), seq
-
-        rc, seq = self._under_gate(issue)
-        if rc:
-            self._failed(index, rc, cfg is not None)
-        elif cfg is not None and self._watch is not None:
-            self._watch.enqueued(seq, s)
-
     def _me(self) -> Communicator:
         return self  # type: ignore[return-value]  # the only subclass
-
-    def _failed(self, index: int, rc: int, config: bool = False) -> None:
-        if rc == _IN_PROGRESS:
-            if _groups.group_depth() > 0:
-                comm: Communicator = self  # type: ignore[assignment]  # the only subclass
-                _groups.in_progress_later(comm)
-            else:
-                self._mark_pending()
-            return
-        name = COLLECTIVES[index].cfunc
-        raise self._lib.make_error(rc, name + "Config" if config else name)
 
     # -- the collectives ---------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ from . import _recorder
 from ._args import RANK_ARGS_LIMIT, dtype_table, op_table, rank_args
 from ._collectives import Collectives
 from ._config import Config
-from ._core import Core
 from ._delegate import delegate, delegate_property
 from ._extras import Extras
 from ._introspect import Introspection
@@ -51,7 +50,7 @@ def _fast_n(size: int) -> int:
     return min(_FAST_N_MAX, _P63 // (16 * max(size, 1)))
 
 
-class Communicator(Collectives, Core):
+class Communicator(Collectives):
     """An NCCL communicator (``ncclComm_t``) with every collective and point-to-point call.
 
     ``Communicator(nranks, unique_id, rank, device=None, config=None, stream=None)``
@@ -142,7 +141,7 @@ class Communicator(Collectives, Core):
         self._regs: dict[int, Registration] = {}
         self._wins: dict[tuple[int, int, int], Window] = {}
         self._barrier_buf: list[DeviceBuffer] = []  # barrier()'s, once allocated
-        self._vcoll = VCollectives(self, self._barrier_buf)
+        self._vcoll = VCollectives(self, self._barrier_buf, self._custom_ops)
         self._windows = windows = Windows(self, self._wins)
         self._memory = Memory(self, self._regs)
         self._signals = Signals(self, windows, rma_limits(L.version, None))

@@ -1,9 +1,10 @@
 """Persistent operations (MPI-4's ``MPI_Allreduce_init``): ``comm.<method>_init(...)``.
 
-The arguments are checked once, by the collectives' one slow path (:func:`._args.prepare`,
-so the same mistakes raise the same errors), and the C call is prebuilt: every argument a
-ctypes object of its C parameter's type (``c_void_p`` pointers and handles, ``c_size_t``
-count, ``c_int`` type/op/root/peer, the config's pointer), passed to a second ctypes
+The arguments are checked once, by the collectives' checked path
+(:meth:`._checked.Checked._prepare`, so the same mistakes raise the same errors), and the C
+call is prebuilt: every argument a ctypes object of its C parameter's type (``c_void_p``
+pointers and handles, ``c_size_t`` count, ``c_int`` type/op/root/peer, the config's
+pointer), passed to a second ctypes
 function object of the row's C function that has *no* ``argtypes``, so ctypes converts
 nothing per call. The flight-record entry is prebuilt too (the tuple the slow path would
 store). A call takes the communicator's gate like every other call, checks that its
@@ -25,7 +26,6 @@ from .._capi._binding import PTR_ARGS, ptr_arg
 from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
-from ._args import prepare
 from ._handle import TERMINAL, State
 from ._recorder import RING_MASK as _MASK
 from ._spec import COLLECTIVES, CollSpec
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
 
 _OPEN = _groups.OPEN
-_GROUPS = _groups._local  # the thread's group state (groups.KEEP_ALIVE, inline below)
+_GROUPS = _groups.STATE  # the thread's group state (groups.keep_alive, inline below)
 
 
 def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
@@ -166,7 +166,7 @@ class PersistentOp(Closable):
             cfunc += "Config"
             rec += (self._cfg,)
             self._slot = (index, rec, 0, self._config)
-        self._fn = self._comm._lib.bare(cfunc)
+        self._fn = self._comm.library.bare(cfunc)
         self._args = _ctype_args(cfunc, rec)
         self._at = len(pre) + 1  # where the stream is in the arguments
         self._h = h
@@ -211,13 +211,13 @@ class PersistentOp(Closable):
         if rc:
             if rc == -1:
                 # Not ready (waits for a non-blocking communicator) or gone (raises why).
-                self._bind(comm._live())
+                self._bind(comm.live())
                 return self(stream)
             comm._failed(self._row, rc, self._cfg is not None)
         elif comm._watch is not None:
             comm._watch.enqueued(seq, s)
         if comm._captures and not rc:  # a Graph capturing it keeps what it uses alive
-            comm._note_capture(s, (self, self._keep, self._config))
+            comm.note_capture(s, (self, self._keep, self._config))
 
     def _general(self, stream: StreamLike) -> bool:
         """The checks a call needs beyond the plain prebuilt one (closed, a closed
@@ -234,7 +234,7 @@ class PersistentOp(Closable):
                 f"comm.{method}_init(...)",
             )
         for buf in self._devbufs:
-            if buf._arg is None:  # freed
+            if buf.closed:  # freed
                 raise ValueError(
                     f"a DeviceBuffer of this persistent {method} was closed ({buf!r}); its "
                     "memory is gone: make a new persistent operation"
@@ -247,14 +247,14 @@ class PersistentOp(Closable):
         if self._plain:
             return False
         s = self._stream if stream is None else as_stream(stream)
-        comm._live()
+        comm.live()
         self._streams.add(s)
         if self._custom is not None:
             comm._note_op_use(self._custom, s)
         _groups.keep_alive(self, comm, s)
         comm._run(self._plan, s, self._cfg, self._config)
         if comm._captures:  # a Graph capturing it keeps what it uses alive
-            comm._note_capture(s, (self, self._keep, self._config))
+            comm.note_capture(s, (self, self._keep, self._config))
         return True
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -283,18 +283,18 @@ class PersistentOp(Closable):
         if _groups.keep_alive(kept):
             return  # queued in the open group: issued at its end (which keeps them)
         comm = self._comm
-        if comm._state is State.INITIALIZING:
+        if comm.state is State.INITIALIZING:
             # A non-blocking call may not be on its stream yet: an event recorded now
             # could complete before it.
             try:
                 comm.wait_ready()
             except Exception:  # failed: its work will not run
                 return
-        if comm._state in TERMINAL:
+        if comm.state in TERMINAL:
             return  # destroyed (its work finished) or aborted (its work stopped)
         from ..cuda._stream import keep_until_done
 
-        keep_until_done(kept, streams, comm._device)
+        keep_until_done(kept, streams, comm.watch_device())
 
     @property
     def method(self) -> str:
@@ -331,8 +331,8 @@ def persistent(
     config: object,
 ) -> PersistentOp:
     """``comm.<spec.method>_init(...)``: check the call once and prebuild it."""
-    comm._live()
-    plan, s, cfg = prepare(comm, spec, sendbuf, recvbuf, op, where, count, dtype, stream, config)
+    comm.live()
+    plan, s, cfg = comm._prepare(spec, sendbuf, recvbuf, op, where, count, dtype, stream, config)
     # The object owning the stream it issues on: the one given, or the communicator's
     # default stream's (which a later ``comm.stream = ...`` would otherwise drop).
     owner = comm._stream_ref if stream is None else None if type(stream) is int else stream

@@ -25,7 +25,7 @@ __all__ = ["VCollectives"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Container, Sequence
     from typing import Any
 
     from ..cuda import DeviceBuffer
@@ -40,12 +40,16 @@ class VCollectives:
     """all_gather_v, reduce_scatter_v, all_to_all_v and barrier: a part of
     :class:`~pynccl.Communicator`, over its core's public surface and its collectives."""
 
-    __slots__ = ("barrier_buf", "core")
+    __slots__ = ("barrier_buf", "core", "custom_ops")
 
-    def __init__(self, core: Communicator, barrier_buf: list[DeviceBuffer]) -> None:
+    def __init__(
+        self, core: Communicator, barrier_buf: list[DeviceBuffer], custom_ops: Container[int]
+    ) -> None:
         self.core = core
         #: The barrier's buffer once allocated (the communicator's ``_barrier_buf``).
         self.barrier_buf = barrier_buf
+        #: The ops ``create_premul_sum`` made (the communicator's ``_custom_ops``).
+        self.custom_ops = custom_ops
         core.on_retire(self._free_barrier)
 
     # -- argument rules, shared by the three v-collectives ----------------------------------
@@ -239,7 +243,7 @@ class VCollectives:
         reach, what = self._v_reach(counts, displs, "")
         send = self._v_buffer(sendbuf, "sendbuf", False, dtype, reach, what, s)
         self._v_same_type(send, recv)
-        resolve_op(op, self.core, (sendbuf, recvbuf))
+        resolve_op(op, self.core.library.version, self.custom_ops, (sendbuf, recvbuf))
         dt, lanes = recv[1], recv[2]
         size = dt.itemsize * lanes
         blocks = [(j, send[0] + displs[j] * size, counts[j] * lanes) for j in range(self.core.size)]
