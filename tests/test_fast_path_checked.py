@@ -1,11 +1,11 @@
-"""The generated methods' inline paths against the one slow path they stand in for.
+"""The fast path against the checked path it stands in for.
 
-A ``__cuda_array_interface__`` type whose handler is cached has its common case read
-inline (``_adapt._cai.common_case``); everything else goes to the type's handler. Each
-case here is called twice on a new type: first through the slow path (the type is not
-cached yet), then through the inline path; both must give the same result (checked
-against numpy) or the same exception and message. Also the shared pointer arguments
-(``PTR_ARGS``), whose hits stand for a passed range check.
+A ``__cuda_array_interface__`` type whose handler is cached has its common case read by
+value on the fast path (the handler of ``_adapt._cai._make_cai_handler``); everything else
+goes to the checked path. Each case here is called twice on a new type: first through the
+checked path (the type is not cached yet), then through the fast path; both must give the
+same result (checked against numpy) or the same exception and message. Also the shared
+pointer arguments (``PTR_ARGS``), whose hits stand for a passed range check.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("lb")
 
 
 @pytest.mark.parametrize("name, send_change, recv_change", CASES, ids=[c[0] for c in CASES])
-def test_the_inline_cai_path_matches_the_slow_path(
+def test_the_fast_cai_path_matches_the_checked_path(
     name: str, send_change: dict[str, Any], recv_change: dict[str, Any]
 ) -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
@@ -57,7 +57,7 @@ def test_the_inline_cai_path_matches_the_slow_path(
         comm.destroy()
 
 
-def test_inline_cai_path_reads_the_device_the_array_reports() -> None:
+def test_the_fast_cai_path_reads_the_device_the_array_reports() -> None:
     comm = Communicator(1, UniqueId(), 0, device=0)
     buf = DeviceBuffer(N, F32)
 
