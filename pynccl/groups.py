@@ -205,6 +205,11 @@ def _ended(st: _GroupState, depth: int, rc: int, function: str, launched: bool =
     the streams it used (nothing ran if not ``launched``: let it go) and release what
     earlier groups kept whose streams have passed; then raise for an error."""
     if depth == 0:
+        # Earlier groups first: this group's own events, recorded below, have hardly
+        # begun (asking for them now would be one more query per end, nearly always
+        # answered "not yet"); a later end or release_done() asks.
+        if st.held or _ORPHANS:
+            release_done()
         keep, comms = st.keep, st.comms
         if rc == _IN_PROGRESS:  # a non-blocking simulated end launches too (NCCL's thread)
             waiting = _members(comms, keep)
@@ -221,8 +226,6 @@ def _ended(st: _GroupState, depth: int, rc: int, function: str, launched: bool =
                     keep.clear()
             if comms:
                 comms.clear()
-        if st.held or _ORPHANS:
-            release_done()
     if not rc:
         return _SUCCESS
     return _fail(rc, function)  # type: ignore[no-any-return]

@@ -25,7 +25,6 @@ from ..cuda import DeviceBuffer
 from ..cuda._graph import capturing_graphs
 from ._collconfig import CollConfig
 from ._persistent import PersistentOp
-from ._sync import exchange_mode
 from ._window import Window
 
 __all__ = ["Held", "hold", "needs_order", "release"]
@@ -48,6 +47,39 @@ _POOL: dict[int, list[int]] = {}
 _FOREVER: list[object] = []
 #: Types whose objects can go once NCCL has launched the work (see needs_order).
 _SAFE: set[type] = {type(None), int, str, CollConfig, Window}
+
+
+class _Runtime:
+    """The libcudart functions a hold and a release call, bound once per library (a group
+    end makes five or six of these calls: looking each up by name costs as much again)."""
+
+    __slots__ = (
+        "create", "exchange", "get_device", "is_capturing", "last_error", "lib", "query",
+        "record", "set_device",
+    )  # fmt: skip
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        raw = lib.raw
+        self.get_device, self.is_capturing = raw("cudaGetDevice"), raw("cudaStreamIsCapturing")
+        self.record, self.query = raw("cudaEventRecord"), raw("cudaEventQuery")
+        self.last_error = raw("cudaGetLastError")
+        self.set_device, self.create = lib.cudaSetDevice, lib.cudaEventCreateWithFlags
+        # None where libcudart lacks the switch (then see release).
+        has = lib.has("cudaThreadExchangeStreamCaptureMode")
+        self.exchange = raw("cudaThreadExchangeStreamCaptureMode") if has else None
+
+
+_RT: _Runtime | None = None
+
+
+def _runtime() -> _Runtime:
+    global _RT
+    lib = _library.cudart()
+    rt = _RT
+    if rt is None or rt.lib is not lib:  # first use, or the process's libcudart replaced
+        rt = _RT = _Runtime(lib)
+    return rt
 
 
 class Held:
@@ -74,33 +106,39 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
     ``keep`` was taken (else the caller may let it go now). Once NCCL has launched, only
     objects whose memory a free could hand out while the work runs need that (see
     :func:`needs_order`); while a non-blocking group is in progress (``waiting``) nothing
-    is on the streams yet, so everything waits."""
-    if not waiting:
-        # The common case first, inlined: every object is of pynccl's own safe kinds.
-        safe = _SAFE
-        for entry in keep:
-            if entry[1] is not None:  # generated calls leave it out where nothing needs it
-                for obj in entry[2:]:
-                    kind = type(obj)
-                    if kind is DeviceBuffer:
-                        if obj._nccl:
-                            break
-                    elif kind not in safe and (kind is not PersistentOp or needs_order((obj,))):
-                        break
-                else:
-                    continue
-                break  # this entry needs order
-        else:
-            return False
-    streams: dict[tuple[int, int], Any] = {}
+    is on the streams yet, so everything waits. One pass over the entries: per object
+    only a type test, per entry that needs order one dict entry per distinct stream."""
+    streams: dict[tuple[int, int], Any] | None = None
+    safe = _SAFE
     for entry in keep:
         comm, stream = entry[0], entry[1]
-        if comm is not None and stream is not None and (waiting or needs_order(entry[2:])):
-            handle = stream if type(stream) is int else (stream.value or 0)
-            device = comm.watch_device()  # known, or asked without the gate
-            streams.setdefault((-1 if device is None else device, handle), comm)
-    if not streams and not waiting:
-        return False  # nothing stream-ordered to wait for
+        if comm is None or stream is None:  # nothing issued on a stream, or nothing to keep
+            continue
+        if not waiting:
+            for obj in entry[2:]:  # needs_order, inline: the common kinds by type alone
+                kind = type(obj)
+                if kind in safe:
+                    continue
+                if kind is DeviceBuffer:
+                    if obj._nccl:
+                        break
+                    continue
+                if kind is PersistentOp and not needs_order((obj,)):
+                    continue
+                break  # this entry needs order
+            else:
+                continue
+        handle = stream if type(stream) is int else (stream.value or 0)
+        device = comm.watch_device()  # known, or asked without the gate
+        key = (-1 if device is None else device, handle)
+        if streams is None:
+            streams = {key: comm}
+        elif key not in streams:
+            streams[key] = comm
+    if streams is None:
+        if not waiting:
+            return False  # nothing stream-ordered to wait for
+        streams = {}
     item = Held(keep, [(*key, comm) for key, comm in streams.items()], waiting)
     if waiting or _record(item):
         held.append(item)
@@ -125,54 +163,56 @@ def needs_order(objs: tuple[Any, ...]) -> bool:
 
 def _record(item: Held) -> bool:
     """Record an event on each stream of ``item``; False when there is nothing to wait
-    for. Work captured into a CUDA graph runs when the graph is launched, any number of
-    times: the capturing :class:`pynccl.cuda.Graph` keeps the objects until it is closed
-    (a capture pynccl did not begin: kept for good). A stream's device is made current
-    where that matters: for the per-device default streams (0, 1, 2), and to make an
-    event there."""
-    rt = _library.cudart()
+    for. Events come from a per-device pool and go back to it only once completed (see
+    :func:`_release`), so a reused event never stands for work it was recorded after
+    before. Work captured into a CUDA graph runs when the graph is launched, any number
+    of times: the capturing :class:`pynccl.cuda.Graph` keeps the objects until it is
+    closed (a capture pynccl did not begin: kept for good). A stream's device is made
+    current where that matters: for the per-device default streams (0, 1, 2), and to
+    make an event there."""
+    rt = _runtime()
     current = now = -2  # not asked yet
-    forever, status, out = False, c_int(0), c_void_p()
-    record, is_capturing = rt.raw("cudaEventRecord"), rt.raw("cudaStreamIsCapturing")
+    forever, status = False, c_int(0)
     try:
         for device, handle, comm in item.streams:
-            free = _POOL.setdefault(device, [])
+            free = _POOL.get(device)
             try:  # another thread may take the last one first: then make one
-                event = free.pop()
+                event = free.pop() if free else 0
             except IndexError:
                 event = 0
             if device >= 0 and device != now and (handle <= 2 or not event):
                 if current == -2:
-                    value = c_int(-1)
-                    rt.raw("cudaGetDevice")(byref(value))
-                    current = now = value.value
+                    status.value = -1
+                    rt.get_device(byref(status))
+                    current = now = status.value
                 if device != now:
-                    rt.cudaSetDevice(device)
+                    rt.set_device(device)
                     now = device
             # 906 (the legacy stream while a blocking stream of the device captures):
             # the work went into that capture too.
-            rc = is_capturing(handle, byref(status))
+            rc = rt.is_capturing(handle, byref(status))
             if rc or status.value:
                 if rc:
-                    rt.raw("cudaGetLastError")()
+                    rt.last_error()
                 if event:
-                    free.append(event)
+                    _POOL.setdefault(device, []).append(event)
                 graphs = capturing_graphs(handle)
                 for graph in graphs:
                     graph._captured(comm, (item.objs,))
                 forever = forever or not graphs
                 continue
             if not event:
-                rt.cudaEventCreateWithFlags(byref(out), _EVENT_DISABLE_TIMING)
+                out = c_void_p()
+                rt.create(byref(out), _EVENT_DISABLE_TIMING)
                 event = out.value or 0
-            if record(event, handle):  # a stream gone or broken: nothing left to wait for
-                rt.raw("cudaGetLastError")()
-                free.append(event)
+            if rt.record(event, handle):  # a stream gone or broken: nothing left to wait for
+                rt.last_error()
+                _POOL.setdefault(device, []).append(event)
             else:
                 item.events.append((device, event))
     finally:
         if now != current:
-            rt.cudaSetDevice(current)
+            rt.set_device(current)
     if forever:
         _FOREVER.append(item.objs)
     return bool(item.events)
@@ -182,24 +222,29 @@ def release(held: list[Held]) -> None:
     """One pass over ``held``, oldest first, in relaxed capture mode: a group that was in
     progress is recorded once ready; recorded ones are let go once their events have
     completed."""
-    rt = _library.cudart()
-    previous = exchange_mode(rt, _RELAXED)
-    if previous is None:
+    rt = _runtime()
+    exchange = rt.exchange
+    mode = c_int(_RELAXED)
+    if exchange is None or exchange(byref(mode)):
+        if exchange is not None:
+            rt.last_error()
         from ..cuda import _unsafe_calls_prohibited
 
         if _unsafe_calls_prohibited():
             return
+        _release(rt, held)
+        return
     try:
         _release(rt, held)
     finally:
-        if previous is not None and previous != _RELAXED:
-            exchange_mode(rt, previous)
+        if mode.value != _RELAXED:
+            exchange(byref(mode))
 
 
-def _release(rt: Any, held: list[Held]) -> None:
-    query = rt.raw("cudaEventQuery")
+def _release(rt: _Runtime, held: list[Held]) -> None:
+    query = rt.query
     done: list[Held] = []
-    for item in list(held):
+    for item in held:
         if item.waiting:
             # Ready (its wait_ready ran: the next call or synchronize) or torn down.
             if any(comm._state == "initializing" for comm in item.waiting):
@@ -207,24 +252,22 @@ def _release(rt: Any, held: list[Held]) -> None:
             item.waiting = []
             if not _record(item):
                 done.append(item)
-            continue
-        finished = True
+            continue  # just recorded: asked at a later pass
         for _, event in item.events:
             rc = query(event)
-            if rc == _NOT_READY or rc in _CAPTURE_ERRORS:
-                finished = False
-            if rc and rc != _NOT_READY:  # an error leaves nothing of that stream to run
-                rt.raw("cudaGetLastError")()
-            if not finished:
-                break
-        if not finished:
-            break  # the thread's later groups are behind this one on its streams
-        done.append(item)
+            if rc:
+                if rc == _NOT_READY or rc in _CAPTURE_ERRORS:
+                    if rc != _NOT_READY:
+                        rt.last_error()
+                    break
+                rt.last_error()  # an error leaves nothing of that stream to run
+        else:
+            done.append(item)
+            continue
+        break  # the thread's later groups are behind this one on its streams
     for item in done:
         held.remove(item)
         for device, event in item.events:
             _POOL.setdefault(device, []).append(event)
         item.events = []
         item.objs = None  # the last reference: a buffer's memory may go now
-
-
