@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import math
 import struct
+import sys
 from ctypes import c_char_p, c_int64, c_void_p
 
 from .._limits import check_extent, check_pointer, index_int
@@ -41,8 +42,16 @@ _DL_CUDA_MANAGED = 13
 _DL_TENSOR = struct.Struct("PiiiBBHPPQ")
 _DL_VERSIONED = struct.Struct("IIPPQ" + "PiiiBBHPPQ")
 
+# The process's address space as one read-only buffer, for unpack_from(_MEMORY, address):
+# about half the cost of ctypes.string_at or a from_address array per read, and it reads
+# only the bytes asked for, as they do. Like them it trusts the address: every read below
+# comes after the checks that make it safe (a capsule's own pointer, or a shape pointer
+# checked non-NULL and aligned). An address past sys.maxsize - size raises struct.error.
+_MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).toreadonly()
+
 _FLAG_READ_ONLY = 1 << 0
 _FLAG_IS_COPIED = 1 << 1
+_REFUSED_IF_WRITTEN = _FLAG_IS_COPIED | _FLAG_READ_ONLY
 _DLPACK_MAX_VERSION = (1, 1)
 
 # Private prototypes: setting argtypes on ctypes.pythonapi's shared function
@@ -280,11 +289,30 @@ def _dlpack_stream(stream: int | None) -> int | None:
     return 1 if stream == 0 else stream
 
 
+# The fast reading's layouts: the same structs, with the fields it does not look at skipped
+# ('x': minor version, manager_ctx, deleter) and DLDataType read as one uint32 word.
+_FAST_VERSIONED = struct.Struct("I20xQ" + "PiiiIPPQ")
+_FAST_TENSOR = struct.Struct("PiiiIPPQ")
+_read_versioned = _FAST_VERSIONED.unpack_from
+_read_tensor = _FAST_TENSOR.unpack_from
+_read_int64 = struct.Struct("q").unpack_from
+# DLDataType word of one lane (packed natively, so any byte order) -> (NCCL type, bytes per
+# element): the real types of _DL_TYPES; complex and vector types take the full reading.
+_FAST_TYPES: dict[int, tuple[DataType, int]] = {
+    struct.unpack("I", struct.pack("BBH", code, bits, 1))[0]: (dt, bits >> 3)
+    for (code, bits), dt in _DL_TYPES.items()
+}
+_VERSIONED_NAME = b"dltensor_versioned"
+
+
 def _make_dlpack_handler(cls: type) -> BufferHandler:
     # How this type's __dlpack__ is called; found on first use. Older producers
     # take no max_version= (pre-2023 array API), some not even stream=.
     style = [0]
     has_device = hasattr(cls, "__dlpack_device__")
+    # The capsule name of this type's first export read in full without error (None until
+    # then): from then on, `handler` takes its fast reading.
+    learnt: list[bytes | None] = [None]
 
     def export(obj: Any, stream: int | None) -> Any:
         s = _dlpack_stream(stream)
@@ -311,12 +339,92 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
         # None fits: call again as the array API asks, to raise the producer's own error.
         return obj.__dlpack__(stream=s, max_version=_DLPACK_MAX_VERSION)
 
-    def handler(
+    def full(
         obj: Any, count: Any, dtype: Any, name: str, writable: bool, stream: int | None
     ) -> BufferInfo:
         if has_device:
             # Ask first: a CPU producer may refuse stream= before we could say why.
             _check_dl_device(_dlpack_device(obj, name)[0], name)
-        return _read_capsule(export(obj, stream), count, dtype, name, writable)
+        capsule = export(obj, stream)
+        info = _read_capsule(capsule, count, dtype, name, writable)
+        if learnt[0] is None:
+            label = _capsule_name(capsule)
+            learnt[0] = _VERSIONED_NAME if label == _VERSIONED_NAME else label
+        return info
+
+    def handler(
+        obj: Any, count: Any, dtype: Any, name: str, writable: bool, stream: int | None
+    ) -> BufferInfo:
+        """The common case read straight: once the type's first export has passed the full
+        reading, a CUDA device from ``__dlpack_device__`` (two ints), an export that does not
+        fail, whose capsule has the name learnt then and holds a DLPack 1.x (or legacy) 1-D
+        CUDA tensor of a real NCCL type, contiguous (strides NULL or 1), from a non-NULL
+        address whose range ends below 2**64, not a copy, not read-only if written.
+        Anything else gets the full reading, which says what is wrong."""
+        label = learnt[0]
+        if label is None or count is not None or dtype is not None:
+            return full(obj, count, dtype, name, writable, stream)
+        capsule = None
+        try:
+            # The device is asked before every export, as the array API asks of consumers:
+            # the stream given to a producer is a CUDA one, and a CPU producer must get
+            # none (the full reading then says where the array lives, before any export).
+            go = True
+            if has_device:
+                kind, index = obj.__dlpack_device__()
+                go = kind == _DL_CUDA and type(kind) is int and type(index) is int
+            if go:
+                s = 1 if stream == 0 else stream  # see _dlpack_stream
+                st = style[0]
+                capsule = (
+                    obj.__dlpack__(stream=s, max_version=_DLPACK_MAX_VERSION)
+                    if st == 0
+                    else obj.__dlpack__(stream=s)
+                    if st == 1
+                    else obj.__dlpack__()
+                )
+        except Exception:
+            capsule = None  # the full reading asks again and raises the producer's error
+        if capsule is None:
+            return full(obj, count, dtype, name, writable, stream)
+        try:
+            # Raises ValueError for a non-capsule or another name (a consumed capsule):
+            # the full reading names them. Checks nothing else and renames nothing.
+            p = _capsule_pointer(capsule, label)
+            if label is _VERSIONED_NAME:  # so kept by `full`
+                (major, flags, data, kind, device, ndim, word, shape_p, strides_p,
+                 offset) = _read_versioned(_MEMORY, p)  # fmt: skip
+                # never a copy; a read-only array only where nothing is written
+                refused = _REFUSED_IF_WRITTEN if writable else _FLAG_IS_COPIED
+                fine = major == 1 and not flags & refused
+            else:
+                data, kind, device, ndim, word, shape_p, strides_p, offset = _read_tensor(
+                    _MEMORY, p
+                )
+                fine = True
+            known = _FAST_TYPES.get(word)
+            # Checked before the shape (and strides) are read: one aligned int64 each.
+            if (
+                fine
+                and known is not None
+                and kind == _DL_CUDA
+                and ndim == 1
+                and device >= 0
+                and data
+                and shape_p
+                and not shape_p & 7
+                and not strides_p & 7
+            ):
+                n = _read_int64(_MEMORY, shape_p)[0]
+                ptr = data + offset
+                if (
+                    n >= 0
+                    and ptr + n * known[1] < 1 << 64
+                    and (not strides_p or n <= 1 or _read_int64(_MEMORY, strides_p)[0] == 1)
+                ):
+                    return ptr, n, known[0], device
+        except (ValueError, struct.error):  # an address past sys.maxsize: the full reading
+            pass
+        return _read_capsule(capsule, count, dtype, name, writable)
 
     return handler
