@@ -113,7 +113,17 @@ CASES: dict[str, tuple[Callable[[type], Any], bool]] = {
     "copy": (lambda c: c(np.zeros(4, np.float32), flags=P.FLAG_IS_COPIED), False),
     "DLPack 2.0": (lambda c: c(np.zeros(4, np.float32), version=(2, 0)), False),
     "complex64": (lambda c: c(np.zeros(4, np.complex64)), False),
-    "2-D": (lambda c: c(np.zeros((3, 4), np.float32)), False),
+    "2-D": (lambda c: c(np.zeros((3, 4), np.float32)), True),
+    "3-D, C strides given": (lambda c: c(np.zeros((2, 3, 4), np.float32), strides="always"), True),
+    "3-D, extent 1 odd stride": (
+        lambda c: c(np.zeros((3, 1, 4), np.float32), strides=(4, 77, 1)),
+        True,
+    ),
+    "2-D, zero extent": (lambda c: c(np.zeros((0, 4), np.float32), strides=(9, 9)), True),
+    "8-D": (lambda c: c(np.zeros((1, 2, 1, 2, 1, 2, 1, 2), np.float32)), True),
+    "9-D": (lambda c: c(np.zeros((1, 2, 1, 2, 1, 2, 1, 2, 1), np.float32)), False),
+    "transposed": (lambda c: c(np.zeros((3, 4), np.float32).T), False),
+    "2-D, inner stride 2": (lambda c: c(np.zeros((3, 8), np.float32)[:, ::2]), False),
     "0-D": (lambda c: c(np.zeros((), np.float32)), False),
     "strided": (lambda c: c(np.zeros(8, np.float32)[::2]), False),
     "NULL data": (lambda c: c(np.zeros(3, np.float32), null_data=True), False),
@@ -124,7 +134,7 @@ CASES: dict[str, tuple[Callable[[type], Any], bool]] = {
     "legacy capsule": (lambda c: c(np.zeros(4, np.float32), versioned=False), False),
     "two lanes": (lambda c: c(np.zeros(4, np.float32), dl_dtype=(P.kDLFloat, 32, 2)), False),
     "bool": (lambda c: c(np.zeros(4, np.bool_), dl_dtype=(P.kDLBool, 8, 1)), False),
-    "IntEnum device": (lambda c: c(np.zeros(4, np.float32), device=(IntDev.CUDA, 0)), False),
+    "IntEnum device": (lambda c: c(np.zeros(4, np.float32), device=(IntDev.CUDA, 0)), True),
 }
 
 
@@ -143,6 +153,9 @@ def _tamper(**fields: Any) -> Callable[[type], Any]:
             if key == "shape_off":  # shift the shape pointer: misaligned
                 addr_ = ctypes.cast(t.shape, ctypes.c_void_p).value or 0
                 t.shape = ctypes.cast(addr_ + value, ctypes.POINTER(ctypes.c_int64))
+            elif key == "strides_off":
+                addr_ = ctypes.cast(t.strides, ctypes.c_void_p).value or 0
+                t.strides = ctypes.cast(addr_ + value, ctypes.POINTER(ctypes.c_int64))
             elif key == "device_id":
                 t.device.device_id = value
             elif key == "device_type":  # the capsule disagrees with __dlpack_device__
@@ -152,7 +165,7 @@ def _tamper(**fields: Any) -> Callable[[type], Any]:
             else:
                 setattr(t, key, value)
 
-    return lambda c: c(np.zeros(4, np.float32), tamper=set_fields)
+    return lambda c: c(np.zeros(4, np.float32), strides="always", tamper=set_fields)
 
 
 TAMPERED: dict[str, Callable[[type], Any]] = {
@@ -160,7 +173,18 @@ TAMPERED: dict[str, Callable[[type], Any]] = {
     "capsule says managed": _tamper(device_type=P.kDLCUDAManaged),
     "capsule says CPU": _tamper(device_type=P.kDLCPU),
     "negative extent": _tamper(extent=-4),
+    "2-D, negative extent": lambda c: c(
+        np.zeros((2, 2), np.float32), tamper=lambda t: t.shape.__setitem__(1, -2)
+    ),
+    "2-D, two negative extents": lambda c: c(
+        np.zeros((2, 2), np.float32),
+        tamper=lambda t: (t.shape.__setitem__(0, -2), t.shape.__setitem__(1, -2)),
+    ),
+    "2-D, extents overflow": lambda c: c(
+        np.zeros((2, 2), np.float32), tamper=lambda t: t.shape.__setitem__(1, 1 << 62)
+    ),
     "misaligned shape": _tamper(shape_off=4),
+    "misaligned strides": _tamper(strides_off=4),
     "NULL shape": _tamper(shape=None),
     "ends at 2**64": _tamper(data=(1 << 64) - 16),  # accepted by both: 4 x 4 bytes
     "passes 2**64": _tamper(data=(1 << 64) - 8),

@@ -296,6 +296,10 @@ _FAST_TENSOR = struct.Struct("PiiiIPPQ")
 _read_versioned = _FAST_VERSIONED.unpack_from
 _read_tensor = _FAST_TENSOR.unpack_from
 _read_int64 = struct.Struct("q").unpack_from
+# Shapes (and strides) of 2 to _FAST_NDIM dimensions, each read in one go; more take the
+# full reading.
+_FAST_NDIM = 8
+_READ_DIMS = [struct.Struct(f"{k}q").unpack_from for k in range(_FAST_NDIM + 1)]
 # DLDataType word of one lane (packed natively, so any byte order) -> (NCCL type, bytes per
 # element): the real types of _DL_TYPES; complex and vector types take the full reading.
 _FAST_TYPES: dict[int, tuple[DataType, int]] = {
@@ -357,8 +361,8 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
     ) -> BufferInfo:
         """The common case read straight: once the type's first export has passed the full
         reading, a CUDA device from ``__dlpack_device__`` (two ints), an export that does not
-        fail, whose capsule has the name learnt then and holds a DLPack 1.x (or legacy) 1-D
-        CUDA tensor of a real NCCL type, contiguous (strides NULL or 1), from a non-NULL
+        fail, whose capsule has the name learnt then and holds a DLPack 1.x (or legacy) CUDA
+        tensor of 1 to 8 dimensions of a real NCCL type, C-contiguous, from a non-NULL
         address whose range ends below 2**64, not a copy, not read-only if written.
         Anything else gets the full reading, which says what is wrong."""
         label = learnt[0]
@@ -372,7 +376,8 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
             go = True
             if has_device:
                 kind, index = obj.__dlpack_device__()
-                go = kind == _DL_CUDA and type(kind) is int and type(index) is int
+                # an int or an IntEnum (torch's), as the full reading takes them
+                go = kind == _DL_CUDA and isinstance(kind, int) and type(index) is int
             if go:
                 s = 1 if stream == 0 else stream  # see _dlpack_stream
                 st = style[0]
@@ -403,25 +408,32 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
                 )
                 fine = True
             known = _FAST_TYPES.get(word)
-            # Checked before the shape (and strides) are read: one aligned int64 each.
+            # Checked before the shape (and strides) are read: ndim aligned int64s each.
             if (
                 fine
                 and known is not None
                 and kind == _DL_CUDA
-                and ndim == 1
+                and 0 < ndim <= _FAST_NDIM
                 and device >= 0
                 and data
                 and shape_p
                 and not shape_p & 7
                 and not strides_p & 7
             ):
-                n = _read_int64(_MEMORY, shape_p)[0]
+                if ndim == 1:
+                    n = _read_int64(_MEMORY, shape_p)[0]
+                    dense = not strides_p or n <= 1 or _read_int64(_MEMORY, strides_p)[0] == 1
+                else:
+                    read = _READ_DIMS[ndim]
+                    shape = read(_MEMORY, shape_p)
+                    n = math.prod(shape) if min(shape) >= 0 else -1
+                    dense = (
+                        not strides_p
+                        or n <= 0
+                        or _is_c_contiguous(shape, read(_MEMORY, strides_p), 1)
+                    )
                 ptr = data + offset
-                if (
-                    n >= 0
-                    and ptr + n * known[1] < 1 << 64
-                    and (not strides_p or n <= 1 or _read_int64(_MEMORY, strides_p)[0] == 1)
-                ):
+                if n >= 0 and dense and ptr + n * known[1] < 1 << 64:
                     return ptr, n, known[0], device
         except (ValueError, struct.error):  # an address past sys.maxsize: the full reading
             pass
