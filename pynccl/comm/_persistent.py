@@ -85,7 +85,7 @@ class PersistentOp(Closable):
     __slots__ = (
         "__weakref__",
         "_args",
-        "_at",
+        "_around",
         "_cfg",
         "_checks",
         "_comm",
@@ -144,7 +144,7 @@ class PersistentOp(Closable):
         self._h: c_void_p | None = None
         self._fn: Any = None
         self._args: tuple[object, ...] = ()
-        self._at = 0
+        self._around: tuple[tuple[object, ...], tuple[object, ...]] = ((), ())
         self._slot: tuple[object, ...] = ()
         # One native call: prebuilt; a grouped fallback replays its plan.
         self._plain = len(plan) == 1
@@ -167,8 +167,9 @@ class PersistentOp(Closable):
             rec += (self._cfg,)
             self._slot = (index, rec, 0, self._config)
         self._fn = self._comm.library.bare(cfunc)
-        self._args = _ctype_args(cfunc, rec)
-        self._at = len(pre) + 1  # where the stream is in the arguments
+        self._args = args = _ctype_args(cfunc, rec)
+        at = len(pre) + 1  # where the stream is in the arguments
+        self._around = args[:at], args[at + 1 :]
         self._h = h
 
     # -- the call ---------------------------------------------------------------------------
@@ -184,9 +185,9 @@ class PersistentOp(Closable):
             s = stream if type(stream) is int else as_stream(stream)
             if s not in self._streams:
                 self._streams.add(s)  # close() waits for it too
-            args = (*self._args[: self._at], PTR_ARGS.get(s) or ptr_arg(s),
-                    *self._args[self._at + 1 :])  # fmt: skip
-            slot = (self._slot[0], args, *self._slot[2:])
+            head, tail = self._around
+            args = head + (PTR_ARGS.get(s) or ptr_arg(s),) + tail
+            slot = (self._row, args) if self._cfg is None else (self._row, args, 0, self._config)
         comm = self._comm
         gate = comm._gate
         try:
