@@ -158,7 +158,7 @@ def keep_alive(objs: object, comm: GroupMember | None = None, stream: object = N
 
 def kept_objects() -> list[object]:
     """The objects the calling thread's open group keeps alive so far (what
-    :func:`keep_alive` and the generated calls kept), in order."""
+    :func:`keep_alive` and the fast path kept), in order."""
     return [obj for entry in _local.s.keep for obj in entry[2:]]
 
 

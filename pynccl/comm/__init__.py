@@ -49,7 +49,7 @@ _LAZY = {
     "CommProperties": "_properties",
     "Params": "_params",
     "params": "_params",
-    "PersistentOp": "_persistent",  # imported with the first generated method
+    "PersistentOp": "_persistent",  # imported with the first persistent operation
 }
 
 

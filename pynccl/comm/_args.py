@@ -173,8 +173,8 @@ def resolve_op(
 
 # -- ranks --------------------------------------------------------------------------------
 
-#: Ranks below this have a shared c_int (:func:`rank_args`); the inline paths send a
-#: root/peer at or above it to the slow path.
+#: Ranks below this have a shared c_int (:func:`rank_args`); the fast path sends a
+#: root/peer at or above it to the checked path.
 RANK_ARGS_LIMIT = 1 << 15
 _RANK_ARGS: list[c_int] = []
 

@@ -6,7 +6,7 @@ which holds the one teardown).
   the handle in state READY and None in every other state, so the hot path tests one
   attribute.
   ``_h`` is the handle as a ``c_void_p``, made once when the handle is adopted: what the
-  generated calls pass to functions without argtypes, and what functions with argtypes
+  fast path passes to functions without argtypes, and what functions with argtypes
   take as readily as an int (``_handle`` is the int).
 * The *gate* is held around every C call that passes the handle, and by the teardown
   while it retires the handle: a communicator destroyed or aborted by another thread
@@ -61,7 +61,7 @@ _GATE_POLL_MAX = 0.001
 
 class _Queued:
     """The gate while threads queue for it (see the module doc): ``pop()`` finds no token
-    (the generated calls' ``except IndexError`` then queues them), ``append()`` gives the
+    (the fast path's ``except IndexError`` then queues them), ``append()`` gives the
     token back to the list and wakes the queue's head, which takes it."""
 
     __slots__ = ("_lock", "_queue", "_tokens")
@@ -261,7 +261,7 @@ class CommHandle:
     _live = live
     def under_gate(self, fn: Callable[[Any], Any], *, ready: bool = True) -> Any:
         """``fn(handle)`` under the gate, returning what it returns: the one way a call
-        outside the generated hot path gets the handle (read under the gate, so a teardown
+        outside the fast path gets the handle (read under the gate, so a teardown
         on another thread never hands a freed one to C). With ``ready=False`` the raw
         handle is used in any non-terminal state (async-error queries during init)."""
         gate = self._gate

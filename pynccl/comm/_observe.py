@@ -53,11 +53,11 @@ class Observed(CommHandle):
     _ring: list[object]
     _seq: int
     _stream: int
-    _cstream: c_void_p  # _stream as the generated calls pass it
+    _cstream: c_void_p  # _stream as the fast path passes it
     #: The Graphs that captured calls of this communicator (a WeakSet, from the first one).
     _graphs: weakref.WeakSet[Graph] | None
     #: The CUDA-graph captures under way (pynccl.cuda.Graph's registry, bound by the
-    #: first communicator made): the slow path tells the graph what it captured.
+    #: first communicator made): the checked path tells the graph what it captured.
     _captures: dict[int, object] = {}
 
     if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class Observed(CommHandle):
         """Each row's call slots for what is watched now: the watchdog's wrappers, which
         record a completion event (the hot path never tests for a watchdog), or the bare
         functions. While a CUDA-graph capture begun by :class:`pynccl.cuda.Graph` is under
-        way, the inline paths' slots (``_bfn``) are empty, so every call takes the slow
+        way, the fast path's slots (``_bfn``) are empty, so every call takes the checked
         path, which tells the graph what it captured (:meth:`note_capture`)."""
         watch = self._watch
         if watch is None:
@@ -285,7 +285,7 @@ def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
     def call(*args: object) -> int:
         rc = int(fn(*args))
         if rc == 0 or rc == _IN_PROGRESS:
-            stream = args[-1]  # an int (the slow path), or the generated calls' c_void_p
+            stream = args[-1]  # an int (the checked path), or the fast path's c_void_p
             if type(stream) is c_void_p:
                 stream = stream.value or 0
             watch.enqueued(comm._seq, stream)  # type: ignore[arg-type]

@@ -6,13 +6,13 @@ call is prebuilt: every argument a ctypes object of its C parameter's type (``c_
 pointers and handles, ``c_size_t`` count, ``c_int`` type/op/root/peer, the config's
 pointer), passed to a second ctypes
 function object of the row's C function that has *no* ``argtypes``, so ctypes converts
-nothing per call. The flight-record entry is prebuilt too (the tuple the slow path would
+nothing per call. The flight-record entry is prebuilt too (the tuple the checked path would
 store). A call takes the communicator's gate like every other call, checks that its
 handle is still the one the arguments carry (None: destroyed, aborted, suspended,
 revoked, closing), records, calls and checks the result.
 
 Anything unusual — a ``stream=`` override, a grouped fallback plan (below NCCL 2.28),
-a communicator that is not ready — takes the slow path's issue (:meth:`Communicator._run`)
+a communicator that is not ready — takes the checked path's issue (:meth:`Communicator._run`)
 with the checked plan: the same record, the same errors.
 """
 
@@ -44,7 +44,7 @@ _GROUPS = _groups.STATE  # the thread's group state (groups.keep_alive, inline b
 
 
 def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
-    """``values`` (the slow path's C arguments) as ctypes objects of the C parameter types."""
+    """``values`` (the checked path's C arguments) as ctypes objects of the C parameter types."""
     from .._capi.nccl import PROTOTYPES  # loaded with the library, not with the object API
 
     out: list[object] = []
@@ -56,7 +56,7 @@ def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
             out.append(ctype(value.value if isinstance(value, (c_int, c_size_t)) else value))
         elif ctype is c_void_p or getattr(ctype, "_type_", None) == "P":
             out.append(c_void_p(value))  # pointers, ncclComm_t, cudaStream_t
-        else:  # POINTER(ncclCollConfig_t): the byref() the slow path made
+        else:  # POINTER(ncclCollConfig_t): the byref() the checked path made
             out.append(value)
     return tuple(out)
 
@@ -186,7 +186,7 @@ class PersistentOp(Closable):
             if s not in self._streams:
                 self._streams.add(s)  # close() waits for it too
             head, tail = self._around
-            args = head + (PTR_ARGS.get(s) or ptr_arg(s),) + tail
+            args = head + (PTR_ARGS.get(s) or ptr_arg(s),) + tail  # noqa: RUF005 (faster)
             slot = (self._row, args) if self._cfg is None else (self._row, args, 0, self._config)
         comm = self._comm
         gate = comm._gate
@@ -223,7 +223,7 @@ class PersistentOp(Closable):
     def _general(self, stream: StreamLike) -> bool:
         """The checks a call needs beyond the plain prebuilt one (closed, a closed
         DeviceBuffer, a destroyed custom op); then another stream or a fallback plan is
-        issued here, through the slow path's issue (True), or the prebuilt call is left to
+        issued here, through the checked path's issue (True), or the prebuilt call is left to
         the caller (False)."""
         comm = self._comm
         method = COLLECTIVES[self._row].method

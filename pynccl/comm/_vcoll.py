@@ -1,6 +1,6 @@
 """The v-collectives (``all_gather_v``, ``reduce_scatter_v``, ``all_to_all_v``) and
 ``barrier``: NCCL has no native call for them, so each is one group of the table's own
-primitives (``send``/``recv``, ``reduce``, ``all_reduce``), issued through the generated
+primitives (``send``/``recv``, ``reduce``, ``all_reduce``), issued through the fast
 methods with raw pointers — recorded, gated and error-checked like any collective, and
 stream-ordered, so they capture into a CUDA graph.
 
