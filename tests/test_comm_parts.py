@@ -27,11 +27,7 @@ COMM = Path(__file__).resolve().parent.parent / "pynccl" / "comm"
 #: The collectives' fast path, being rewritten (issue 21): not held to these rules yet.
 LEAD: set[str] = set()
 #: Import edges allowed to close a cycle, each with why. Keep it shrinking.
-CYCLE_EDGES = {
-    # _persistent (the lead's) imports _held's needs_order inside a function; _held
-    # checks for PersistentOp.
-    ("_persistent", "_held"),
-}
+CYCLE_EDGES: set[tuple[str, str]] = set()
 #: PersistentOp is the core's prebuilt call: like the fast path, it takes the gate, stores
 #: into the flight record and calls itself (through the public surface, each op() would
 #: cost another method call, ~0.1x the floor), and it keeps its custom op's scalar alive as
@@ -39,12 +35,7 @@ CYCLE_EDGES = {
 PERSISTENT_READS = {"_gate", "_wait_gate", "_h", "_seq", "_ring", "_failed", "_watch",
                     "_captures", "_custom_ops", "_note_op_use", "_prepare", "_run"}  # fmt: skip
 #: Private reads across comm modules still allowed, (reader, expression), each with why.
-PRIVATE_READS = {
-    # groups.GroupMember (the lead's protocol) types the waiting communicators by _state.
-    ("_held", "comm._state"),
-    # PersistentOp (the lead's _persistent) keeps its buffers in _keep.
-    ("_held", "obj._keep"),
-}
+PRIVATE_READS: set[tuple[str, str]] = set()
 #: The parts of Communicator: plain classes over the core's public surface.
 PARTS = {
     "_memory": ["Memory"],

@@ -24,10 +24,9 @@ from .. import library as _library
 from ..cuda import DeviceBuffer
 from ..cuda._graph import capturing_graphs
 from ._collconfig import CollConfig
-from ._persistent import PersistentOp
 from ._window import Window
 
-__all__ = ["Held", "hold", "needs_order", "release"]
+__all__ = ["HOLDERS", "Held", "hold", "needs_order", "release"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -47,6 +46,9 @@ _POOL: dict[int, list[int]] = {}
 _FOREVER: list[object] = []
 #: Types whose objects can go once NCCL has launched the work (see needs_order).
 _SAFE: set[type] = {type(None), int, str, CollConfig, Window}
+#: Types whose objects keep others alive and say which (``kept``: None once closed, when
+#: their close kept them itself): pynccl.PersistentOp registers itself here.
+HOLDERS: set[type] = set()
 
 
 class _Runtime:
@@ -120,10 +122,10 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
                 if kind in safe:
                     continue
                 if kind is DeviceBuffer:
-                    if obj._nccl:
+                    if obj.allocator == "nccl":
                         break
                     continue
-                if kind is PersistentOp and not needs_order((obj,)):
+                if kind in HOLDERS and not needs_order((obj,)):
                     continue
                 break  # this entry needs order
             else:
@@ -153,9 +155,9 @@ def needs_order(objs: tuple[Any, ...]) -> bool:
     holds (closed: its close kept them itself)."""
     for obj in objs:
         kind = type(obj)
-        if kind in _SAFE or (kind is DeviceBuffer and not obj._nccl):
+        if kind in _SAFE or (kind is DeviceBuffer and obj.allocator == "cuda"):
             continue
-        if kind is PersistentOp and (obj._keep is None or not needs_order(obj._keep)):
+        if kind in HOLDERS and ((kept := obj.kept) is None or not needs_order(kept)):
             continue
         return True
     return False
@@ -247,7 +249,7 @@ def _release(rt: _Runtime, held: list[Held]) -> None:
     for item in held:
         if item.waiting:
             # Ready (its wait_ready ran: the next call or synchronize) or torn down.
-            if any(comm._state == "initializing" for comm in item.waiting):
+            if any(comm.state == "initializing" for comm in item.waiting):
                 continue
             item.waiting = []
             if not _record(item):

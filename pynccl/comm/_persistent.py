@@ -27,6 +27,7 @@ from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
 from ._handle import TERMINAL, State
+from ._held import HOLDERS, needs_order
 from ._recorder import RING_MASK as _MASK
 from ._spec import COLLECTIVES, CollSpec
 
@@ -130,8 +131,6 @@ class PersistentOp(Closable):
         self._cfg = cfg
         self._config = config
         self._keep: tuple[object, ...] | None = keep
-        from ._held import needs_order
-
         # What a group the operation is issued in holds it for (pynccl.comm._held): its
         # stream where its buffers' memory could be handed out while the work runs.
         self._group_stream = s if needs_order(keep) else None
@@ -310,6 +309,11 @@ class PersistentOp(Closable):
         return COLLECTIVES[self._row].cfunc + ("" if self._cfg is None else "Config")
 
     @property
+    def kept(self) -> tuple[object, ...] | None:
+        """The objects it keeps alive (its buffers); None once closed."""
+        return self._keep
+
+    @property
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self._keep is None
@@ -317,6 +321,9 @@ class PersistentOp(Closable):
     def __repr__(self) -> str:
         state = " closed" if self._keep is None else ""
         return f"<pynccl.PersistentOp {self.function} on {self._comm!r}{state}>"
+
+
+HOLDERS.add(PersistentOp)  # a group holds an operation as it holds its buffers
 
 
 def persistent(
