@@ -73,8 +73,8 @@ def main() -> int:
     parser.add_argument("--baseline", help="an older single-file _adapt.py to compare with")
     args = parser.parse_args()
 
-    import _producers as P
     import numpy as np
+    import support.producers as P
 
     from pynccl.testing import loopback
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _producers import cai_dict
+from support.producers import cai_dict
 
 from pynccl import DataType
 from pynccl.comm import Communicator

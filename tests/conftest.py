@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
 # The raw-ctypes loopback libnccl fixtures (build, lib, world) of the test_loopback_*.py modules.
-from _lb_fixtures import build, lib, world  # noqa: F401
+from support.clib_fixtures import build, lib, world  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def lb() -> Iterator[Any]:
     """The default loopback (NCCL 2.32.3) as this process's libraries, for one module."""
-    from _worlds import use_loopback
+    from support.worlds import use_loopback
 
     with use_loopback() as made:
         yield made
@@ -33,13 +33,13 @@ def lb() -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def lb_env() -> dict[str, str]:
     """Environment for child processes that should run on the default loopback."""
-    from _worlds import loopback_build, sanitized
+    from support.worlds import loopback_build, sanitized
 
     loopback_build()
     from pynccl.testing import loopback
 
     env = {**os.environ, **loopback.env(sanitize=sanitized())}
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(ROOT)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
 
@@ -48,7 +48,7 @@ def lb_env() -> dict[str, str]:
 def thread_worlds(lb: Any) -> Iterator[Callable[[int], Any]]:
     """``get(n)``: a ``ThreadWorld`` of ``n`` ranks, made once per module and size
     (remade if a failure left it broken); all destroyed when the module ends."""
-    from _worlds import ThreadWorld
+    from support.worlds import ThreadWorld
 
     worlds: dict[int, ThreadWorld] = {}
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
 from pynccl._capi import structs
 from pynccl._capi.cudart import CUDART_PROTOTYPES
@@ -49,8 +50,6 @@ from pynccl.enums import (
     SuspendFlag,
     WinFlag,
 )
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _wheel_include() -> Path | None:

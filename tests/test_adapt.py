@@ -16,12 +16,13 @@ import sys
 from ctypes import addressof, c_int, create_string_buffer
 from typing import Any
 
-import _producers as P
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import ROOT
+from support import producers as P
 
 from pynccl import DataType
 from pynccl._adapt import as_buffer, as_stream, check_device, is_complex
@@ -653,7 +654,7 @@ def test_device_buffer_on_loopback_cudart() -> None:
     except loopback.LoopbackBuildError as exc:
         pytest.skip(f"loopback libcudart cannot be built here: {exc}")
     env = {**os.environ, "PYNCCL_CUDART_LIBRARY": cudart, "PYNCCL_LOOPBACK_DEVICES": "2"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     out = subprocess.run(
         [sys.executable, "-c", LOOPBACK_SCRIPT], env=env, capture_output=True, text=True, timeout=60

@@ -15,9 +15,9 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT, SUPPORT
+
 EXAMPLES = 150  # per fuzz; derandomized, so every run tries the same cases (~3 s in all)
 
 
@@ -31,7 +31,7 @@ def test_fuzz_as_buffer_never_crashes() -> None:
             sys.executable,
             "-X",
             "faulthandler",
-            str(ROOT / "tests" / "_fuzz_adapt.py"),
+            str(SUPPORT / "fuzz_adapt.py"),
             str(EXAMPLES),
         ],
         env=env,

@@ -51,7 +51,7 @@ ACCEPTED = [
 
 @pytest.mark.parametrize(("dtype", "scalar"), ACCEPTED, ids=[f"{d}-{s!r}" for d, s in ACCEPTED])
 def test_premul_sum_takes_exact_scalars(solo: Communicator, dtype: str, scalar: Any) -> None:
-    from _worlds import np_dtype
+    from support.reference import np_dtype
 
     host = np_dtype(DataType[dtype.upper()])
     x = np.array([1, 0, 1, 0], dtype=host)

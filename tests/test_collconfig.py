@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld, use_loopback
+from support.worlds import ThreadWorld, use_loopback
 
 import pynccl
 from pynccl import CollConfig, DataType

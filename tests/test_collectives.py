@@ -19,32 +19,29 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _worlds import (
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import ROOT, SUPPORT
+from support.suite import (
     COLLECTIVES,
     INPLACE_NONE,
     INPLACE_OFFSET,
-    KINDS,
     OPS,
     REDUCING,
-    GroupWorld,
     Spec,
-    ThreadWorld,
     check,
     fixed_matrix,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from support.worlds import KINDS, GroupWorld, ThreadWorld
 
 from pynccl.comm import UniqueId
 from pynccl.dtypes import canonical_name
 from pynccl.enums import DataType
 
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "_rank_worker.py"
+WORKER = SUPPORT / "rank_worker.py"
 DTYPES = [canonical_name(dt) for dt in DataType]
 FLOAT_DTYPES = [canonical_name(dt) for dt in DataType if dt.is_float]
 
@@ -90,7 +87,7 @@ def test_data_movement_keeps_every_bit_of_every_type(
 
 def test_integer_reductions_wrap_around(thread_worlds: Callable[[int], ThreadWorld]) -> None:
     import numpy as np
-    from _worlds import ref_reduce
+    from support.reference import ref_reduce
 
     # The reference itself must wrap: 3 * 100 in int8 is 44, 127 + 1 is -128.
     a = np.array([100, 127], np.int8)
@@ -268,7 +265,7 @@ def test_four_processes_started_by_pynccl_launch(lb_env: dict[str, str]) -> None
         capture_output=True,
         text=True,
         timeout=180,
-        cwd=str(HERE.parent),
+        cwd=str(ROOT),
     )
     assert proc.returncode == 0, f"launch exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     _assert_all_passed(_parse_results(proc.stdout), 4, len(specs))

@@ -17,8 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support_comm import Worlds, to_device
-from _worlds import Spec, ThreadWorld, check, ref_reduce
+from support.comm import Worlds, to_device
+from support.reference import ref_reduce
+from support.suite import Spec, check
+from support.worlds import ThreadWorld
 
 from pynccl import library
 from pynccl.comm import Communicator, Config, UniqueId
@@ -412,7 +414,7 @@ def test_non_blocking_split(thread_worlds: Worlds) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64", "int32"])
 @pytest.mark.parametrize("residence", ["host", "device"])
 def test_premul_sum(thread_worlds: Worlds, dtype: str, residence: str) -> None:
-    from _worlds import np_dtype, rank_data
+    from support.reference import np_dtype, rank_data
 
     dt = DataType[dtype.upper()]
     world = thread_worlds(3)

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support_comm import to_device
-from _support_wait import wait_for
-from _worlds import Spec, ThreadWorld, check
+from support.comm import to_device
+from support.suite import Spec, check
+from support.wait import wait_for
+from support.worlds import ThreadWorld
 
 from pynccl.comm import Communicator, Config, UniqueId
 from pynccl.cuda import DeviceBuffer

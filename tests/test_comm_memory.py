@@ -145,7 +145,7 @@ def test_abort_only_marks_registrations_closed(lb: Any) -> None:
 
 
 def test_memory_needs_2_19(lb: Any) -> None:
-    from _worlds import use_loopback
+    from support.worlds import use_loopback
 
     with use_loopback("2.18.1"):
         with Communicator(1, UniqueId(), 0, device=0) as comm:

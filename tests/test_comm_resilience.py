@@ -18,20 +18,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import RankThreads, ThreadWorld, use_loopback
+from support import SUPPORT
+from support.worlds import RankThreads, ThreadWorld, use_loopback
 
 import pynccl
 from pynccl.comm import Communicator, Config, UniqueId
 from pynccl.cuda import DeviceBuffer, Graph, Stream, set_device
 from pynccl.errors import NcclInvalidUsage, NotSupportedError
 
-HERE = Path(__file__).resolve().parent
-WORKER = HERE / "workers" / "resilience.py"
+WORKER = SUPPORT / "workers" / "resilience.py"
 COUNT = 1000
 
 

@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 
 if __name__ == "__main__":  # the process-world worker: make the repository importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _here = os.path.dirname(os.path.abspath(__file__))
+    while not os.path.isdir(os.path.join(_here, "pynccl")):
+        _here = os.path.dirname(_here)
+    sys.path.insert(0, _here)
 
 import pynccl
 from pynccl import Communicator, SignalWait
@@ -257,7 +260,7 @@ def test_bad_arguments_are_refused_before_c(get: Any) -> None:
 
 
 def test_several_signals_and_contexts_from_the_config(lb: Any) -> None:
-    from _worlds import ThreadWorld
+    from support.worlds import ThreadWorld
 
     with ThreadWorld(2, config=pynccl.Config(num_rma_sig=3, num_rma_ctx=2)) as world:
 
@@ -280,7 +283,7 @@ def test_several_signals_and_contexts_from_the_config(lb: Any) -> None:
 
 
 def test_ring_on_non_blocking_communicators(lb: Any) -> None:
-    from _worlds import ThreadWorld
+    from support.worlds import ThreadWorld
 
     with ThreadWorld(2, config=pynccl.Config(blocking=False)) as world:
         out = world.run(lambda r, comm: ring(comm, 2, graphed=False))
@@ -295,7 +298,7 @@ def test_ring_on_non_blocking_communicators(lb: Any) -> None:
 def test_emulated_older_releases(version: str, what: str) -> None:
     # 2.24.3 has no one-sided operations; 2.30.7 has them with signal 0 / context 0 only
     # (numRmaSig came in 2.31).
-    from _worlds import use_loopback
+    from support.worlds import use_loopback
 
     with use_loopback(version):
         with Communicator(1, pynccl.UniqueId(), 0, device=0) as comm:

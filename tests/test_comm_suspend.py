@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld, use_loopback
+from support.worlds import ThreadWorld, use_loopback
 
 import pynccl
 from pynccl.comm import Communicator, Config, UniqueId

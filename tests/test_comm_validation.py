@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _producers import CAIArray, DLPackProducer, kDLCUDA
-from _support_comm import Worlds, to_device
-from _worlds import Slot, ThreadWorld
+from support.comm import Worlds, to_device
+from support.producers import CAIArray, DLPackProducer, kDLCUDA
+from support.worlds import Slot, ThreadWorld
 
 from pynccl import library
 from pynccl.comm import Communicator

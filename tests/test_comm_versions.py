@@ -14,30 +14,20 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from _support_child import result_line, run_ranks
-from _worlds import (
-    COLLECTIVES,
-    GroupWorld,
-    RankThreads,
-    Spec,
-    ThreadWorld,
-    check,
-    fixed_matrix,
-    sanitized,
-    use_loopback,
-)
+from support import ROOT, SUPPORT
+from support.child import result_line, run_ranks
+from support.suite import COLLECTIVES, Spec, check, fixed_matrix
+from support.worlds import GroupWorld, RankThreads, ThreadWorld, sanitized, use_loopback
 
 from pynccl import library
 from pynccl.comm import Communicator, Config, UniqueId
 from pynccl.cuda import DeviceBuffer
 from pynccl.errors import NotSupportedError
 
-HERE = Path(__file__).resolve().parent
 VERSIONS = ("2.18.1", "2.24.3", "2.32.3")
 FALLBACK = {"gather": "ncclGather", "scatter": "ncclScatter", "all_to_all": "ncclAlltoAll"}
 
@@ -107,12 +97,12 @@ def test_processes(version: str) -> None:
 
     specs = [s for s in fixed_matrix(4, ("float32",)) if s.coll in FALLBACK or s.count == 0]
     env = {**os.environ, **loopback.env(version, sanitize=sanitized())}
-    env["PYTHONPATH"] = str(HERE.parent)
+    env["PYTHONPATH"] = str(ROOT)
     env["PYNCCL_TEST_SPECS"] = json.dumps([json.loads(s.to_json()) for s in specs])
     env["PYNCCL_TEST_SIZE"] = "4"
     env["PYNCCL_TEST_UID"] = UniqueId().hex()
     ranks = run_ranks(
-        [str(HERE / "_rank_worker.py")], [{**env, "PYNCCL_TEST_RANK": str(r)} for r in range(4)]
+        [str(SUPPORT / "rank_worker.py")], [{**env, "PYNCCL_TEST_RANK": str(r)} for r in range(4)]
     )
     for r, (returncode, out, err) in enumerate(ranks):
         assert returncode == 0, f"rank {r}: {err[-3000:]}"

@@ -180,7 +180,7 @@ def test_dedup_must_match_on_every_rank(get: Any) -> None:
 
 
 def test_destroy_and_abort_mark_windows_closed(lb: Any) -> None:
-    from _worlds import ThreadWorld
+    from support.worlds import ThreadWorld
 
     for kind in ("destroy", "abort"):
         world = ThreadWorld(2)
@@ -230,7 +230,7 @@ def test_register_window_and_close_during_a_capture_leave_it_intact(lb: Any) -> 
 
 
 def test_windows_need_2_27(lb: Any) -> None:
-    from _worlds import use_loopback
+    from support.worlds import use_loopback
 
     with use_loopback("2.24.3"):
         with Communicator(1, UniqueId(), 0, device=0) as comm:

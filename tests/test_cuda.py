@@ -14,11 +14,11 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from _support_child import last_json, run_python
+from support import ROOT
+from support.child import last_json, run_python
 
 from pynccl import cuda, library
 from pynccl.cuda import DeviceBuffer, Event, MemoryType, Stream, stream_handle
@@ -26,7 +26,6 @@ from pynccl.cuda._buffer import wait_dropped
 from pynccl.enums import DataType
 from pynccl.errors import CudaError
 
-ROOT = Path(__file__).resolve().parent.parent
 CUDART = "/usr/local/cuda/lib64/libcudart.so.13"
 HAS_DRIVER = os.path.exists("/proc/driver/nvidia/version")
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld
+from support.worlds import ThreadWorld
 
 from pynccl import Communicator, UniqueId
 from pynccl._adapt import as_buffer

@@ -10,12 +10,11 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 PUBLIC_MODULES = (

@@ -14,10 +14,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 from pynccl import _env
 
-ROOT = Path(__file__).resolve().parent.parent
 _QUOTED = re.compile(r"[\"'`](PYNCCL_[A-Z0-9_]*[A-Z0-9])[\"'`]")
 
 

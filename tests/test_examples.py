@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES_DIR = ROOT / "examples"
 
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 from test_examples import EXAMPLES, gpu_command
 
-ROOT = Path(__file__).resolve().parent.parent
 HAS_DRIVER = os.path.exists("/proc/driver/nvidia/version")
 #: PYNCCL_GPU_REHEARSAL=1: run these checks on the loopback libraries instead (no GPU
 #: needed), so that their scripts are exercised where no GPU is lent; see

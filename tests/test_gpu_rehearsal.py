@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 needs_timeout = pytest.mark.skipif(
     shutil.which("timeout") is None, reason="needs coreutils' timeout"
 )

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld, use_loopback
+from support.worlds import ThreadWorld, use_loopback
 
 from pynccl import library
 from pynccl.comm import Communicator

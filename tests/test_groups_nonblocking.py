@@ -24,7 +24,7 @@ from ctypes import byref, c_void_p
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld, use_loopback
+from support.worlds import ThreadWorld, use_loopback
 
 from pynccl import library
 from pynccl.comm import Communicator, Config, UniqueId

@@ -15,13 +15,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import ROOT
 
 import pynccl
-
-ROOT = Path(__file__).resolve().parent.parent
 
 #: Standard-library modules that cost ~0.3-3 ms each and that no import of pynccl needs.
 HEAVY_STDLIB = frozenset(

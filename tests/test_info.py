@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
 from pynccl.info import format_text
 
-ROOT = Path(__file__).resolve().parent.parent
 HAS_DRIVER = os.path.exists("/proc/driver/nvidia/version")
 
 

@@ -13,11 +13,12 @@ import types
 
 import numpy as np
 import pytest
+from support import ROOT as _ROOT
 
 import pynccl.launch as launch
 from pynccl.bootstrap import detect_launch_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(_ROOT)  # the repository, as subprocess arguments take it
 HANG = 120  # seconds after which a launcher run counts as hung
 
 

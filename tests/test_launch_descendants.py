@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the subreaper and /proc are Linux's"
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # A rank that starts `sleep 300` in a session of its own (setsid: a new process group
 # too, so no signal aimed at the rank's group reaches it), in one of three shapes:

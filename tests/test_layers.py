@@ -16,7 +16,9 @@ import ast
 import functools
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent / "pynccl"
+from support import ROOT as REPO_ROOT
+
+ROOT = REPO_ROOT / "pynccl"
 
 # (prefix, layer): the longest matching prefix decides.
 LAYERS: list[tuple[str, int]] = [

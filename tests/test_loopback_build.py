@@ -18,12 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 from pynccl.testing import loopback
 from pynccl.testing.loopback import __main__ as cli
 from pynccl.testing.loopback import _build
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 REAL_CC = shutil.which(os.environ.get("CC") or "cc")
 pytestmark = pytest.mark.skipif(REAL_CC is None, reason="no C compiler")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _support_cudart import (
+from support.cudart import (
     CAPTURE_UNSUPPORTED,
     CAPTURE_WRONG_THREAD,
     D2D,

@@ -13,7 +13,7 @@ import threading
 from ctypes import byref, c_int, c_void_p
 
 import numpy as np
-from _support_cudart import (
+from support.cudart import (
     ACTIVE,
     CAPTURE_IMPLICIT,
     CAPTURE_INVALIDATED,

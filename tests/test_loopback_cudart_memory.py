@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support_cudart import (
+from support.cudart import (
     D2D,
     D2H,
     DEFAULT,
@@ -259,8 +259,7 @@ def test_free_ignores_other_devices_work(rt: ctypes.CDLL) -> None:
 @pytest.fixture(scope="module")
 def nccl_lib(rt: ctypes.CDLL) -> object:
     """The loopback libnccl, linked to the very cudart ``rt`` is (one instance)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from _lb_nccl import Lib
+    from support.clib import Lib
 
     b = loopback.build()
     assert b.cudart == loopback.build_cudart()
@@ -284,7 +283,7 @@ def _free_in_thread(
 
 def test_free_waits_for_a_pending_collective(rt: ctypes.CDLL, nccl_lib: Any) -> None:
     """A collective still waiting for its peer never sees its send buffer freed."""
-    from _lb_nccl import GroupWorld
+    from support.clib import GroupWorld
 
     lib, n = nccl_lib, 1 << 14
     w = GroupWorld(lib, 2)
@@ -315,7 +314,7 @@ def test_free_waits_for_a_pending_collective(rt: ctypes.CDLL, nccl_lib: Any) -> 
 def test_free_waits_for_a_hung_operation_until_abort(
     rt: ctypes.CDLL, nccl_lib: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from _lb_nccl import GroupWorld
+    from support.clib import GroupWorld
 
     lib = nccl_lib
     monkeypatch.setenv("PYNCCL_LOOPBACK_HANG", "1")  # every rank's first operation hangs

@@ -17,17 +17,13 @@ import sys
 import threading
 import time
 from ctypes import byref, c_void_p
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from support.clib import INVALID_ARG, REMOTE, GroupWorld, Lib
 
 from pynccl.testing import loopback
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from _lb_nccl import INVALID_ARG, REMOTE, GroupWorld, Lib  # noqa: E402
 
 NO_DEVICE, INVALID_VALUE, INVALID_DEVICE = 100, 1, 101
 

@@ -13,19 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 from ctypes import byref, c_int, c_uint64, c_void_p
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_nccl import (  # noqa: E402
+from support.clib import (
     IN_PROGRESS,
     INVALID_ARG,
     INVALID_USAGE,
@@ -34,12 +28,11 @@ from _lb_nccl import (  # noqa: E402
     SUM,
     GroupWorld,
     Lib,
-    fold,
-    make_input,
 )
-from test_loopback_nccl import events, rendezvous_open, spawn  # noqa: E402
+from support.reference import make_input, ref_reduce
+from test_loopback_nccl import events, rendezvous_open, spawn
 
-from pynccl._capi.structs import ncclUniqueId  # noqa: E402
+from pynccl._capi.structs import ncclUniqueId
 
 SHRINK_DEFAULT, SHRINK_ABORT = 0, 1
 SUSPEND_MEM = 1
@@ -70,7 +63,7 @@ def allreduce_checked(
             assert e == SUCCESS, lib.last_error()
         for s in streams:
             assert lib.sync(s) == 0
-        want = fold(sends, SUM, n)
+        want = ref_reduce(sends)
         for r in range(n):
             np.testing.assert_array_equal(lib.download(bufs[r][1], np.float32, count), want)
     finally:

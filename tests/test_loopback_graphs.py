@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support_child import result_line, run_ranks
+from support.child import result_line, run_ranks
 
 from pynccl import cuda, library
 from pynccl.comm import Communicator, UniqueId

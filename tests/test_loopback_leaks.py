@@ -20,21 +20,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from ctypes import byref, c_void_p
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
+from support.clib import INVALID_USAGE, REMOTE, Lib
+from test_loopback_nccl import events, rendezvous_open, spawn
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_nccl import INVALID_USAGE, REMOTE, Lib  # noqa: E402
-from test_loopback_nccl import events, rendezvous_open, spawn  # noqa: E402
-
-LOOPBACK_DIR = HERE.parent / "pynccl" / "testing" / "loopback"
+LOOPBACK_DIR = ROOT / "pynccl" / "testing" / "loopback"
 
 DRIVER = r"""
 #include <stdio.h>

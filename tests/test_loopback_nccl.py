@@ -26,12 +26,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_fixtures import _build  # noqa: E402
-from _lb_nccl import (  # noqa: E402
+from support import ROOT, SUPPORT
+from support.clib import (
     AVG,
     DTYPES,
     IN_PROGRESS,
@@ -47,25 +43,22 @@ from _lb_nccl import (  # noqa: E402
     SUM,
     GroupWorld,
     Lib,
-    assert_matches,
     call_collective,
-    expected,
-    fold,
-    make_input,
-    sizes,
 )
+from support.clib_fixtures import _build
+from support.reference import assert_matches, expected, make_input, ref_reduce, sizes
 
-from pynccl._capi.nccl import PROTOTYPES  # noqa: E402
-from pynccl._capi.nccl_device import DEVICE_PROTOTYPES  # noqa: E402
-from pynccl._capi.structs import (  # noqa: E402
+from pynccl._capi.nccl import PROTOTYPES
+from pynccl._capi.nccl_device import DEVICE_PROTOTYPES
+from pynccl._capi.structs import (
     make_coll_config,
     make_config,
     make_sim_info,
     ncclUniqueId,
 )
 
-HELPER = str(HERE / "_lb_nccl.py")
-LOOPBACK_DIR = HERE.parent / "pynccl" / "testing" / "loopback"
+HELPER = str(SUPPORT / "clib.py")
+LOOPBACK_DIR = ROOT / "pynccl" / "testing" / "loopback"
 
 
 @pytest.fixture(params=["direct", "staged"])
@@ -593,7 +586,7 @@ def test_thread_ranks_initrank_and_sendrecv_both_sending_first(
     base = np.arange(count, dtype=np.float32)
     for r in range(n):
         np.testing.assert_array_equal(out[r][0], base + (r - 1) % n)
-        np.testing.assert_array_equal(out[r][1], fold([base + q for q in range(n)], SUM, n))
+        np.testing.assert_array_equal(out[r][1], ref_reduce([base + q for q in range(n)]))
 
 
 def test_initrank_inside_a_group_from_one_thread(lib: Lib) -> None:

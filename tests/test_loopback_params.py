@@ -20,8 +20,6 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
 KEYS = [
     "NCCL_DEBUG_FILE",
     "NCCL_DEBUG_TIMESTAMP_FORMAT",

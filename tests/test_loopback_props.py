@@ -9,20 +9,22 @@ keys differ are refused at init, as their TLS handshake would fail with NCCL.
 from __future__ import annotations
 
 import ctypes
-import sys
 from ctypes import byref
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support.clib import Lib
+from support.clib_rma import (
+    INVALID_ARG,
+    INVALID_USAGE,
+    SYSTEM,
+    Rank,
+    set_encryption,
+    spawn_job,
+    threads,
+)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_nccl import Lib  # noqa: E402
-from _lb_rma import INVALID_ARG, INVALID_USAGE, SYSTEM, Rank, set_encryption, spawn_job, threads  # noqa: E402
-
-from pynccl._capi.nccl_device import make_comm_properties, ncclCommProperties_t, ncclTeam_t  # noqa: E402
+from pynccl._capi.nccl_device import make_comm_properties, ncclCommProperties_t, ncclTeam_t
 
 
 def test_properties_of_every_rank(lib: Lib) -> None:

@@ -11,20 +11,14 @@ same operations captured into a CUDA graph run again on every launch.
 from __future__ import annotations
 
 import ctypes
-import sys
 import time
 from ctypes import byref, c_void_p
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_fixtures import _asan_loaded, _build  # noqa: E402
-from _lb_nccl import Lib  # noqa: E402
-from _lb_rma import (  # noqa: E402
+from support.clib import Lib
+from support.clib_fixtures import _asan_loaded, _build
+from support.clib_rma import (
     INVALID_ARG,
     INVALID_USAGE,
     Rank,
@@ -35,8 +29,8 @@ from _lb_rma import (  # noqa: E402
     waits,
 )
 
-from pynccl._capi.nccl_device import DEVICE_PROTOTYPES  # noqa: E402
-from pynccl._capi.structs import make_config  # noqa: E402
+from pynccl._capi.nccl_device import DEVICE_PROTOTYPES
+from pynccl._capi.structs import make_config
 
 NOT_READY = 600  # cudaErrorNotReady
 RELAXED = 2  # cudaStreamCaptureModeRelaxed
@@ -267,7 +261,7 @@ def test_versions_export_their_releases_functions(version: str) -> None:
 def test_pynccl_graph_captures_signals_through_pynccl_lib(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same through pynccl's own layers: Communicator handles, pynccl.lib()'s checked
     wrappers, pynccl.cuda.Stream and pynccl.cuda.Graph."""
-    from _worlds import use_loopback
+    from support.worlds import use_loopback
 
     if _asan_loaded():  # the builds this module's other tests loaded
         monkeypatch.setenv("PYNCCL_TEST_SANITIZE", "1")

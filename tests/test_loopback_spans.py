@@ -8,17 +8,11 @@ that ends exactly where the extent does is accepted, one element short is refuse
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_nccl import INVALID_ARG, SUM, GroupWorld, Lib, call_collective  # noqa: E402
+from support.clib import INVALID_ARG, SUM, GroupWorld, Lib, call_collective
 
 N, COUNT, FLOAT32, E = 2, 4, 7, 4
 ROOT = 0

@@ -19,7 +19,7 @@ from ctypes import byref, c_int, c_void_p
 
 import numpy as np
 import pytest
-from _support_cudart import (
+from support.cudart import (
     ACTIVE,
     CAPTURE_IMPLICIT,
     CAPTURE_INVALIDATED,

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import pytest
 import test_loopback_strict_capture
-from _support_child import result_line, run_ranks
-from _support_cudart import (
+from support.child import result_line, run_ranks
+from support.cudart import (
     D2D,
     D2H,
     H2D,

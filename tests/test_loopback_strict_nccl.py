@@ -15,16 +15,12 @@ import os
 import subprocess
 import sys
 from ctypes import byref, c_int, c_uint64, c_void_p
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_nccl import (  # noqa: E402
+from support import SUPPORT
+from support.clib import (
     IN_PROGRESS,
     INTERNAL,
     INVALID_ARG,
@@ -33,11 +29,9 @@ from _lb_nccl import (  # noqa: E402
     SUM,
     GroupWorld,
     Lib,
-    fold,
-    make_input,
 )
-from _lb_rma import CUDA_ERR, WIN_SYMMETRIC, Rank, read_f32, threads, write_f32  # noqa: E402
-from _lb_strict import (  # noqa: E402
+from support.clib_rma import CUDA_ERR, WIN_SYMMETRIC, Rank, read_f32, threads, write_f32
+from support.clib_strict import (
     Bg,
     allreduce_group,
     child_events,
@@ -46,11 +40,12 @@ from _lb_strict import (  # noqa: E402
     nonblocking_world,
     poll_ready,
 )
+from support.reference import make_input, ref_reduce
 
-from pynccl._capi.nccl_device import make_comm_properties  # noqa: E402
-from pynccl._capi.structs import make_config  # noqa: E402
+from pynccl._capi.nccl_device import make_comm_properties
+from pynccl._capi.structs import make_config
 
-STRICT_HELPER = str(HERE / "_lb_strict.py")
+STRICT_HELPER = str(SUPPORT / "clib_strict.py")
 FLOAT32 = 7
 SHRINK_DEFAULT, SHRINK_ABORT = 0, 1
 SUSPEND_MEM = 1
@@ -61,7 +56,7 @@ NOT_READY = "before the previous operation returned ncclSuccess"
 
 @pytest.fixture(scope="module")
 def lib() -> Lib:
-    from _lb_fixtures import _build
+    from support.clib_fixtures import _build
 
     b = _build()
     return Lib(b.nccl, b.cudart)
@@ -102,7 +97,7 @@ def test_nonblocking_group_end_launches_later_and_every_comm_is_in_progress(
         for r in range(n):
             assert lib.sync(streams[r]) == 0
             np.testing.assert_array_equal(
-                lib.download(bufs[r], np.float32, count), fold(sends, SUM, n)
+                lib.download(bufs[r], np.float32, count), ref_reduce(sends)
             )
         # one operation outside a group is an implicit group, as in ncclEnqueueCheck
         for r in range(n):
@@ -112,7 +107,7 @@ def test_nonblocking_group_end_launches_later_and_every_comm_is_in_progress(
             assert poll_ready(lib, c) == SUCCESS, lib.last_error()
         for r in range(n):
             assert lib.sync(streams[r]) == 0
-            want = fold([fold(sends, SUM, n)] * n, SUM, n)
+            want = ref_reduce([ref_reduce(sends)] * n)
             np.testing.assert_array_equal(lib.download(bufs[r], np.float32, count), want)
     finally:
         for c in comms:
@@ -319,7 +314,7 @@ def test_parent_destroy_after_an_abortive_shrink(
     ncclCommShrink(NCCL_SHRINK_ABORT), where the excluded rank aborted the parent, a
     survivor's destroy of the parent never returns; a survivor that aborts it does not
     wait. 2.30.7 had no barrier; and when every rank destroys the parent, all return."""
-    from _lb_fixtures import _build
+    from support.clib_fixtures import _build
 
     b = _build(version)
     env = {**os.environ, "PYNCCL_NCCL_LIBRARY": b.nccl, "PYNCCL_CUDART_LIBRARY": b.cudart}
@@ -355,7 +350,7 @@ def test_parent_destroy_after_an_abortive_shrink(
 def test_symmetric_windows_may_differ_in_size_from_2_30_7(
     version: str | None, accepted: bool
 ) -> None:
-    from _lb_fixtures import _build
+    from support.clib_fixtures import _build
 
     b = _build(version)
     vlib = Lib(b.nccl, b.cudart)
@@ -433,7 +428,7 @@ def test_a_revoked_comm_can_be_split(lib: Lib) -> None:
     assert allreduce_group(lib, children, w.streams, bufs, 16) == [0, 0, 0]
     for r in range(2):
         assert lib.sync(w.streams[r]) == 0
-        np.testing.assert_array_equal(lib.download(bufs[r], np.float32, 16), fold(sends, SUM, 2))
+        np.testing.assert_array_equal(lib.download(bufs[r], np.float32, 16), ref_reduce(sends))
         assert lib.ncclCommDestroy(children[r]) == 0
     w.close()
 

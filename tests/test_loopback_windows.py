@@ -11,19 +11,13 @@ NCCL's (ncclMemAlloc memory only, sizes that may differ) are in test_loopback_st
 from __future__ import annotations
 
 import os
-import sys
 from ctypes import byref, c_void_p
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from _lb_nccl import GroupWorld, Lib  # noqa: E402
-from _lb_rma import (  # noqa: E402
+from support.clib import GroupWorld, Lib
+from support.clib_rma import (
     INVALID_ARG,
     INVALID_USAGE,
     WIN_SYMMETRIC,
@@ -36,7 +30,7 @@ from _lb_rma import (  # noqa: E402
     write_f32,
 )
 
-from pynccl._capi.nccl_device import ncclMultimemHandle_t  # noqa: E402
+from pynccl._capi.nccl_device import ncclMultimemHandle_t
 
 
 def test_mem_alloc_is_page_aligned_device_memory(lib: Lib) -> None:

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _worlds import use_loopback
+from support import ROOT
+from support.worlds import use_loopback
 
 import pynccl
 from pynccl import NotSupportedError, Params, params
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULTS = {
     "NCCL_DEBUG_FILE": "",
     "NCCL_DEBUG_TIMESTAMP_FORMAT": "[%F %T] ",

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
 from pynccl import perf
 from pynccl.enums import DataType
 
-ROOT = Path(__file__).resolve().parent.parent
 COLLS = (
     "all_reduce",
     "all_gather",

@@ -54,7 +54,7 @@ def test_unknown_level_is_refused() -> None:
     ],
 )  # fmt: skip
 def test_levels_need_their_release(level: str, what: str | None) -> None:
-    from _worlds import loopback_build
+    from support.worlds import loopback_build
 
     from pynccl.testing import loopback
 

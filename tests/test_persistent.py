@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support_child import result_line, run_ranks
-from _worlds import ThreadWorld, use_loopback
+from support.child import result_line, run_ranks
+from support.worlds import ThreadWorld, use_loopback
 from test_arg_policy import MISTAKES, _call, _shape
 
 import pynccl

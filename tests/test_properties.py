@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _worlds import ThreadWorld, use_loopback
+from support.worlds import ThreadWorld, use_loopback
 
 from pynccl import CommProperties, Communicator, NcclInvalidUsage, NotSupportedError, UniqueId
 from pynccl.enums import GinConnectionType, GinType

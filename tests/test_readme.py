@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+from support import ROOT
+
+README = (ROOT / "README.md").read_text()
 
 
 def test_quick_start_holds_two_commands() -> None:

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _support_child import last_json, run_python
-
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+from support.child import last_json, run_python
 
 
 def _wheel_dir() -> Path | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import MinimalCAI, ThreadWorld
+from support.worlds import MinimalCAI, ThreadWorld
 
 from pynccl import NcclTimeoutError, _adapt, library
 from pynccl.comm import Communicator, UniqueId

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import MinimalCAI, ThreadWorld
+from support.worlds import MinimalCAI, ThreadWorld
 
 from pynccl import DataType
 from pynccl.comm import Communicator, UniqueId

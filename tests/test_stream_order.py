@@ -23,12 +23,11 @@ import gc
 import threading
 import weakref
 from collections.abc import Iterator
-from ctypes import c_void_p
 from typing import Any
 
 import numpy as np
 import pytest
-from _support_cudart import StreamGate, keep
+from support.cudart import Hold, keep
 
 from pynccl import DataType
 from pynccl.comm import Communicator, UniqueId
@@ -40,34 +39,6 @@ pytestmark = pytest.mark.usefixtures("lb")
 
 N = 16
 F32 = DataType.FLOAT32
-
-
-class Hold(StreamGate):
-    """Holds ``stream`` (a handle; 0: the legacy default stream of the current device)
-    busy from construction until :meth:`release`: a host function that blocks its stream
-    (``cudaLaunchHostFunc``, or the loopback's own task hook where the loopback predates
-    it). Bounded, so that a failing test cannot hang the suite: a hold that ran out
-    (something waited for the held stream) fails the test on exit."""
-
-    def __init__(self, stream: int) -> None:
-        lib: Any = cudart()._cdll
-
-        def launch(fn: Any) -> None:
-            try:
-                rc = lib.cudaLaunchHostFunc(c_void_p(stream), fn, None)
-            except AttributeError:
-                rc = lib.pynccl_lb_stream_enqueue(c_void_p(stream), fn, None, None)
-            assert rc == 0, f"could not hold stream {stream:#x}: error {rc}"
-
-        super().__init__(launch, bound=10)
-        assert self.started.wait(10), "the holding task never started"
-
-    def release(self) -> None:
-        self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        assert not self.ran_out, "the held stream was waited for while held"
 
 
 def _read(ptr: int, n: int = N) -> np.ndarray:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld
+from support.worlds import ThreadWorld
 
 from pynccl import NcclInvalidUsage, NcclTimeoutError
 from pynccl.comm import Communicator, Config, UniqueId

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld
+from support.worlds import ThreadWorld
 
 from pynccl import Communicator, NcclInvalidUsage, UniqueId
 from pynccl.cuda import DeviceBuffer, Graph, Stream

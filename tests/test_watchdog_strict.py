@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _support_wait import wait_for
+from support.wait import wait_for
 
 from pynccl import NcclInvalidUsage, NcclTimeoutError, library
 from pynccl.comm import Communicator, Config, UniqueId

@@ -18,15 +18,14 @@
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
-from _worlds import ThreadWorld, use_loopback
+from support.cudart import Hold
+from support.worlds import ThreadWorld, use_loopback
 
 from pynccl import library
 from pynccl.comm import Communicator, UniqueId, Window
@@ -238,40 +237,6 @@ def test_a_close_racing_put_signal_never_reaches_nccl(solo_comm: Communicator) -
 
 
 # --- the registration's agreement ---------------------------------------------------------------
-
-
-_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_CALLBACKS: list[object] = []  # callbacks outlive the stream tasks that call them
-
-
-class Hold:
-    """Holds the current device's legacy stream busy until the block ends (a host function,
-    ``cudaLaunchHostFunc``), bounded: a hold that ran out — something waited for the held
-    stream — fails the test."""
-
-    def __init__(self, seconds: float = 5.0) -> None:
-        self.released = threading.Event()
-        self.started = threading.Event()
-        self.ran_out = False
-
-        def run(_arg: int | None) -> None:
-            self.started.set()
-            self.ran_out = not self.released.wait(seconds)
-
-        fn = _HOST_FN(run)
-        _CALLBACKS.append(fn)
-        lib: Any = library.cudart()._cdll
-        if not hasattr(lib, "cudaLaunchHostFunc"):
-            pytest.skip("this loopback libcudart has no cudaLaunchHostFunc")
-        assert lib.cudaLaunchHostFunc(ctypes.c_void_p(0), fn, None) == 0
-        assert self.started.wait(10), "the holding task never started"
-
-    def __enter__(self) -> Hold:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.released.set()
-        assert not self.ran_out, "the held legacy stream was waited for"
 
 
 def test_the_agreement_is_ordered_on_the_communicators_stream(thread_worlds: Worlds) -> None:

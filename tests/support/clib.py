@@ -1,16 +1,15 @@
-"""Helpers for test_loopback_nccl.py: the loopback libnccl through plain ctypes.
+"""The loopback libnccl through plain ctypes, for the tests of the C library itself.
 
 ``Lib`` wraps one loaded libnccl (every function bound with nccl.h's prototype by
 pynccl's low-level table, called *unchecked* so tests see the raw ncclResult_t)
-and the loopback libcudart. ``GroupWorld`` is ``ncclCommInitAll`` driven from one
-thread. ``expected`` is the numpy reference of every collective: integers wrap,
-floats fold in rank order with float16 / bfloat16 / float8 rounded after every
-step (ml_dtypes), avg is NCCL's (integers: sum then truncating division; floats:
-each input pre-multiplied by 1/nranks rounded to the type).
+and the loopback libcudart. ``GroupWorld`` is the init_all world at this level:
+``ncclCommInitAll`` driven from one thread, raw handles and result codes (the object
+API's is ``support.worlds.GroupWorld``). Results are checked against the one numpy
+reference, ``support.reference``.
 
 Run as a script, this module is one rank of a multi-process job::
 
-    python tests/_lb_nccl.py <scenario> <uid hex> <nranks> <rank> [args]
+    python tests/support/clib.py <scenario> <uid hex> <nranks> <rank> [args]
 
 with the library paths in $PYNCCL_NCCL_LIBRARY / $PYNCCL_CUDART_LIBRARY. It prints
 one JSON line per event (``{"event": ..., ...}``) and exits 0 unless a check failed.
@@ -23,19 +22,21 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from ctypes import byref, c_int, c_void_p
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-if __name__ == "__main__":  # the worker: make the repository importable
+if __name__ == "__main__":  # a worker: tests/ and the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from pynccl._capi.cudart import CudartLibrary
 from pynccl._capi.nccl import NcclLibrary
 from pynccl._capi.structs import ncclUniqueId
+from support.reference import assert_matches, expected, make_input, ref_reduce, sizes
 
 # ncclResult_t
 SUCCESS, CUDA_ERR, SYSTEM, INTERNAL, INVALID_ARG, INVALID_USAGE, REMOTE, IN_PROGRESS = range(8)
@@ -56,7 +57,6 @@ DTYPES: dict[int, Any] = {
     11: np.dtype(ml_dtypes.float8_e5m2),
 }
 SUM, PROD, MAX, MIN, AVG = range(5)
-OPS = {"sum": SUM, "prod": PROD, "max": MAX, "min": MIN, "avg": AVG}
 KINDS = (
     "AllReduce",
     "Broadcast",
@@ -211,108 +211,6 @@ class GroupWorld:
         self.comms, self.streams, self.buffers = [], [], []
 
 
-# ---- data and numpy references ---------------------------------------------------------
-
-
-def make_input(dtype: Any, count: int, rank: int, seed: int, op: int = SUM) -> np.ndarray:
-    """Deterministic data for `rank`: full-range integers (to exercise wrap-around),
-    values whose products stay finite for the small float types."""
-    rng = np.random.default_rng(seed * 1009 + rank)
-    dt = np.dtype(dtype)
-    if dt.kind in "iu":
-        info = np.iinfo(dt)
-        return rng.integers(info.min, info.max, size=count, endpoint=True, dtype=dt)
-    if dt.itemsize <= 2 or dt == np.dtype(ml_dtypes.bfloat16):
-        choices = np.array([-2.0, -1.5, -1.0, -0.5, 0.25, 0.5, 1.0, 1.5, 2.0])
-        return rng.choice(choices, size=count).astype(dt)
-    return rng.standard_normal(count).astype(dt)
-
-
-def fold(arrays: Sequence[np.ndarray], op: int, nranks: int, scalar: Any = None) -> np.ndarray:
-    """The reduction of arrays in rank order, in the arrays' own dtype."""
-    dt = arrays[0].dtype
-    if op == AVG and dt.kind in "iu":
-        total = fold(arrays, SUM, nranks)
-        return np.array(
-            [int(v) // nranks if int(v) >= 0 else -(-int(v) // nranks) for v in total], dtype=dt
-        )
-    if op == AVG:  # NCCL: 1/n in double for float64, through float for the others
-        scalar = np.array(1.0 / nranks)
-        scalar = scalar.astype(dt) if dt == np.float64 else scalar.astype(np.float32).astype(dt)
-        op = -1
-    if op == -1:  # PreMulSum
-        s = np.asarray(scalar, dtype=dt)
-        acc = (arrays[0] * s).astype(dt)
-        for a in arrays[1:]:
-            acc = (acc + (a * s).astype(dt)).astype(dt)
-        return acc
-    acc = arrays[0].copy()
-    for a in arrays[1:]:
-        if op == SUM:
-            acc = (acc + a).astype(dt)
-        elif op == PROD:
-            acc = (acc * a).astype(dt)
-        elif op == MAX:
-            acc = np.maximum(acc, a)
-        elif op == MIN:
-            acc = np.minimum(acc, a)
-    return acc
-
-
-def expected(
-    kind: str,
-    sends: Sequence[np.ndarray],
-    count: int,
-    op: int,
-    root: int,
-    rank: int,
-    scalar: Any = None,
-) -> np.ndarray | None:
-    """What `rank` receives; None when it receives nothing (off-root Reduce/Gather)."""
-    n = len(sends)
-    if kind == "AllReduce":
-        return fold(sends, op, n, scalar)
-    if kind in ("Broadcast", "Bcast"):
-        return sends[root]
-    if kind == "Reduce":
-        return fold(sends, op, n, scalar) if rank == root else None
-    if kind == "AllGather":
-        return np.concatenate(sends)
-    if kind == "ReduceScatter":
-        return fold([s[rank * count : (rank + 1) * count] for s in sends], op, n, scalar)
-    if kind == "AlltoAll":
-        return np.concatenate([s[rank * count : (rank + 1) * count] for s in sends])
-    if kind == "Gather":
-        return np.concatenate(sends) if rank == root else None
-    if kind == "Scatter":
-        return sends[root][rank * count : (rank + 1) * count]
-    raise ValueError(kind)
-
-
-def sizes(kind: str, count: int, n: int) -> tuple[int, int]:
-    """(send elements, receive elements) per rank."""
-    return {
-        "AllGather": (count, n * count),
-        "ReduceScatter": (n * count, count),
-        "AlltoAll": (n * count, n * count),
-        "Gather": (count, n * count),
-        "Scatter": (n * count, count),
-    }.get(kind, (count, count))
-
-
-def assert_matches(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """Integers and float32/64 exactly; half, bfloat16 and float8 within one unit in the
-    last place of the type (numpy's SIMD float16 may round directly, not via float)."""
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    if got.dtype.kind in "iu" or got.dtype.itemsize >= 4:
-        np.testing.assert_array_equal(got, want, err_msg=what)
-        return
-    g, w = got.astype(np.float64), want.astype(np.float64)
-    eps = float(ml_dtypes.finfo(got.dtype).eps)
-    tiny = float(ml_dtypes.finfo(got.dtype).smallest_subnormal)
-    np.testing.assert_allclose(g, w, rtol=eps, atol=tiny, err_msg=what)
-
-
 # ---- one collective on every rank of a world -------------------------------------------
 
 
@@ -378,7 +276,7 @@ def _scenario_colls(lib: Lib, comm: int, nranks: int, rank: int, args: list[str]
             op = PROD if dt == 9 else SUM
             root = 1 % nranks
             ns, nr = sizes(kind, count, nranks)
-            sends = [make_input(DTYPES[dt], ns, r, seed=dt, op=op) for r in range(nranks)]
+            sends = [make_input(DTYPES[dt], ns, r, seed=dt) for r in range(nranks)]
             sb = lib.malloc(ns * DTYPES[dt].itemsize)
             rb = lib.malloc(nr * DTYPES[dt].itemsize)
             lib.upload(sb, sends[rank])
@@ -495,9 +393,7 @@ def _allreduce_ok(lib: Lib, comm: int, nranks: int, rank: int, count: int) -> tu
     sends = [make_input(np.float32, count, r, seed=11) for r in range(nranks)]
     lib.upload(sb, sends[rank])
     rc = lib.ncclAllReduce(sb, rb, count, 7, SUM, comm, stream) or lib.sync(stream)
-    ok = rc == 0 and bool(
-        np.array_equal(lib.download(rb, np.float32, count), fold(sends, SUM, nranks))
-    )
+    ok = rc == 0 and bool(np.array_equal(lib.download(rb, np.float32, count), ref_reduce(sends)))
     lib.free(sb)
     lib.free(rb)
     lib.destroy_stream(stream)

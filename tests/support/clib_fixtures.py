@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _lb_nccl import GroupWorld, Lib
+
+from support.clib import GroupWorld, Lib
 
 
 def _asan_loaded() -> bool:

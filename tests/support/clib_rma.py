@@ -6,7 +6,7 @@ ncclMemAlloc buffers, windows) with thin wrappers that return the raw ncclResult
 
 Run as a script, this module is one rank of a multi-process job::
 
-    python tests/_lb_rma.py <scenario> <uid hex> <nranks> <rank> [args]
+    python tests/support/clib_rma.py <scenario> <uid hex> <nranks> <rank> [args]
 
 with the library paths in $PYNCCL_NCCL_LIBRARY / $PYNCCL_CUDART_LIBRARY. It prints one
 JSON line per event and exits 0 unless a check failed. The expected data of every
@@ -26,11 +26,9 @@ from typing import Any
 
 import numpy as np
 
-if __name__ == "__main__":  # the worker: make the repository importable
+if __name__ == "__main__":  # a worker: tests/ and the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _lb_nccl import Lib
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from pynccl._capi.structs import (
     NCCL_API_MAGIC,
@@ -39,6 +37,7 @@ from pynccl._capi.structs import (
     ncclUniqueId,
     ncclWaitSignalDesc_t,
 )
+from support.clib import Lib
 
 SUCCESS, CUDA_ERR, SYSTEM, INTERNAL, INVALID_ARG, INVALID_USAGE, REMOTE = range(7)
 FLOAT32 = 7

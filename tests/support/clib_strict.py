@@ -1,6 +1,6 @@
 """Helpers of test_loopback_strict_nccl.py: raw-ctypes worlds of non-blocking
 communicators, calls on helper threads, and the child processes (run as a script:
-``python tests/_lb_strict.py barrier <abort|destroy>`` or ``... self_put``, with the
+``python tests/support/clib_strict.py barrier <abort|destroy>`` or ``... self_put``, with the
 library paths in $PYNCCL_NCCL_LIBRARY / $PYNCCL_CUDART_LIBRARY), which print one JSON
 line per event.
 """
@@ -20,14 +20,13 @@ from typing import Any
 
 import numpy as np
 
-if __name__ == "__main__":  # a child: make the repository importable
+if __name__ == "__main__":  # a worker: tests/ and the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _lb_nccl import IN_PROGRESS, SUCCESS, SUM, GroupWorld, Lib
-from _lb_rma import Rank, read_f32, write_f32
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from pynccl._capi.structs import make_config
+from support.clib import IN_PROGRESS, SUCCESS, SUM, GroupWorld, Lib
+from support.clib_rma import Rank, read_f32, write_f32
 
 FLOAT32 = 7
 SHRINK_ABORT = 1

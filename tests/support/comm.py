@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from _worlds import ThreadWorld
 
 from pynccl.cuda import DeviceBuffer
+from support.worlds import ThreadWorld
 
 #: The ``thread_worlds`` fixture (conftest): ``get(n)`` -> a ThreadWorld of ``n`` ranks.
 Worlds = Callable[[int], ThreadWorld]

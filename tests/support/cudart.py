@@ -4,7 +4,8 @@ Error codes and enums as in ``cuda_runtime_api.h`` / ``driver_types.h``, one pro
 (:func:`bind`), small checked wrappers (``ok(rt, rc)`` asserts success and shows the
 loopback's own detail of the failure), a fixture that leaves each test's thread state as
 it found it, and :class:`StreamGate`: a host task that holds its stream busy until opened,
-so that "work is still pending" states are reached deterministically, never by a race.
+so that "work is still pending" states are reached deterministically, never by a race
+(:class:`Hold`: one on a stream of the libcudart pynccl loaded).
 """
 
 from __future__ import annotations
@@ -282,3 +283,34 @@ class TaskGate(StreamGate):
         super().__init__(
             lambda fn: ok(rt, rt.pynccl_lb_stream_enqueue(s, ctypes.cast(fn, c_void_p), None, None))
         )
+
+
+class Hold(StreamGate):
+    """Holds ``stream`` (a handle; 0: the legacy default stream of the current device) of
+    the libcudart pynccl loaded busy from construction until :meth:`release` or the end of
+    the ``with`` block: a host function that blocks its stream (``cudaLaunchHostFunc``,
+    or the loopback's own task hook where the loopback predates it). Bounded by
+    ``seconds``, so that a failing test cannot hang the suite: a hold that ran out
+    (something waited for the held stream) fails the test on exit."""
+
+    def __init__(self, stream: int = 0, seconds: float = 10.0) -> None:
+        from pynccl.library import cudart
+
+        lib: Any = cudart()._cdll
+
+        def launch(fn: Any) -> None:
+            try:
+                rc = lib.cudaLaunchHostFunc(c_void_p(stream), fn, None)
+            except AttributeError:
+                rc = lib.pynccl_lb_stream_enqueue(c_void_p(stream), fn, None, None)
+            assert rc == 0, f"could not hold stream {stream:#x}: error {rc}"
+
+        super().__init__(launch, bound=seconds)
+        assert self.started.wait(10), "the holding task never started"
+
+    def release(self) -> None:
+        self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        assert not self.ran_out, "the held stream was waited for while held"

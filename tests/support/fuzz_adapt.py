@@ -21,13 +21,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script: tests/ (for the support package) and the repository importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import _producers as P
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import support.producers as P
 from pynccl import DataType
 from pynccl._adapt import as_buffer
 

@@ -7,7 +7,7 @@ Started by tests/test_collectives.py and tests/test_comm_versions.py, either
 * by ``python -m pynccl launch -n N --loopback``, which sets ``RANK``/``WORLD_SIZE``
   and the rendezvous variables that ``pynccl.bootstrap.from_env()`` reads.
 
-``PYNCCL_TEST_SPECS`` is a JSON list of :class:`_worlds.Spec` fields. The last
+``PYNCCL_TEST_SPECS`` is a JSON list of :class:`support.suite.Spec` fields. The last
 line of output is ``RESULT {"rank": r, "results": [{"spec", "ok", "error"}, ...]}``;
 the exit status is 0 when the worker ran to the end (failed specs are reported,
 not raised), so that every rank's findings reach the test.
@@ -21,11 +21,13 @@ import sys
 import traceback
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _worlds import ProcessWorld, Spec, check
+# Run as a script: tests/ (for the support package) and the repository importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from pynccl.comm import Communicator, UniqueId
+from support.suite import Spec, check
+from support.worlds import ProcessWorld
 
 
 def _communicator() -> Communicator:

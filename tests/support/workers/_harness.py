@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKERS = Path(__file__).resolve().parent
 #: Upper bound on any one wait for a child process or its output (seconds).
 WAIT = 90.0
