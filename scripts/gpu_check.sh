@@ -26,7 +26,7 @@
 #
 # PYNCCL_GPU_REHEARSAL=1 runs every step on the loopback libraries instead (2 emulated devices,
 # PYNCCL_GPU_REHEARSAL_DEVICES to change it; small sizes): a dress rehearsal of this script and
-# of tests/test_gpu.py where no GPU is lent (tests/test_gpu_rehearsal.py does it in every test
+# of tests/gpu/test_gpu.py where no GPU is lent (tests/gpu/test_gpu_rehearsal.py does it in every test
 # run). Nothing is checked on a GPU then, and a probe's FAIL is reported without failing the
 # run (the rehearsal checks the script; the strict loopback's own tests check the hazards).
 set -u
@@ -176,7 +176,7 @@ else
     echo "# no GPU visible: the hazard probes are left out"
 fi
 
-# Every gpu-marked test of the suite (tests/test_gpu.py and the others'). pytest exits 0 when
+# Every gpu-marked test of the suite (tests/gpu/test_gpu.py and the others'). pytest exits 0 when
 # all of them skip, so the summary line is checked too: on a GPU machine something must pass.
 run pytest-gpu 240 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
 pytest_rc=$?

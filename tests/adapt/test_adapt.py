@@ -1,6 +1,6 @@
 """pynccl._adapt: buffers and streams in every accepted form, and every refusal.
 
-The producers (tests/_producers.py) expose numpy arrays' host memory through
+The producers (tests/support/producers.py) expose numpy arrays' host memory through
 ``__cuda_array_interface__`` or a ctypes-built DLPack capsule; expectations
 come from numpy (address, size, strides, contiguity), never from pynccl.
 """

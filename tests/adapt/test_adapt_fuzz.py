@@ -1,5 +1,5 @@
 """Fuzzing as_buffer with malformed ``__cuda_array_interface__`` dicts, DLPack capsules and
-raw-pointer arguments (tests/_fuzz_adapt.py), in a child process: a crash there (the
+raw-pointer arguments (tests/support/fuzz_adapt.py), in a child process: a crash there (the
 SIGSEGVs an unchecked ndim or NULL shape pointer gave) fails this test instead of
 killing pytest.
 

@@ -149,7 +149,7 @@ class BrokenIndex:
 
 def _stream_takers(comm: Communicator, buf: DeviceBuffer) -> dict[str, Any]:
     """Every way a stream reaches a communicator outside the generated methods (which
-    tests/test_arg_policy.py covers)."""
+    tests/comm/test_arg_policy.py covers)."""
     return {
         "all_gather_v": lambda s: comm.all_gather_v(buf, buf, [N], stream=s),
         "all_to_all_v": lambda s: comm.all_to_all_v(buf, buf, [N], [N], stream=s),

@@ -1,4 +1,4 @@
-"""The collective suite (``tests/_worlds.py``) run in every world, mpi4py style.
+"""The collective suite (``tests/support/worlds.py``) run in every world, mpi4py style.
 
 The same :func:`_worlds.check` assertions — every collective against a numpy
 reference, with send buffers left untouched and guard elements intact — run in:

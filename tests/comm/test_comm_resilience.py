@@ -1,7 +1,7 @@
 """Fault tolerance in the object API: ``revoke``, ``shrink``, ``grow_id`` / ``grow`` /
 ``Communicator.join`` and the watchdog's ``on_hang="revoke"``, on the loopback.
 
-Thread worlds (a thread per rank) and 4-process worlds (tests/workers/resilience.py):
+Thread worlds (a thread per rank) and 4-process worlds (tests/support/workers/resilience.py):
 shrink after a rank is SIGKILLed, revoke of a hung receive then shrink, grow from 2 to 4
 ranks, each followed by an all_reduce checked against numpy; argument errors refused
 before any C call; older releases refused with NotSupportedError naming the release.

@@ -5,7 +5,7 @@ replayed with new data, SignalWait, and the argument and version refusals.
 Every rank puts its block into the next rank's window and signals; the receiver waits
 for its predecessor's signal and compares what landed with numpy's copy of what the
 predecessor sent. Run as a script, this module is one rank of the process world:
-``python tests/test_comm_signals.py <uid hex> <nranks> <rank>``.
+``python tests/comm/test_comm_signals.py <uid hex> <nranks> <rank>``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Windows in the object API on the loopback: register_window / Window, deduplication and
 reference counts, the alignment / flags rules agreed by every rank before the C call,
 peer_pointer reading the peer's bytes, closing at destroy and abort, registration and
-deregistration during a capture, and the release gate (tests/test_windows_semantics.py:
+deregistration during a capture, and the release gate (tests/comm/test_windows_semantics.py:
 the rules that changed with NCCL's documented semantics)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 
 Each scenario also checks that nothing is left: no process (nor anything in the
 workers' process groups), no ``/dev/shm`` segment of the job. Workers live in
-``tests/workers/``; every wait is bounded and every process is killed in a ``finally``.
+``tests/support/workers/``; every wait is bounded and every process is killed in a ``finally``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import signal
 import time
 from pathlib import Path
 
-from workers import _harness as h
+from support.workers import _harness as h
 
 
 def _fields(text: str, tag: str, ranks: range) -> dict[int, dict[str, str]]:

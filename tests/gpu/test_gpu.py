@@ -33,7 +33,7 @@ from test_examples import EXAMPLES, gpu_command
 HAS_DRIVER = os.path.exists("/proc/driver/nvidia/version")
 #: PYNCCL_GPU_REHEARSAL=1: run these checks on the loopback libraries instead (no GPU
 #: needed), so that their scripts are exercised where no GPU is lent; see
-#: tests/test_gpu_rehearsal.py. What needs CuPy, torch or cuda.core still skips.
+#: tests/gpu/test_gpu_rehearsal.py. What needs CuPy, torch or cuda.core still skips.
 REHEARSAL = os.environ.get("PYNCCL_GPU_REHEARSAL") == "1"
 
 pytestmark = [

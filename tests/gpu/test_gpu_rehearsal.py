@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and tests/test_gpu.py rehearsed on the loopback libraries.
+"""scripts/gpu_check.sh and tests/gpu/test_gpu.py rehearsed on the loopback libraries.
 
 The GPU checks run only where a GPU is lent, which is rarely, and then on a tight
 time budget: ``PYNCCL_GPU_REHEARSAL=1`` runs the whole script here - the gpu-marked

@@ -1,7 +1,7 @@
 """The newer NCCL surface on a real GPU (``pytest -m gpu``; ``scripts/gpu_check.sh`` runs it).
 
-Skipped without a GPU, rehearsed on the loopback by tests/test_gpu_rehearsal.py. Each test
-runs its body in a fresh interpreter against the real libraries (see tests/test_gpu.py),
+Skipped without a GPU, rehearsed on the loopback by tests/gpu/test_gpu_rehearsal.py. Each test
+runs its body in a fresh interpreter against the real libraries (see tests/gpu/test_gpu.py),
 checks results against numpy, and reports what the loaded libnccl is too old for as
 ``skipped`` entries instead of failing:
 

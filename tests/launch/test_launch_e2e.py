@@ -6,7 +6,7 @@
   (torchrun, Open MPI, MPICH/Intel MPI, Slurm) and the TCP rendezvous;
 * the file and key-value store rendezvous backends.
 
-The worker is ``tests/workers/collectives.py``; every job must also leave no process
+The worker is ``tests/support/workers/collectives.py``; every job must also leave no process
 and no shared-memory segment behind.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from workers import _harness as h
+from support.workers import _harness as h
 
 CHECKS = {
     "all_reduce-sum-int64",

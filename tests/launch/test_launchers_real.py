@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 import pytest
 import test_multihost
-from workers import _harness as h
+from support.workers import _harness as h
 
-#: Two network namespaces joined by a veth pair: tests/test_multihost.py's fixture.
+#: Two network namespaces joined by a veth pair: tests/launch/test_multihost.py's fixture.
 namespaces = test_multihost.hosts
 
 RUN_TIMEOUT = 180  # generous: a loaded 2-core machine starts 4 interpreters slowly

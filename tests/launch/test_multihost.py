@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from workers import _harness as h
+from support.workers import _harness as h
 
 ADDRS = ("169.254.123.1", "169.254.123.2")
 NPROC, NNODES = 2, 2

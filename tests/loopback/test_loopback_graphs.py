@@ -1,6 +1,6 @@
 """CUDA stream capture and graphs through pynccl, on the loopback libraries.
 
-The loopback versions of tests/test_gpu.py::test_graph_capture_and_replay: collectives
+The loopback versions of tests/gpu/test_gpu.py::test_graph_capture_and_replay: collectives
 captured on a stream are recorded, not run; every replay of the graph runs them again,
 reading the inputs as they are at replay time; results are checked against numpy.
 Worlds: one rank, 2..4 ranks as threads (each capturing its own stream, and one thread
@@ -276,7 +276,7 @@ def test_multi_stream_group_under_capture_is_refused(stream: Stream) -> None:
 
 def test_graph_outlives_its_communicator(stream: Stream) -> None:
     # destroy() with a live graph that captured the communicator is refused (NCCL's
-    # destroy would wait for the graph: tests/test_teardown.py); abort() closes the graph
+    # destroy would wait for the graph: tests/comm/test_teardown.py); abort() closes the graph
     # (NCCL's abort waits for it too, and a replay would use the freed communicator).
     comm = Communicator(1, UniqueId(), 0, device=0)
     x = DeviceBuffer.from_numpy(np.ones(N, np.float32), stream=stream)

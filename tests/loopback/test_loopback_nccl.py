@@ -1,10 +1,10 @@
 """The loopback libnccl, driven through ctypes (pynccl's prototype table, raw results).
 
-Results are checked against numpy / ml_dtypes references (tests/_lb_nccl.py), never
+Results are checked against numpy / ml_dtypes references (tests/support/clib.py), never
 against the library itself. Worlds: ncclCommInitAll driven by this thread (both the
 direct path, where ranks read each other's buffers, and the staged path through the
 shared-memory slots, with tiny slots so that every collective spans many chunks);
-threads calling ncclCommInitRank; and separate processes (tests/_lb_nccl.py as a
+threads calling ncclCommInitRank; and separate processes (tests/support/clib.py as a
 script). Also: groups and p2p, in-place rules, the *Config variants, version builds,
 non-blocking init, split, every error path, mismatch detection, peer death, abort,
 fault injection, the null build, and that nothing (segment, thread) is left behind.

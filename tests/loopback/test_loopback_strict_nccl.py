@@ -6,7 +6,7 @@ dev_runtime.cc, mem_manager.cc) and nccl.h 2.32.3, and fails on the lenient loop
 that came before; data is checked against numpy. Calls that block are made on helper
 threads and checked with generous bounds ("not returned after 1 s", "returned within
 20 s"). A hang NCCL never ends (2.31.2's teardown barrier) runs in a child process
-(tests/_lb_strict.py), which the test kills.
+(tests/support/clib_strict.py), which the test kills.
 """
 
 from __future__ import annotations

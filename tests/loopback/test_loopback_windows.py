@@ -1,7 +1,7 @@
 """ncclMemAlloc memory, windows and their peer pointers on the loopback libnccl, raw ctypes.
 
 Thread worlds (every rank a thread of this process: a peer's window is its own
-allocation) and process worlds (tests/_lb_rma.py workers: each rank maps its peers'
+allocation) and process worlds (tests/support/clib_rma.py workers: each rank maps its peers'
 ncclMemAlloc memory when the window is registered). Every value read through a peer
 pointer is compared with the numpy pattern the peer wrote; the window rules (4096-byte
 alignment for every window, equal flags) fail on every rank alike. The stricter rules of

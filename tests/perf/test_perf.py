@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from support import ROOT
+from support.perf import perf_env, run_perf, table_rows
 
 from pynccl import perf
 from pynccl.enums import DataType
@@ -393,40 +394,6 @@ def test_help(capsys: pytest.CaptureFixture[str]) -> None:
 # -- real sweeps on the loopback ----------------------------------------------------------
 
 
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("PYNCCL_") or k in ("PYNCCL_CACHE_DIR",)
-    }
-    for k in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "OMPI_COMM_WORLD_RANK",
-        "PMI_RANK",
-        "SLURM_PROCID",
-    ):
-        env.pop(k, None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra or {})
-    return env
-
-
-def run_perf(
-    *args: str, extra_env: dict[str, str] | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    """``python -m pynccl perf ARGS`` in a fresh process (no GPU: the loopback)."""
-    return subprocess.run(
-        [sys.executable, "-m", "pynccl", "perf", *args],
-        env=_env(extra_env),
-        cwd=str(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 @pytest.fixture(scope="module")
 def loopback_ready(lb_env: dict[str, str]) -> None:
     """The loopback is built (cached) before the sweeps, or they skip saying why.
@@ -434,10 +401,6 @@ def loopback_ready(lb_env: dict[str, str]) -> None:
     The sweeps themselves run without its environment: perf finds no GPU and
     switches to the loopback on its own.
     """
-
-
-def _rows(stdout: str) -> list[list[str]]:
-    return [line.split() for line in stdout.splitlines() if line and not line.startswith("#")]
 
 
 @pytest.mark.usefixtures("loopback_ready")
@@ -491,7 +454,7 @@ def test_sweep_checks_every_collective(coll: str, tmp_path: Path) -> None:
             assert row["in_place"]["nwrong"] == 0
         if extra:
             assert row["root"] == 1
-    table = _rows(proc.stdout)
+    table = table_rows(proc.stdout)
     assert len(table) == 3 and table[0][2:4] == [
         "float",
         "sum" if coll in ("all_reduce", "reduce_scatter", "reduce") else "none",
@@ -556,7 +519,7 @@ def test_graphs_on_the_loopback(args: tuple[str, ...]) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "graph: 3" in proc.stdout
     assert "host memory, not NCCL" in proc.stdout
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     assert len(rows) == 3
     assert all(r[8] == "0" for r in rows), proc.stdout  # out-of-place #wrong
     assert "# Out of bounds values : 0 OK" in proc.stdout
@@ -567,7 +530,7 @@ def test_single_rank_runs_in_process() -> None:
     proc = run_perf("reduce_scatter", "-g", "1", "-b", "256", "-e", "1K", "-n", "2", "-f", "2")
     assert proc.returncode == 0, proc.stderr
     assert "# nThread 1 nGpus 1 " in proc.stdout and "LOOPBACK" in proc.stdout
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     assert [r[0] for r in rows] == ["256", "512", "1024"]
     # one rank: the bus factor (n-1)/n is 0
     assert all(float(r[7]) == 0.0 for r in rows)
@@ -575,7 +538,7 @@ def test_single_rank_runs_in_process() -> None:
 
 @pytest.mark.usefixtures("loopback_ready")
 def test_inside_an_existing_launcher() -> None:
-    env = _env()
+    env = perf_env()
     proc = subprocess.run(
         [
             sys.executable,
@@ -621,7 +584,7 @@ def test_inside_an_existing_launcher() -> None:
 def test_ngpus_must_match_the_launcher() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pynccl", "launch", "-n", "2", "-m", "pynccl", "perf", "-g", "3"],
-        env=_env(),
+        env=perf_env(),
         cwd=str(ROOT),
         capture_output=True,
         text=True,
@@ -652,7 +615,7 @@ def test_runs_without_numpy(tmp_path: Path) -> None:
     proc = run_perf("-g", "2", "-b", "1K", "-e", "2K", "-n", "2", extra_env=env)
     assert proc.returncode == 0, proc.stderr
     assert "validation off: numpy is not installed" in proc.stdout
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     assert len(rows) == 2 and all(r[8] == "N/A" and r[12] == "N/A" for r in rows)
     proc = run_perf("-g", "2", "-c", "1", "-b", "1K", "-e", "1K", extra_env=env)
     assert proc.returncode != 0
@@ -709,7 +672,7 @@ def test_wrong_results_fail_the_run(tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join((str(hook.parent), str(ROOT)))}
     proc = run_perf("-g", "2", "-b", "1K", "-e", "1K", "-n", "1", extra_env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     # one bad element, each placement
     assert rows and rows[0][8] == "1" and rows[0][12] == "1", proc.stdout + proc.stderr
     assert "Out of bounds values : 2 FAILED" in proc.stdout

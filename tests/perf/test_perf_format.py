@@ -1,7 +1,7 @@
 """Golden test: ``python -m pynccl perf``'s text and ``-J`` JSON against nccl-tests 2.19.6's.
 
 The formats come from nccl-tests' source, captured verbatim in
-``tests/fixtures/nccl_tests_2.19.6_format.txt`` (printf formats and JSON key orders).
+``tests/perf/fixtures/nccl_tests_2.19.6_format.txt`` (printf formats and JSON key orders).
 Each line of a real run on the loopback is parsed into its values, those values are
 rendered again with nccl-tests' printf format for that line (Python's ``%`` follows C
 printf), and the two are compared character for character; the lines must also come
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.perf import run_perf
 
 from pynccl.perf import LOOPBACK_BANNER
-from tests.test_perf import run_perf
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "nccl_tests_2.19.6_format.txt"
 

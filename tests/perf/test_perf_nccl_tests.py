@@ -16,13 +16,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.perf import run_perf, table_rows
 
 from pynccl import perf
 from pynccl.enums import DataType
 from pynccl.perf import _run
 from pynccl.perf._tests_env import NcclTestsEnv
 from pynccl.perf._traffic import Traffic, read_matrix
-from tests.test_perf import _rows, run_perf
 
 
 @pytest.fixture(scope="module")
@@ -298,14 +298,14 @@ def test_threads_without_gpus() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# nThread 2 nGpus 1 " in proc.stdout
     assert proc.stdout.count("#  Rank ") == 2
-    assert [r[0] for r in _rows(proc.stdout)] == ["1024", "2048"]
+    assert [r[0] for r in table_rows(proc.stdout)] == ["1024", "2048"]
 
 
 @pytest.mark.usefixtures("loopback_ready")
 def test_linear_step_on_the_loopback() -> None:
     proc = run_perf("-g", "2", "-i", "1K", "-b", "1K", "-e", "4K", "-n", "1")
     assert proc.returncode == 0, proc.stderr
-    assert [r[0] for r in _rows(proc.stdout)] == ["1024", "2048", "3072", "4096"]
+    assert [r[0] for r in table_rows(proc.stdout)] == ["1024", "2048", "3072", "4096"]
     assert "step: 1024(bytes)" in proc.stdout
 
 
@@ -317,7 +317,7 @@ def test_hypercube_runs_and_checks(g: str) -> None:
                     "-c", "1", "-d", "float,int8")  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# Collective test starting: hypercube_perf" in proc.stdout
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     assert len(rows) == 6
     steps = [64, 1024, 16384] * 2
     for step, row in zip(steps, rows):
@@ -337,7 +337,7 @@ def test_hypercube_skips_other_rank_counts() -> None:
     proc = run_perf("hypercube", "-g", "3", "-b", "64", "-e", "64", "-n", "1")
     assert proc.returncode == 0, proc.stderr
     assert "nRanks 3 is not a power of 2, skipping" in proc.stdout
-    assert _rows(proc.stdout) == ["nRanks 3 is not a power of 2, skipping".split()]
+    assert table_rows(proc.stdout) == ["nRanks 3 is not a power of 2, skipping".split()]
 
 
 @pytest.mark.usefixtures("loopback_ready")
@@ -371,7 +371,7 @@ def test_alltoallv_matrix_run(tmp_path: Path) -> None:
     proc = run_perf("alltoallv", "-g", "3", "-b", "4K", "-e", "4K", "-n", "2", "-c", "1",
                     extra_env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (row,) = _rows(proc.stdout)
+    (row,) = table_rows(proc.stdout)
     # the busiest rank moves 1536 B (rank 2 receives 512 + 1024); count is 0 with a matrix
     assert row[:2] == ["1536", "0"] and row[8] == "0"
     bad = run_perf("alltoallv", "-g", "3", "-b", "1K", "-e", "4K", extra_env=env)

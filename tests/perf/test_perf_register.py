@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-from tests.test_perf import _rows, run_perf
+from support.perf import run_perf, table_rows
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def loopback_ready(lb_env: dict[str, str]) -> None:
 def test_registered_runs_check_out(flags: tuple[str, ...]) -> None:
     proc = run_perf(*flags, "-b", "4K", "-e", "64K", "-f", "4", "-n", "2", "-c", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     assert [r[0] for r in rows] == ["4096", "16384", "65536"]
     assert all(r[8] == "0" for r in rows), proc.stdout
     assert "# Out of bounds values : 0 OK" in proc.stdout

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tests.test_perf import ROOT, _env, _rows, run_perf
+from support import ROOT
+from support.perf import perf_env, run_perf, table_rows
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_integer_avg_and_all_ops_keep_it() -> None:
                     "-f", "32", "-n", "1", "-w", "0", "-c", "1")  # fmt: skip
     _skip_if_avg_refused(proc)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     ops = [(r[2], r[3]) for r in rows]
     for dtype in ("int32", "uint8"):
         for op in ("sum", "prod", "max", "min", "avg", "mulsum"):
@@ -44,7 +44,7 @@ def test_integer_avg_and_all_ops_keep_it() -> None:
     assert all(r[8] == "0" and r[12] == "0" for r in rows)
     avg = run_perf("-g", "2", "-o", "avg", "-d", "int32", "-b", "1K", "-e", "1K", "-n", "1")
     assert avg.returncode == 0, avg.stderr
-    assert [r[3] for r in _rows(avg.stdout)] == ["avg"]
+    assert [r[3] for r in table_rows(avg.stdout)] == ["avg"]
 
 
 @pytest.mark.usefixtures("loopback_ready")
@@ -62,7 +62,7 @@ def test_integer_avg_and_all_ops_keep_it() -> None:
 def test_nccl_tests_flags_run_and_check(flags: tuple[str, ...]) -> None:
     proc = run_perf(*flags, "-b", "1K", "-e", "16K", "-f", "4", "-n", "2", "-c", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = _rows(proc.stdout)
+    rows = table_rows(proc.stdout)
     cycles = 2 if "-N" in flags else 1
     assert [r[0] for r in rows] == ["1024", "4096", "16384"] * cycles
     assert all(r[8] == "0" for r in rows), proc.stdout
@@ -112,7 +112,7 @@ def test_timeout_bounds_each_wait_not_the_run(tmp_path: Path) -> None:
     proc = run_perf("-g", "2", "-T", "2", "-b", "1K", "-e", "32K", "-f", "2", "-n", "2",
                     extra_env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(_rows(proc.stdout)) == 6
+    assert len(table_rows(proc.stdout)) == 6
     assert time.monotonic() - start > 3
     # A rank that stops answering: its peer's wait times out, as nccl-tests says it.
     hook = tmp_path / "hook" / "sitecustomize.py"
@@ -203,7 +203,7 @@ def test_rows_and_progress_through_the_launcher_on_a_terminal() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "pynccl", "perf", "-g", "2", "-b", "1K", "-e", "4K", "-f", "2",
          "-n", "2"],
-        env=_env(),
+        env=perf_env(),
         cwd=str(ROOT),
         stdout=subprocess.PIPE,
         stderr=slave,
@@ -224,4 +224,4 @@ def test_rows_and_progress_through_the_launcher_on_a_terminal() -> None:
     assert proc.returncode == 0
     assert "\r" not in out and "rows done" not in out
     assert b"/3 rows done" in tty
-    assert len(_rows(out)) == 3
+    assert len(table_rows(out)) == 3

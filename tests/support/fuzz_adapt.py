@@ -2,7 +2,7 @@
 in a child process, so that a crash is a failed test and not a dead pytest).
 
 Each case builds a ``__cuda_array_interface__`` dict or a DLPack capsule (with ctypes, from
-tests/_producers.py) whose fields hypothesis picks from valid values, edge values and
+tests/support/producers.py) whose fields hypothesis picks from valid values, edge values and
 garbage, and asserts what as_buffer promises: either a result that is a usable
 ``(ptr, count, DataType, device)`` whose byte range lies below 2**64, or ``TypeError`` /
 ``ValueError`` naming the buffer. Anything else, and any crash, fails.

@@ -1,6 +1,6 @@
 """One rank of a process world: runs the collective suite's specs and reports them.
 
-Started by tests/test_collectives.py and tests/test_comm_versions.py, either
+Started by tests/comm/test_collectives.py and tests/comm/test_comm_versions.py, either
 
 * directly, with ``PYNCCL_TEST_RANK``, ``PYNCCL_TEST_SIZE`` and ``PYNCCL_TEST_UID``
   (the unique id in hex, made by the parent), or

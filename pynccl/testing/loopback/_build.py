@@ -69,7 +69,7 @@ _BASE_FLAGS = (
 _SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-omit-frame-pointer")
 # CPython itself "leaks" at exit, and loopback allocations made through ctypes carry
 # interpreter frames, so suppressing CPython would hide them too: leaks are checked by
-# tests/test_loopback_leaks.py, whose C driver runs with detect_leaks=1. cudaMalloc(huge)
+# tests/loopback/test_loopback_leaks.py, whose C driver runs with detect_leaks=1. cudaMalloc(huge)
 # must fail with an error, not abort.
 _ASAN_OPTIONS = "detect_leaks=0:allocator_may_return_null=1"
 _UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"

@@ -1,6 +1,6 @@
 """Test-side helpers for the multi-process tests that run the scripts in this directory.
 
-Used by ``tests/test_launch_e2e.py`` and ``tests/test_failure.py``: environments for
+Used by ``tests/launch/test_launch_e2e.py`` and ``tests/comm/test_failure.py``: environments for
 child processes on the loopback libraries (with every launcher's variables removed,
 so that only the convention a test fakes is seen), bounded waits on output files,
 and the checks that a job left nothing behind (processes, process groups, shared

@@ -1,6 +1,6 @@
-"""One rank of a process world for tests/test_comm_resilience.py, through the object API.
+"""One rank of a process world for tests/comm/test_comm_resilience.py, through the object API.
 
-    python tests/workers/resilience.py SCENARIO UID_HEX NRANKS RANK [ARGS]
+    python tests/support/workers/resilience.py SCENARIO UID_HEX NRANKS RANK [ARGS]
 
 prints one JSON line per event (``{"event": ..., ...}``) and exits 0 when every check
 of the scenario passed (1 otherwise, after an ``{"event": "fail", ...}`` line):

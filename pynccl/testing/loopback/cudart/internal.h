@@ -109,7 +109,7 @@ enum lb_sync_scope { LB_SYNC_SELF, LB_SYNC_DEVICE, LB_SYNC_PEERS };
 
 #define LB_MAX_DEVICES 1024
 
-/* Each file below calls only the files declared above it (tests/test_loopback_build.py
+/* Each file below calls only the files declared above it (tests/loopback/test_loopback_build.py
  * checks that the call graph is a DAG). */
 
 /* core.c: configuration, errors, the calling thread, the clock, pointer sets. */
