@@ -21,8 +21,8 @@ from support.clib_rma import (
     Rank,
     set_encryption,
     spawn_job,
-    threads,
 )
+from support.wait import threads
 
 from pynccl._capi.nccl_device import make_comm_properties, ncclCommProperties_t, ncclTeam_t
 

@@ -25,9 +25,9 @@ from support.clib_rma import (
     check_ring,
     pattern,
     ring_rounds,
-    threads,
     waits,
 )
+from support.wait import threads
 
 from pynccl._capi.nccl_device import DEVICE_PROTOTYPES
 from pynccl._capi.structs import make_config

@@ -30,7 +30,7 @@ from support.clib import (
     GroupWorld,
     Lib,
 )
-from support.clib_rma import CUDA_ERR, WIN_SYMMETRIC, Rank, read_f32, threads, write_f32
+from support.clib_rma import CUDA_ERR, WIN_SYMMETRIC, Rank, read_f32, write_f32
 from support.clib_strict import (
     Bg,
     allreduce_group,
@@ -41,6 +41,7 @@ from support.clib_strict import (
     poll_ready,
 )
 from support.reference import make_input, ref_reduce
+from support.wait import threads
 
 from pynccl._capi.nccl_device import make_comm_properties
 from pynccl._capi.structs import make_config

@@ -25,10 +25,10 @@ from support.clib_rma import (
     pattern,
     read_f32,
     spawn_job,
-    threads,
     waits,
     write_f32,
 )
+from support.wait import threads
 
 from pynccl._capi.nccl_device import ncclMultimemHandle_t
 

@@ -1,6 +1,6 @@
 """Helpers for the loopback window / signal / property / encryption tests, raw ctypes.
 
-``threads(n, fn)`` runs fn(rank) on n threads (a thread world: every rank of one
+``support.wait.threads(n, fn)`` runs fn(rank) on n threads (a thread world: every rank of one
 communicator in this process). ``Rank`` is one rank's state (communicator, stream,
 ncclMemAlloc buffers, windows) with thin wrappers that return the raw ncclResult_t.
 
@@ -19,8 +19,7 @@ import ctypes
 import json
 import os
 import sys
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from ctypes import byref, c_void_p
 from typing import Any
 
@@ -42,29 +41,6 @@ from support.clib import Lib
 SUCCESS, CUDA_ERR, SYSTEM, INTERNAL, INVALID_ARG, INVALID_USAGE, REMOTE = range(7)
 FLOAT32 = 7
 WIN_SYMMETRIC = 1
-TIMEOUT = 60.0
-
-
-def threads(n: int, fn: Callable[[int], Any], timeout: float = TIMEOUT) -> list[Any]:
-    """fn(rank) on n threads; re-raises the first exception; fails if a rank hangs."""
-    results: list[Any] = [None] * n
-
-    def body(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:  # reported below, in rank order
-            results[r] = exc
-
-    ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=timeout)
-        assert not t.is_alive(), "a rank thread hung"
-    for res in results:
-        if isinstance(res, BaseException):
-            raise res
-    return results
 
 
 def pattern(rank: int, count: int, round_: int = 0) -> np.ndarray:

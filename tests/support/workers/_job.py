@@ -12,8 +12,12 @@ import argparse
 import os
 import signal
 import sys
-import time
 from typing import Any
+
+# A worker runs as a script: tests/ (for the support package) importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from support.wait import wait_for as wait_until
 
 import pynccl
 from pynccl.bootstrap import detect_launch_env
@@ -93,13 +97,3 @@ def file_barrier(directory: str, rank: int, size: int, timeout: float = 60.0) ->
     names = [os.path.join(directory, f"rank{r}") for r in range(size)]
     if not wait_until(lambda: all(os.path.exists(n) for n in names), timeout):
         fail(rank, f"file barrier in {directory}: not every rank arrived within {timeout:g} s")
-
-
-def wait_until(predicate: Any, seconds: float) -> bool:
-    """Poll ``predicate()`` for up to ``seconds``; its last value."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
