@@ -161,6 +161,7 @@ def _no_cache_env(home: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_unwritable_home_names_pynccl_cache_dir(tmp_path: Path) -> None:
     # HOME is a file: the cache under it cannot be made (as a read-only HOME).
     home = tmp_path / "home-is-a-file"

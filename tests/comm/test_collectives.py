@@ -243,6 +243,7 @@ def test_four_processes_with_a_shared_unique_id(lb: Any, lb_env: dict[str, str])
     _assert_all_passed(results, size, len(PROCESS_MATRIX))
 
 
+@pytest.mark.slow
 def test_four_processes_started_by_pynccl_launch(lb_env: dict[str, str]) -> None:
     specs = [s for s in PROCESS_MATRIX if s.dtype == "float32"]
     env = {**lb_env, "PYNCCL_TEST_SPECS": json.dumps([json.loads(s.to_json()) for s in specs])}

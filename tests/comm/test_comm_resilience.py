@@ -570,6 +570,7 @@ def test_shrink_after_a_rank_is_sigkilled_in_4_processes(procs: Procs) -> None:
         assert procs.wait(r) == 0
 
 
+@pytest.mark.slow
 def test_grow_from_2_to_4_processes(procs: Procs) -> None:
     uid = UniqueId().hex()
     for r in range(2):

@@ -92,6 +92,7 @@ def test_init_all_group_world(version: str) -> None:
             check(gw, Spec(coll, "bfloat16", "max", count=9, root=1, kind="dlpack"))
 
 
+@pytest.mark.slow
 def test_processes(version: str) -> None:
     from pynccl.testing import loopback
 

@@ -20,6 +20,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 from support.workers import _harness as h
 
 
@@ -38,6 +39,7 @@ def _words(message: str) -> str:
 # -- a rank killed while the others are in a collective --------------------------------------------
 
 
+@pytest.mark.slow
 def test_peer_killed_mid_collective(tmp_path: Path) -> None:
     nproc, victim = 4, 3
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"
@@ -77,6 +79,7 @@ def test_peer_killed_mid_collective(tmp_path: Path) -> None:
 # -- a rank that dies before joining ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_peer_dies_before_joining(tmp_path: Path) -> None:
     size, victim = 3, 2
     port, key = h.free_port(), h.new_key()
@@ -144,6 +147,7 @@ def _run_faults(tmp_path: Path, mode: str) -> dict[int, dict[str, str]]:
         h.stop([proc], pids)
 
 
+@pytest.mark.slow
 def test_watchdog_aborts_a_hung_operation(tmp_path: Path) -> None:
     results = _run_faults(tmp_path, "watchdog")
     hung, peer = results[1], results[0]
@@ -161,6 +165,7 @@ def test_watchdog_aborts_a_hung_operation(tmp_path: Path) -> None:
     assert peer["watchdog_threads"] == "0"
 
 
+@pytest.mark.slow
 def test_synchronize_timeout_on_a_hung_operation(tmp_path: Path) -> None:
     results = _run_faults(tmp_path, "synchronize")
     hung, peer = results[1], results[0]
@@ -189,6 +194,7 @@ def test_async_error_reaches_the_peer(tmp_path: Path) -> None:
 # -- non-blocking init -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_non_blocking_init_with_timeout(tmp_path: Path) -> None:
     nproc = 3
     out, err = tmp_path / "out.txt", tmp_path / "err.txt"

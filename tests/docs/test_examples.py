@@ -65,6 +65,11 @@ def gpu_command(name: str, ngpus: int) -> list[str] | None:
 
 LOOPBACK_EXAMPLES = sorted(name for name, ex in EXAMPLES.items() if ex.loopback)
 LAUNCHED_EXAMPLES = sorted(name for name in LOOPBACK_EXAMPLES if EXAMPLES[name].min_ranks)
+#: What runs on the loopback, an example that needs a real tool (Ray) among the slow tests.
+LOOPBACK_PARAMS = [
+    pytest.param(name, marks=pytest.mark.slow) if EXAMPLES[name].needs else name
+    for name in LOOPBACK_EXAMPLES
+]
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -117,7 +122,7 @@ def test_example_compiles(name: str) -> None:
     compile((EXAMPLES_DIR / name).read_text(), name, "exec")
 
 
-@pytest.mark.parametrize("name", LOOPBACK_EXAMPLES)
+@pytest.mark.parametrize("name", LOOPBACK_PARAMS)
 def test_example_runs_on_the_loopback(name: str, lb_env: dict[str, str]) -> None:
     ex = EXAMPLES[name]
     if ex.needs is not None:
@@ -138,6 +143,7 @@ def test_example_runs_on_the_loopback(name: str, lb_env: dict[str, str]) -> None
         ], out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", LAUNCHED_EXAMPLES)
 def test_example_runs_under_launch_with_three_ranks(name: str, lb_env: dict[str, str]) -> None:
     ex = EXAMPLES[name]

@@ -79,6 +79,7 @@ def test_gpu_check_script_is_valid_bash() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 @needs_timeout
 def test_gpu_check_script_passes_on_the_loopback(tmp_path: Path) -> None:
     out = _gpu_check(tmp_path)

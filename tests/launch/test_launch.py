@@ -124,6 +124,7 @@ def test_environment_and_prefixes(tmp_path):
     assert len(keys) == 1 and re.fullmatch(r"[0-9a-f]{64}", keys.pop())
 
 
+@pytest.mark.slow
 def test_fresh_key_and_port_per_launch(tmp_path):
     script = _script(
         tmp_path,
@@ -134,6 +135,7 @@ def test_fresh_key_and_port_per_launch(tmp_path):
     assert a.split()[2] != b.split()[2]  # the keys
 
 
+@pytest.mark.slow
 def test_lines_never_interleave(tmp_path):
     script = _script(
         tmp_path,
@@ -205,6 +207,7 @@ FAIL_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 def test_failing_rank_stops_the_others(tmp_path):
     out = _launch(["-n", 3, "--grace", 1, _script(tmp_path, FAIL_SCRIPT)])
     assert out.returncode == 3
@@ -216,6 +219,7 @@ def test_failing_rank_stops_the_others(tmp_path):
     _assert_all_gone(pids)
 
 
+@pytest.mark.slow
 def test_rank_killed_by_a_signal(tmp_path):
     script = _script(
         tmp_path,
@@ -230,6 +234,7 @@ def test_rank_killed_by_a_signal(tmp_path):
     assert "rank 1 failed (killed by SIGKILL)" in out.stderr
 
 
+@pytest.mark.slow
 def test_timeout(tmp_path):
     out = _launch(["-n", 2, "--timeout", 1, "--grace", 1, _script(tmp_path, "time.sleep(600)")])
     assert out.returncode == 124
@@ -265,6 +270,7 @@ SIGNAL_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signals_are_forwarded(tmp_path, sig):
     n = 3
@@ -432,6 +438,7 @@ E2E_SCRIPT = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nids", [1, 2])
 def test_launch_from_env_all_reduce_on_loopback(tmp_path, nids):
     from pynccl.testing import loopback

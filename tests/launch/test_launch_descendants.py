@@ -137,6 +137,7 @@ def _gone_within(pids: list[int], seconds: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["child", "orphan", "deep"])
 def test_setsid_descendants_die_with_a_sigkilled_launcher(
     tmp_path: Path, shape: str, started: list[int]
@@ -197,6 +198,7 @@ print("masks", *(fields[k].strip() for k in ("SigIgn", "SigBlk")))
 """
 
 
+@pytest.mark.slow
 def test_ranks_start_with_the_signal_dispositions_of_a_plain_child(tmp_path: Path) -> None:
     # The keeper stands between the launcher and the ranks: nothing it ignores or blocks
     # may leak into them (an ignored SIGINT would survive exec and make ^C a no-op).

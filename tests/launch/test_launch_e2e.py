@@ -66,7 +66,11 @@ def _shm(text: str) -> set[str]:
     [
         (4, {}),
         # small pipelining chunks and p2p rings: every collective crosses many chunks
-        (10, {"PYNCCL_LOOPBACK_CHUNK_BYTES": "65536", "PYNCCL_LOOPBACK_RING_BYTES": "32768"}),
+        pytest.param(
+            10,
+            {"PYNCCL_LOOPBACK_CHUNK_BYTES": "65536", "PYNCCL_LOOPBACK_RING_BYTES": "32768"},
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_launch_loopback_collectives(tmp_path: Path, nproc: int, extra: dict[str, str]) -> None:
@@ -168,6 +172,7 @@ def _run_job(tmp_path: Path, make: EnvMaker, size: int, *args: str) -> tuple[lis
         h.stop(procs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "launcher, make",
     [("torchrun", _torchrun), ("openmpi", _openmpi), ("mpich", _mpich), ("slurm", _slurm)],
@@ -206,6 +211,7 @@ def kv_store() -> Iterator[tuple[str, dict[str, str]]]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_from_env_store_backend(tmp_path: Path, kv_store: tuple[str, dict[str, str]]) -> None:
     # MPICH's variables and a key-value store reached over a Unix socket: no TCP at all.
     address, store_env = kv_store
@@ -250,9 +256,9 @@ def _kill_launcher_while_blocked(tmp_path: Path, phase: str) -> tuple[list[int],
         h.stop([proc], pids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["rendezvous", "init", "collective"])
 def test_ranks_die_with_a_killed_launcher(tmp_path: Path, phase: str) -> None:
     alive, segments = _kill_launcher_while_blocked(tmp_path, phase)
     assert alive == [], "ranks or their children outlived the launcher by 2 s"
     assert segments == [], "shared memory left in /dev/shm"
-

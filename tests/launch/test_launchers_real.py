@@ -29,6 +29,9 @@ import pytest
 import test_multihost
 from support.workers import _harness as h
 
+#: Real tools / network namespaces: among the slow tests (.ci/run runs them after the quick run).
+pytestmark = pytest.mark.slow
+
 #: Two network namespaces joined by a veth pair: tests/launch/test_multihost.py's fixture.
 namespaces = test_multihost.hosts
 

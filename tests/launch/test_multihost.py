@@ -27,6 +27,9 @@ from pathlib import Path
 import pytest
 from support.workers import _harness as h
 
+#: Real tools / network namespaces: among the slow tests (.ci/run runs them after the quick run).
+pytestmark = pytest.mark.slow
+
 ADDRS = ("169.254.123.1", "169.254.123.2")
 NPROC, NNODES = 2, 2
 SIZE = NPROC * NNODES

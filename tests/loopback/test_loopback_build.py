@@ -179,6 +179,7 @@ def test_cache_key_follows_sources_and_options(
     assert loopback.build_cudart(source_dir=src) == before
 
 
+@pytest.mark.slow
 def test_concurrent_builds_make_one_library(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

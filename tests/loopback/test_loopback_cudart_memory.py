@@ -355,6 +355,7 @@ def test_ncclmemfree_path_outlives_queued_work(rt: ctypes.CDLL) -> None:
 # ---- sanitizers and header conformance ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sanitized_build_runs_clean(tmp_path: Path) -> None:
     try:
         path = loopback.build_cudart(sanitize=True)

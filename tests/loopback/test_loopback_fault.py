@@ -300,6 +300,7 @@ def test_shrink_after_a_rank_is_sigkilled(lib: Lib, build: Any) -> None:
         assert ev[-1] == {"event": "exit", "ok": True}
 
 
+@pytest.mark.slow
 def test_grow_from_2_to_4_processes(lib: Lib, build: Any) -> None:
     uid = lib.unique_id()
     old = spawn(build, "grow_old", uid, 2, "4")

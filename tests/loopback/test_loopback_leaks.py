@@ -159,6 +159,7 @@ def _run_driver(exe: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_no_leak_under_leak_sanitizer(tmp_path: Path) -> None:
     b = _sanitized_build()
     proc = _run_driver(_driver(tmp_path, b))
@@ -213,7 +214,15 @@ def _shm_entries() -> set[str]:
     return set(glob.glob("/dev/shm/pynccl-lb-*"))
 
 
-@pytest.mark.parametrize("point", ["creator_alone", "joined_rank", "creator_with_others"])
+@pytest.mark.parametrize(
+    "point",
+    # one kill in the quick run; the multi-process ones with the slow tests
+    [
+        "creator_alone",
+        pytest.param("joined_rank", marks=pytest.mark.slow),
+        pytest.param("creator_with_others", marks=pytest.mark.slow),
+    ],
+)
 def test_no_shm_entry_after_a_rank_is_killed_during_init(lib: Lib, build: Any, point: str) -> None:
     """Ranks of a 3-rank job start init one by one; one is SIGKILLed at some point."""
     before = _shm_entries()
@@ -248,6 +257,7 @@ def test_no_shm_entry_after_a_rank_is_killed_during_init(lib: Lib, build: Any, p
 # ---- duplicate device across processes -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_duplicate_device_across_processes(lib: Lib, build: Any) -> None:
     uid = lib.unique_id()
     procs = spawn(build, "orphan", uid, 2, env={"LB_TEST_DEVICE": "3"})
@@ -258,6 +268,7 @@ def test_duplicate_device_across_processes(lib: Lib, build: Any) -> None:
         assert "device 3" in ev[-1]["error"], ev
 
 
+@pytest.mark.slow
 def test_duplicate_device_compares_physical_devices(lib: Lib, build: Any) -> None:
     """Each process sees its own CUDA_VISIBLE_DEVICES, as under a launcher: both ranks call
     themselves device 0, and only the physical device behind it decides."""

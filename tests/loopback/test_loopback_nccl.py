@@ -47,6 +47,7 @@ from support.clib import (
 )
 from support.clib_fixtures import _build
 from support.reference import assert_matches, expected, make_input, ref_reduce, sizes
+from support.wait import threads
 
 from pynccl._capi.nccl import PROTOTYPES
 from pynccl._capi.nccl_device import DEVICE_PROTOTYPES
@@ -532,27 +533,6 @@ def test_grouped_alltoall_of_sendrecv_with_self(lib: Lib, world: Any, path: str,
         np.testing.assert_array_equal(lib.download(rb[r], np.float32, n * count), want)
 
 
-def _threads(n: int, fn: Any) -> list[Any]:
-    results: list[Any] = [None] * n
-
-    def body(r: int) -> None:
-        try:
-            results[r] = fn(r)
-        except BaseException as exc:
-            results[r] = exc
-
-    ts = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=60)
-        assert not t.is_alive(), "a rank thread hung"
-    for res in results:
-        if isinstance(res, BaseException):
-            raise res
-    return results
-
-
 def test_thread_ranks_initrank_and_sendrecv_both_sending_first(
     lib: Lib, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -582,7 +562,7 @@ def test_thread_ranks_initrank_and_sendrecv_both_sending_first(
             lib.free(p)
         return got
 
-    out = _threads(n, rank)
+    out = threads(n, rank)
     base = np.arange(count, dtype=np.float32)
     for r in range(n):
         np.testing.assert_array_equal(out[r][0], base + (r - 1) % n)
@@ -891,7 +871,7 @@ def test_duplicate_device_in_one_process(lib: Lib, monkeypatch: pytest.MonkeyPat
         assert comm.value is None
         return int(rc)
 
-    assert _threads(n, rank) == [INVALID_USAGE, INVALID_USAGE]
+    assert threads(n, rank) == [INVALID_USAGE, INVALID_USAGE]
     assert "Duplicate GPU" in lib.last_error()
     monkeypatch.setenv("PYNCCL_LOOPBACK_STRICT", "0")  # allowed when not strict
     uid = lib.unique_id()
@@ -903,7 +883,7 @@ def test_duplicate_device_in_one_process(lib: Lib, monkeypatch: pytest.MonkeyPat
         assert lib.ncclCommDestroy(comm) == 0
         return int(rc)
 
-    assert _threads(n, rank2) == [0, 0]
+    assert threads(n, rank2) == [0, 0]
 
 
 def test_not_strict_accepts_host_memory(lib: Lib, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1061,7 +1041,7 @@ def test_fault_injection(lib: Lib, monkeypatch: pytest.MonkeyPatch) -> None:
 # ---- processes -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("chunk", ["default", "4096"])
+@pytest.mark.parametrize("chunk", ["default", pytest.param("4096", marks=pytest.mark.slow)])
 def test_process_ranks(lib: Lib, build: Any, chunk: str) -> None:
     """Ranks in separate processes (staged through shared memory), every collective."""
     uid = lib.unique_id()
@@ -1076,6 +1056,7 @@ def test_process_ranks(lib: Lib, build: Any, chunk: str) -> None:
     assert not os.path.exists(shm_name(uid))
 
 
+@pytest.mark.slow
 def test_killed_peer_stops_the_others(lib: Lib, build: Any) -> None:
     """kill -9 one process: the others' pending collective ends with ncclRemoteError."""
     import json
@@ -1127,6 +1108,7 @@ def test_a_process_killed_during_init_leaves_nothing(lib: Lib, build: Any) -> No
     assert not rendezvous_open(uid)  # the kernel dropped the name with the process
 
 
+@pytest.mark.slow
 def test_256mib_allreduce_across_4_processes(lib: Lib, build: Any) -> None:
     uid = lib.unique_id()
     procs = spawn(build, "big", uid, 4, str(64 << 20))

@@ -413,6 +413,7 @@ def test_mulsum_across_processes_uses_each_ranks_scalar() -> None:
     assert "# Out of bounds values : 0 OK" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 @pytest.mark.parametrize("coll", COLLS)
 def test_sweep_checks_every_collective(coll: str, tmp_path: Path) -> None:
@@ -510,6 +511,7 @@ def test_json_report_and_loopback_banner(tmp_path: Path) -> None:
     assert doc["average_bus_bandwidth"] == pytest.approx(mean / rows)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 @pytest.mark.parametrize("args", [("-g", "2"), ("all_gather", "-g", "3"), ("sendrecv", "-g", "1")])
 def test_graphs_on_the_loopback(args: tuple[str, ...]) -> None:
@@ -536,6 +538,7 @@ def test_single_rank_runs_in_process() -> None:
     assert all(float(r[7]) == 0.0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_inside_an_existing_launcher() -> None:
     env = perf_env()
@@ -580,6 +583,7 @@ def test_inside_an_existing_launcher() -> None:
     assert all(r[4] == "1" and r[8] == "0" and r[12] == "0" for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_ngpus_must_match_the_launcher() -> None:
     proc = subprocess.run(
@@ -609,6 +613,7 @@ def _shadow(tmp_path: Path, module: str) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join((str(d), str(ROOT)))}
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_runs_without_numpy(tmp_path: Path) -> None:
     env = _shadow(tmp_path, "numpy")
@@ -629,6 +634,7 @@ def test_plot_without_matplotlib(tmp_path: Path) -> None:
     assert not (tmp_path / "p.png").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")

@@ -292,6 +292,7 @@ def test_many_loopback_ranks(
 # -- runs on the loopback ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_threads_without_gpus() -> None:
     proc = run_perf("-t", "2", "-b", "1K", "-e", "2K", "-n", "1")
@@ -301,6 +302,7 @@ def test_threads_without_gpus() -> None:
     assert [r[0] for r in table_rows(proc.stdout)] == ["1024", "2048"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_linear_step_on_the_loopback() -> None:
     proc = run_perf("-g", "2", "-i", "1K", "-b", "1K", "-e", "4K", "-n", "1")
@@ -309,6 +311,7 @@ def test_linear_step_on_the_loopback() -> None:
     assert "step: 1024(bytes)" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 @pytest.mark.parametrize("g", ["2", "4"])
 def test_hypercube_runs_and_checks(g: str) -> None:
@@ -332,6 +335,7 @@ def test_hypercube_runs_and_checks(g: str) -> None:
     assert "# Out of bounds values : 0 OK" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_hypercube_skips_other_rank_counts() -> None:
     proc = run_perf("hypercube", "-g", "3", "-b", "64", "-e", "64", "-n", "1")
@@ -363,6 +367,7 @@ def test_alltoallv_runs_and_checks(tmp_path: Path) -> None:
     assert "#   rank=2 send_bytes=" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_alltoallv_matrix_run(tmp_path: Path) -> None:
     path = tmp_path / "traffic.txt"
@@ -378,6 +383,7 @@ def test_alltoallv_matrix_run(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "-b and -e must be equal" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_min_bw(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
@@ -393,6 +399,7 @@ def test_min_bw(tmp_path: Path) -> None:
     assert next(x for x in ok.stdout.splitlines() if "Avg bus bandwidth" in x).endswith(" OK")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_device_offset() -> None:
     proc = run_perf("-g", "2", "-b", "1K", "-e", "1K", "-n", "1",
@@ -406,6 +413,7 @@ def test_device_offset() -> None:
     assert [line.split()[10] for line in one.stdout.splitlines() if "#  Rank" in line] == ["9"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_split_runs_groups_side_by_side(tmp_path: Path) -> None:
     out = tmp_path / "s.json"

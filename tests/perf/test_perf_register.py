@@ -15,6 +15,7 @@ def loopback_ready(lb_env: dict[str, str]) -> None:
     """The loopback is built (cached) before the runs, or they skip saying why."""
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 @pytest.mark.parametrize(
     "flags",

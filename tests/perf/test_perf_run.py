@@ -28,6 +28,7 @@ def _skip_if_avg_refused(proc: subprocess.CompletedProcess[str]) -> None:
         pytest.skip("this branch's object API refuses integer avg (the comm rebuild accepts it)")
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_integer_avg_and_all_ops_keep_it() -> None:
     # -o all on an integer type: every op, avg included (NCCL's: sum / nranks, truncated
@@ -47,6 +48,7 @@ def test_integer_avg_and_all_ops_keep_it() -> None:
     assert [r[3] for r in table_rows(avg.stdout)] == ["avg"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 @pytest.mark.parametrize(
     "flags",
@@ -90,6 +92,7 @@ def test_ngpus_in_the_header_follows_g() -> None:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("loopback_ready")
 def test_timeout_bounds_each_wait_not_the_run(tmp_path: Path) -> None:
     # -T 2 on a sweep of over 3 s (both ranks pause 0.5 s on the host before each of its
