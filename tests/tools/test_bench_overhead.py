@@ -11,9 +11,9 @@ import ast
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from support import ROOT
+
 SCRIPT = ROOT / "scripts" / "bench_overhead.py"
 
 
