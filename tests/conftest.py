@@ -1,9 +1,9 @@
 """Shared fixtures: the loopback libraries and worlds of communicators over them.
 
-``build``/``lib``/``world`` (from ``_lb_fixtures``) are the raw-ctypes loopback libnccl of
+``build``/``lib``/``world`` (from ``support.clib_fixtures``) are the raw-ctypes loopback libnccl of
 the test_loopback_*.py modules. Nothing here is autouse: a test module opts in by asking for
 ``lb`` (the default loopback build made this process's libnccl/libcudart for the module), or
-uses ``_worlds.use_loopback(version)`` for other emulated releases. Each swap is undone when
+uses ``support.worlds.use_loopback(version)`` for other emulated releases. Each swap is undone when
 its scope ends (the previously loaded libraries and environment come back), so modules that
 test the real libnccl or library discovery are unaffected.
 """

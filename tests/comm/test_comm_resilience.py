@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from support import SUPPORT
+from support.reference import small_ints
 from support.worlds import RankThreads, ThreadWorld, use_loopback
 
 import pynccl
@@ -40,8 +41,7 @@ def _loopback(lb: Any) -> None:
 
 
 def data(rank: int, count: int = COUNT) -> np.ndarray:
-    """Small integers in float32: every order of summation gives the same sum."""
-    return np.random.default_rng([7, rank, count]).integers(-500, 500, count).astype(np.float32)
+    return small_ints(7, rank, count)
 
 
 def checked_all_reduce(comm: Communicator, me: int, members: list[int]) -> None:

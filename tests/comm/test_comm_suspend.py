@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.reference import small_ints
 from support.worlds import ThreadWorld, use_loopback
 
 import pynccl
@@ -33,7 +34,7 @@ def _loopback(lb: Any) -> None:
 
 
 def data(rank: int) -> np.ndarray:
-    return np.random.default_rng([11, rank]).integers(-300, 300, COUNT).astype(np.float32)
+    return small_ints(11, rank, COUNT)
 
 
 def checked_all_reduce(comm: Communicator, me: int, members: list[int]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.reference import small_ints
 from support.worlds import ThreadWorld
 
 from pynccl import NcclInvalidUsage, NcclTimeoutError
@@ -45,8 +46,7 @@ def _loopback(lb: Any) -> None:
 
 
 def data(rank: int) -> np.ndarray:
-    """Small integers in float32: every order of summation gives the same sum."""
-    return np.random.default_rng([11, rank]).integers(-100, 100, N).astype(np.float32)
+    return small_ints(11, rank, N)
 
 
 # ---- bug 3: destroy with hung work ------------------------------------------------------------

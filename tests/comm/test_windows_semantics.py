@@ -25,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from support.cudart import Hold
+from support.reference import small_ints
 from support.worlds import ThreadWorld, use_loopback
 
 from pynccl import library
@@ -41,7 +42,7 @@ pytestmark = pytest.mark.usefixtures("lb")
 
 
 def data(seed: int, n: int = N) -> np.ndarray:
-    return np.random.default_rng(seed).integers(-100, 100, n).astype(np.float32)
+    return small_ints(seed, 0, n)
 
 
 # --- sizes, alignment, memory kinds -----------------------------------------------------------

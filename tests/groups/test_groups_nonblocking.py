@@ -24,6 +24,7 @@ from ctypes import byref, c_void_p
 
 import numpy as np
 import pytest
+from support.reference import small_ints
 from support.worlds import ThreadWorld, use_loopback
 
 from pynccl import library
@@ -50,7 +51,7 @@ def nonblocking(n: int = 1) -> list[Communicator]:
 
 
 def data(seed: int, n: int = N) -> np.ndarray:
-    return np.random.default_rng(seed).integers(-100, 100, n).astype(np.float32)
+    return small_ints(seed, 0, n)
 
 
 # --- every communicator of an in-progress group waits -----------------------------------------

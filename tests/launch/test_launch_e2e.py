@@ -197,7 +197,7 @@ def test_from_env_file_backend(tmp_path: Path) -> None:
 
 @pytest.fixture
 def kv_store() -> Iterator[tuple[str, dict[str, str]]]:
-    """A running ``workers/kv_store.py`` server: (its AF_UNIX address, client env)."""
+    """A running ``support/workers/kv_store.py`` server: (its AF_UNIX address, client env)."""
     directory = tempfile.mkdtemp(prefix="pn-kv-")  # short: socket paths have ~100 bytes
     address = os.path.join(directory, "sock")
     env = {"PYNCCL_TEST_STORE_AUTHKEY": h.new_key()}

@@ -6,7 +6,7 @@ ranks run in each; the rendezvous crosses the veth link, with ``MASTER_ADDR`` th
 namespace's address for host B's ranks. Three ways to start the job: ``python -m pynccl
 launch --nnodes 2`` (one launcher per host), and processes started with Slurm's and
 torchrun's variables. Every collective is checked against numpy on every rank
-(``workers/multihost.py``).
+(``support/workers/multihost.py``).
 
 The loopback libnccl's ranks still meet on this machine (through a socket file in
 ``PYNCCL_LOOPBACK_RENDEZVOUS_DIR``; the namespaces share the file system): what this tests

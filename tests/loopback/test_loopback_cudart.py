@@ -5,7 +5,7 @@ Results are checked against numpy re-computations. Streams are held with a "gate
 task (a callback blocked on a threading.Event) so that "work is still pending"
 states are reached deterministically, never by a timing race. Capture and graphs are in
 test_loopback_cudart_graphs.py; memory, copies and the build checks in
-test_loopback_cudart_memory.py (helpers: _support_cudart.py).
+test_loopback_cudart_memory.py (helpers: support/cudart.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The loopback libnccl fixtures the test_loopback_*.py modules share.
 
-A module takes them with ``from _lb_fixtures import build, lib, world``; pytest then finds
+A module takes them with ``from support.clib_fixtures import build, lib, world``; pytest then finds
 them in its namespace. ``_build`` makes (or reuses) a loopback build, sanitized when this
 process runs under AddressSanitizer (CI's sanitizer step), and skips without a compiler.
 """

@@ -147,7 +147,7 @@ def standalone_rt(cudart_path: str) -> ctypes.CDLL:
 
 @pytest.fixture(scope="module", name="rt")
 def linked_rt(build: Any) -> ctypes.CDLL:
-    """``rt``: the cudart that the loopback libnccl of ``build`` (_lb_fixtures) links, one
+    """``rt``: the cudart that the loopback libnccl of ``build`` (support.clib_fixtures) links, one
     instance (a module takes it by importing it)."""
     return bind(build.cudart)
 

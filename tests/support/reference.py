@@ -32,6 +32,7 @@ __all__ = [
     "ref_reduce",
     "same_bits",
     "sizes",
+    "small_ints",
 ]
 
 #: Anything the reference takes as a type.
@@ -160,6 +161,13 @@ def ref_reduce(
                 terms = [x * sc for x in inputs[1:]]
             return _fold([first, *terms], lambda a, b: enc(dec(a) + dec(b)))
     raise ValueError(f"no float reference for op {op!r}")
+
+
+def small_ints(seed: int, rank: int, count: int, dtype: Any = np.float32) -> np.ndarray:
+    """Rank ``rank``'s ``count`` inputs: integers below 100 in magnitude, as ``dtype``. Float
+    sums of them are exact in any order (up to 2**24 / 100 ranks), so numpy's sum is the
+    reference whatever order a collective adds them in."""
+    return np.random.default_rng([seed, rank, count]).integers(-100, 100, count).astype(dtype)
 
 
 # --- the C collectives' results (raw ctypes tests: nccl.h's names) -------------------------------

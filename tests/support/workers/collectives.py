@@ -17,15 +17,14 @@ import os
 
 import numpy as np
 from _job import communicator, fail, launcher, parser, report, shm_names
+from support.reference import small_ints
 
 import pynccl
 from pynccl.cuda import DeviceBuffer
 
 
 def rank_input(rank: int, count: int, dtype: str) -> np.ndarray:
-    """Rank ``rank``'s input: small integers, so that float sums are exact in any order."""
-    rng = np.random.default_rng(1000 + rank)
-    return rng.integers(-1000, 1000, size=count).astype(dtype)
+    return small_ints(1000, rank, count, dtype)
 
 
 def main() -> None:

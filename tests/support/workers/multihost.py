@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 from _job import fail, launcher, report, shm_names
+from support.reference import small_ints
 
 import pynccl
 from pynccl.bootstrap import detect_launch_env
@@ -29,8 +30,7 @@ COUNT = 4096  # elements per rank (per block for the block collectives)
 
 
 def rank_input(rank: int, n: int, dtype: str = "float32") -> np.ndarray:
-    """Small integers: float sums are exact in any order."""
-    return np.random.default_rng(7000 + rank).integers(-100, 100, size=n).astype(dtype)
+    return small_ints(7000, rank, n, dtype)
 
 
 def main() -> None:

@@ -20,10 +20,16 @@ Every grown or shrunk communicator checks an all_reduce against numpy (``grown``
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import numpy as np
+
+# Run as a script: tests/ (for the support package) importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from support.reference import small_ints
 
 import pynccl
 from pynccl.comm import Communicator, UniqueId
@@ -38,8 +44,7 @@ def emit(**fields: object) -> None:
 
 def data(original_rank: int) -> np.ndarray:
     """The input of the process that was rank ``original_rank`` of the first world."""
-    rng = np.random.default_rng([13, original_rank])
-    return rng.integers(-1000, 1000, COUNT).astype(np.float32)
+    return small_ints(13, original_rank, COUNT)
 
 
 def all_reduce_ok(comm: Communicator, me: int, members: list[int]) -> bool:
