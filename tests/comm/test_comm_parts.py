@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import ast
 import inspect
-from pathlib import Path
 
 import pytest
+from support import ROOT
 
-COMM = Path(__file__).resolve().parent.parent / "pynccl" / "comm"
+COMM = ROOT / "pynccl" / "comm"
 
 #: The collectives' fast path, being rewritten (issue 21): not held to these rules yet.
 LEAD: set[str] = set()
