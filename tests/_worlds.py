@@ -1,4 +1,4 @@
-"""What the lead's modules at tests/ root (test_memo.py, test_spec.py) import from the old
+"""What the lead's modules at tests/ root (test_fast_path.py, test_spec.py) import from the old
 helper: a re-export of ``support``, until those modules are rewritten (issue 21)."""
 
 from support.suite import COLLECTIVES
