@@ -16,10 +16,10 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import _producers as P
 import ml_dtypes
 import numpy as np
 import pytest
+from support import producers as P
 
 from pynccl import DataType
 from pynccl._adapt import _dlpack

@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 import pytest
-from _support_cudart import HostGate, bind
+from support.cudart import HostGate, bind
 
 from pynccl import library
 from pynccl.comm import Communicator, UniqueId, _held
