@@ -125,7 +125,7 @@ def test_an_interface_whose_stream_changes_in_place_is_ordered(
 ) -> None:
     # An interface kept as one dict, read by the fast path call after call: its stream
     # entry changed in place must still order the call after the new producer's work.
-    from test_fast_path import takes_fast_path
+    from support.comm import takes_fast_path
 
     src, dst = DeviceBuffer(N, F32, device=0), DeviceBuffer(N, F32, device=0)
     src.fill_zero()

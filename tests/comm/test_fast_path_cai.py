@@ -3,7 +3,7 @@ once, by value (the type's handler, :func:`pynccl._adapt._cai._make_cai_handler`
 gives what the checked path gives.
 
 What must hold: every change to an interface is seen (each case of
-``_cai_cases.CASES``, made in place on a dict read before or as a new dict, gives what the
+``support.cai_cases.CASES``, made in place on a dict read before or as a new dict, gives what the
 checked path gives on a type never seen), results (against numpy), how often an interface
 is read (once a call), the device an array reports, the flight record and the stream
 (what stays alive: ``test_fast_path.py``).
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _cai_cases import CASES, N, changed, interface, outcome, reduce, resolve
-from test_fast_path import takes_fast_path
+from support.cai_cases import CASES, N, changed, interface, outcome, reduce, resolve
+from support.comm import takes_fast_path
 
 from pynccl.comm import Communicator
 from pynccl.cuda import DeviceBuffer

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _cai_cases import CASES, F32, N, changed, interface, outcome, reduce, resolve
+from support.cai_cases import CASES, F32, N, changed, interface, outcome, reduce, resolve
 
 from pynccl._capi import _binding
 from pynccl.comm import Communicator, UniqueId

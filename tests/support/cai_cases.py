@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from support.producers import cai_dict
 
 from pynccl import DataType
 from pynccl.comm import Communicator
 from pynccl.cuda import DeviceBuffer
+from support.producers import cai_dict
 
 N = 8
 F32 = DataType.FLOAT32

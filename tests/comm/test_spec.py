@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _worlds import COLLECTIVES as TEST_COLLECTIVES
+from support.suite import COLLECTIVES as TEST_COLLECTIVES
 
 import pynccl.testing
 from pynccl._capi.nccl import PROTOTYPES

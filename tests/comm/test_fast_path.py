@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _cai_cases import interface
-from _worlds import ThreadWorld
+from support.cai_cases import interface
+from support.comm import takes_fast_path
+from support.worlds import ThreadWorld
 
 from pynccl import DataType, NcclInvalidUsage
 from pynccl.comm import Communicator, UniqueId
@@ -234,26 +235,6 @@ def _pair(kind: str, new_buffers: Any) -> tuple[Any, Any]:
     for x in pair:
         x.__cuda_array_interface__ = interface(buf)
     return pair
-
-
-def takes_fast_path(call: Any, *args: Any, **kwargs: Any) -> bool:
-    """Whether ``call(*args, **kwargs)`` issued without the checked path
-    (``Collectives._slow``)."""
-    from pynccl.comm._collectives import Collectives  # where _slow is defined
-
-    seen: list[object] = []
-    checked = Collectives._slow
-
-    def spy(self: Any, *args: Any, **kwargs: Any) -> None:
-        seen.append(args)
-        checked(self, *args, **kwargs)
-
-    Collectives._slow = spy  # type: ignore[method-assign]
-    try:
-        call(*args, **kwargs)
-    finally:
-        Collectives._slow = checked  # type: ignore[method-assign]
-    return not seen
 
 
 @pytest.mark.parametrize("kind", ["DeviceBuffer", "interface"])
