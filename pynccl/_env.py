@@ -19,6 +19,8 @@ KNOWN: dict[str, str] = {
     "PYNCCL_NCCL_LIBRARY": "path of the libnccl to load",
     "PYNCCL_CUDART_LIBRARY": "path of the libcudart to load",
     "PYNCCL_RENDEZVOUS_KEY": "shared secret authenticating the TCP unique-id rendezvous",
+    "PYNCCL_NO_KNOWN_BAD_WARNING": "1: no warning when the loaded libnccl has known issues",
+    "PYNCCL_RENDEZVOUS_REPORT": "seconds between rendezvous lines naming missing ranks (30)",
     "PYNCCL_LAUNCHER": "set by python -m pynccl launch for its ranks",
     "PYNCCL_CACHE_DIR": "where the loopback libraries are built (default ~/.cache/pynccl)",
     "PYNCCL_PERF_NGPUS": "set by python -m pynccl perf for the ranks it launches",

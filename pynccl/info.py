@@ -6,7 +6,8 @@ discovery rule, version), every libnccl mapped in the process, the CUDA runtime
 and driver versions, the visible GPUs (or, plainly, why there are none), the
 ``NCCL_*``/``PYNCCL_*``/``CUDA_*`` environment variables that are set (secrets such as
 ``PYNCCL_RENDEZVOUS_KEY`` shown as ``<set>``; a ``PYNCCL_*`` name pynccl does not read
-flagged, with the nearest one it does), every ``PYNCCL_*`` variable pynccl reads and,
+flagged, with the nearest one it does), every ``PYNCCL_*`` variable pynccl reads, the
+loaded release's known issues (``pynccl._known_bad``) and,
 where libnccl has the parameter API (NCCL >= 2.30), NCCL's parameters and their values.
 
 Exit status: 0 whenever the report was printed, even if a library is missing
@@ -219,7 +220,17 @@ def collect() -> dict[str, Any]:
         "unknown_variables": _env.unknown(),
         "pynccl_variables": dict(_env.KNOWN),
         "nccl_parameters": _nccl_params(lib),
+        "known_issues": _known_issues(lib),
     }
+
+
+def _known_issues(lib: Any) -> list[str] | None:
+    """The loaded release's entries in pynccl's known-bad table (None: no libnccl)."""
+    from . import _known_bad
+
+    if lib is None:
+        return None
+    return [_known_bad.describe(i) for i in _known_bad.issues_for(lib.version)]
 
 
 def _lib_line(name: str, sec: dict[str, Any], version: str | None) -> list[str]:
@@ -242,6 +253,14 @@ def format_text(report: dict[str, Any]) -> str:
     ]
     lines += _lib_line("libnccl", report["nccl"], report["nccl"].get("version"))
     lines += _lib_line("libcudart", report["cudart"], cuda.get("runtime_version"))
+    issues = report.get("known_issues")
+    if issues is not None:
+        version = report["nccl"].get("version")
+        if issues:
+            lines.append(f"{'':<11}KNOWN ISSUES of NCCL {version}:")
+            lines += [f"{'':<13}- {text}" for text in issues]
+        else:
+            lines.append(f"{'':<11}no known issue in pynccl's table for NCCL {version}")
     mapped = report["nccl_mapped"]
     lines.append(f"mapped     libnccl* files in this process: {len(mapped)}")
     lines += [f"{'':<13}{path}" for path in mapped]

@@ -63,9 +63,17 @@ def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
             _env.warn_unknown_once()  # a mistyped PYNCCL_* variable would do nothing
             found = _loader.open_nccl(None if path is None else os.fspath(path))
             current = _nccl = NcclLibrary(found.cdll, found.path, found.rule)
+            _warn_known_bad(current)
         else:
             _refuse_another("libnccl", current, path)
         return current
+
+
+def _warn_known_bad(nccl: NcclLibrary) -> None:
+    """Warn once when the loaded release is in pynccl's table of known-bad releases."""
+    from . import _known_bad
+
+    _known_bad.warn_once(nccl.version)
 
 
 def lib() -> NcclLibrary:
