@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 from ._common import check_share_args
 from ._conventions import detected, missing_address
+from ._progress import report_interval, say
 from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, open_box, warn_keyless
 from ._wire import (
     AUTH,
@@ -182,7 +183,10 @@ class TcpRendezvous:
         if rank == 0:
             raise ValueError("rank 0 serves the payload; it cannot fetch it")
         where = f"{self.host}:{self.port}"
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
+        every = report_interval()
+        next_report = start + every if every > 0 else float("inf")
         delay = 0.01
         attempts = 0
         last: str = "no attempt made"
@@ -205,6 +209,13 @@ class TcpRendezvous:
                         return self._handshake(sock, rank, world_size, deadline, where)
                 except _Retry as e:
                     last = str(e)
+            now = time.monotonic()
+            if now >= next_report:  # rank 0 is the one missing, from here
+                say(
+                    f"rank {rank}: rank 0 at {where} has not served the id after "
+                    f"{now - start:.0f} s ({attempts} attempt(s); last error: {last})"
+                )
+                next_report = now + every
             # jittered exponential backoff so that a thousand ranks do not retry in lockstep
             time.sleep(min(delay * random.uniform(0.5, 1.0), max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 1.0)

@@ -20,6 +20,8 @@ import time
 
 from ._common import check_share_args, ranks_phrase
 from ._net import open_listener
+from ._progress import arrived_phrase, missing_report, say
+from ._progress import report_interval as _report_interval
 from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, seal
 from ._wire import (
     AUTH,
@@ -106,6 +108,10 @@ class TcpRendezvousServer:
     ``max_connections`` slots are taken, each new connection displaces the oldest
     unauthenticated one (refused ones first, then those that sent nothing, then
     those challenged); only ranks that proved the key keep their slot.
+
+    While it waits, every ``report_interval`` seconds (default
+    ``$PYNCCL_RENDEZVOUS_REPORT``, else 30; 0: never) and at the timeout it writes one
+    line on stderr naming the ranks that have not arrived and the hosts of those that did.
     """
 
     def __init__(
@@ -118,6 +124,7 @@ class TcpRendezvousServer:
         key: str | bytes | None = None,
         timeout: float = 300.0,
         connection_timeout: float = 30.0,
+        report_interval: float | None = None,
         max_connections: int = 1024,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         bind: str | None = None,
@@ -150,6 +157,10 @@ class TcpRendezvousServer:
         self._challenged: dict[_Conn, None] = {}
         self._evicted = 0
         self._served: set[int] = set()
+        self._hosts: dict[int, str] = {}  # rank -> the address it connected from
+        self._report = _report_interval(report_interval)
+        self._started = 0.0
+        self._next_report = float("inf")
         self._rejections: list[str] = []
         self._conns: dict[int, _Conn] = {}
         self._heap: list[tuple[float, int, _Conn]] = []
@@ -193,7 +204,10 @@ class TcpRendezvousServer:
                 raise RuntimeError("TcpRendezvousServer.start() called twice")
             if self._stop:
                 raise RuntimeError("TcpRendezvousServer is closed")
-            self._deadline = time.monotonic() + self._timeout
+            self._started = time.monotonic()
+            self._deadline = self._started + self._timeout
+            if self._report > 0:
+                self._next_report = self._started + self._report
             self._thread = threading.Thread(
                 target=self._run, name=f"pynccl-rendezvous:{self._port}", daemon=True
             )
@@ -230,10 +244,12 @@ class TcpRendezvousServer:
                 )
             if self._rejections:
                 detail += "; refused meanwhile: " + "; ".join(self._rejections[-5:])
+            with self._lock:
+                arrived = arrived_phrase(self._hosts)
             raise RendezvousTimeoutError(
                 f"rank 0: {self._missing()} of {self._world_size} did not fetch the id "
                 f"from {self._host}:{self._port} within {self._timeout:g} s (did they start, "
-                f"with the same MASTER_ADDR/MASTER_PORT?){detail}"
+                f"with the same MASTER_ADDR/MASTER_PORT?); arrived: {arrived}{detail}"
             )
         raise RendezvousError(f"rank 0: the rendezvous server was closed ({self._outcome})")
 
@@ -272,6 +288,12 @@ class TcpRendezvousServer:
         with self._lock:
             return ranks_phrase(set(range(1, self._world_size)) - self._served)
 
+    def _say_missing(self, now: float, why: str) -> None:
+        with self._lock:
+            missing = set(range(1, self._world_size)) - self._served
+            line = missing_report(missing, self._world_size, self._hosts, now - self._started)
+        say(f"rank 0 at {self._host}:{self._port}{why}: {line}")
+
     def _run(self) -> None:
         try:
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -283,6 +305,7 @@ class TcpRendezvousServer:
             logger.error("rendezvous server on port %d failed: %r", self._port, e)
         finally:
             if self._outcome == "timeout":
+                self._say_missing(time.monotonic(), ", giving up")
                 logger.warning(
                     "rendezvous on port %d: gave up after %g s; ranks %s never fetched the id",
                     self._port,
@@ -328,7 +351,10 @@ class TcpRendezvousServer:
                 self._outcome = "timeout"
                 return
             self._expire(now)
-            wake = self._deadline
+            if now >= self._next_report:
+                self._say_missing(now, "")
+                self._next_report = now + self._report
+            wake = min(self._deadline, self._next_report)
             if self._heap:
                 wake = min(wake, self._heap[0][0])
             accept = False
@@ -480,6 +506,7 @@ class TcpRendezvousServer:
                         "rendezvous: rank %d (%s) fetched the id again", conn.rank, conn.peer
                     )
                 self._served.add(conn.rank)
+                self._hosts[conn.rank] = conn.peer.rpartition(":")[0]
         if conn.state in (_SENDING, _CLOSING):
             conn.state = _DRAINING
             try:
