@@ -282,6 +282,7 @@ ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking) {
         c->nb_polls_left--;
         return ncclInProgress;
     }
+    lb_info_comm_ready(c);
     __atomic_store_n(&c->state, LBC_READY, __ATOMIC_RELEASE);
     return ncclSuccess;
 }

@@ -151,6 +151,7 @@ static ncclResult_t run_op(struct lb_op *op, ncclComm_t comm, cudaStream_t strea
     struct lb_comm *c;
     ncclResult_t r = lb_comm_get(comm, opname, &c);
     if (r == ncclSuccess) r = check_args(c, op, stream, opname);
+    if (r == ncclSuccess) lb_info_coll(c, op, opname, stream);
     if (r == ncclSuccess) r = submit(c, stream, op, opname);
     return lb_group_error(r);
 }

@@ -528,4 +528,18 @@ ncclResult_t lb_launch_async(struct lb_gitem *items, int n, struct lb_wop *ops, 
 
 #pragma GCC visibility pop
 
+/* ---- NCCL_DEBUG=INFO lines (debug.c) ---------------------------------------------- */
+
+#define LB_DBG_INIT 0x1UL
+#define LB_DBG_COLL 0x2UL
+#define LB_DBG_TUNING 0x40UL
+#define LB_DBG_ENV 0x80UL
+#define LB_DBG_ALL (~0UL)
+
+int lb_info_on(unsigned long subsys);
+void lb_info(unsigned long subsys, int dev, const char *fmt, ...) LBN_PRINTF(3, 4);
+void lb_info_comm_ready(const struct lb_comm *c);
+void lb_info_coll(const struct lb_comm *c, const struct lb_op *op, const char *opname,
+                  const void *stream);
+
 #endif /* PYNCCL_NCCL_LB_INTERNAL_H */
