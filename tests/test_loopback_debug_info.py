@@ -62,13 +62,23 @@ def test_info_prints_init_lines_in_nccl_format() -> None:
     bodies = [m.group(4) for m in lines]
     assert bodies.count("NCCL version 2.28.9+cuda13.0") == 1, proc.stderr  # once a process
     for r in (0, 1):
-        comm = [b for b in bodies if re.fullmatch(
-            rf"comm 0x[0-9a-f]+ rank {r} nRanks 2 nNodes 1 localRanks 2 localRank {r} MNNVL 0", b
-        )]
+        comm = [
+            b
+            for b in bodies
+            if re.fullmatch(
+                rf"comm 0x[0-9a-f]+ rank {r} nRanks 2 nNodes 1 localRanks 2 localRank {r} MNNVL 0",
+                b,
+            )
+        ]
         assert len(comm) == 1, proc.stderr
-        done = [b for b in bodies if re.fullmatch(
-            rf"ncclCommInitRank comm 0x[0-9a-f]+ rank {r} nranks 2 cudaDev {r} .* - Init COMPLETE", b
-        )]
+        done = [
+            b
+            for b in bodies
+            if re.fullmatch(
+                rf"ncclCommInitRank comm 0x[0-9a-f]+ rank {r} nranks 2 cudaDev {r} .* - Init COMPLETE",
+                b,
+            )
+        ]
         assert len(done) == 1, proc.stderr
     assert any(b.startswith("Comm config Blocking set to 1") for b in bodies), proc.stderr
     for m in lines:
@@ -85,9 +95,9 @@ def test_subsys_selects_coll_and_tuning() -> None:
     assert len(coll) == 2, proc.stderr  # one per rank
     assert all("count 4096 datatype 7 op 0 root -1" in b and "[nranks=2]" in b for b in coll)
     tuning = [b for b in bodies if "-> Algo" in b]
-    assert tuning == [
-        "AllReduce: 16384 Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..0}"
-    ], proc.stderr  # rank 0 only, as NCCL
+    assert tuning == ["AllReduce: 16384 Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..0}"], (
+        proc.stderr
+    )  # rank 0 only, as NCCL
     assert not any("Init COMPLETE" in b for b in bodies)  # INIT is not selected
     assert any(b.startswith("NCCL version") for b in bodies)  # the banner is ALL
 

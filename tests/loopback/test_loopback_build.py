@@ -445,7 +445,7 @@ def test_cudart_files_form_a_dag_with_core_at_the_bottom() -> None:
 
 #: The nccl files bottom to top, as nccl/core.c's header comment lists them.
 NCCL_ORDER = (
-    "core", "reduce", "crypto", "param", "config", "sync", "world", "exec", "p2p", "window",
+    "core", "reduce", "debug", "crypto", "param", "config", "sync", "world", "exec", "p2p", "window",
     "comm", "group", "gjob", "teardown", "init", "fault", "suspend", "redop", "props", "signal",
     "winreg", "launch", "enqueue",
 )  # fmt: skip

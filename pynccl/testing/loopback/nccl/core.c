@@ -13,7 +13,8 @@
  * calls another nccl file.
  *
  * Files, bottom to top (each calls only those before it, but for the pair comm/group):
- * core.c, reduce.c (element types and reductions), crypto.c (ncclSetEncryption),
+ * core.c, reduce.c (element types and reductions), debug.c (NCCL_DEBUG=INFO lines),
+ * crypto.c (ncclSetEncryption),
  * param.c (the parameter API), config.c (ncclConfig_t), sync.c (waits, broken worlds,
  * dead peers), world.c (a communicator's shared-memory world: create, join, leave),
  * exec.c (collectives over the world), p2p.c (send/recv rings), window.c (ncclMemAlloc,

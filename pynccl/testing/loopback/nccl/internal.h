@@ -526,8 +526,6 @@ ncclResult_t lb_launch_ops(struct lb_gitem *items, int n);
  * (gjob.c); takes items and ops; ncclInProgress. */
 ncclResult_t lb_launch_async(struct lb_gitem *items, int n, struct lb_wop *ops, int nops);
 
-#pragma GCC visibility pop
-
 /* ---- NCCL_DEBUG=INFO lines (debug.c) ---------------------------------------------- */
 
 #define LB_DBG_INIT 0x1UL
@@ -541,5 +539,7 @@ void lb_info(unsigned long subsys, int dev, const char *fmt, ...) LBN_PRINTF(3, 
 void lb_info_comm_ready(const struct lb_comm *c);
 void lb_info_coll(const struct lb_comm *c, const struct lb_op *op, const char *opname,
                   const void *stream);
+
+#pragma GCC visibility pop
 
 #endif /* PYNCCL_NCCL_LB_INTERNAL_H */
