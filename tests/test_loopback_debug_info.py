@@ -75,7 +75,8 @@ def test_info_prints_init_lines_in_nccl_format() -> None:
             b
             for b in bodies
             if re.fullmatch(
-                rf"ncclCommInitRank comm 0x[0-9a-f]+ rank {r} nranks 2 cudaDev {r} .* - Init COMPLETE",
+                rf"ncclCommInitRank comm 0x[0-9a-f]+ rank {r} nranks 2 cudaDev {r} "
+                r".* - Init COMPLETE",
                 b,
             )
         ]
