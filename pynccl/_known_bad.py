@@ -13,7 +13,6 @@ Only the standard library: this runs when libnccl is first loaded.
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 __all__ = ["ENV_SILENCE", "KNOWN_BAD", "KnownIssue", "describe", "issues_for", "warn_once"]
 
@@ -23,19 +22,30 @@ ENV_SILENCE = "PYNCCL_NO_KNOWN_BAD_WARNING"
 Release = tuple[int, int, int]
 
 
-class KnownIssue(NamedTuple):
+class KnownIssue:
     """One problem of a range of NCCL releases (both ends included)."""
 
-    first: Release
-    last: Release
-    summary: str
-    source: str
-    #: The first release without it, or None when no release fixes it (then ``workaround``).
-    fixed: Release | None
-    workaround: str = ""
+    __slots__ = ("first", "fixed", "last", "source", "summary", "workaround")
+
+    def __init__(
+        self,
+        first: Release,
+        last: Release,
+        summary: str,
+        source: str,
+        fixed: Release | None,
+        workaround: str = "",
+    ) -> None:
+        self.first, self.last, self.summary, self.source = first, last, summary, source
+        #: The first release without it, or None when no release fixes it (then ``workaround``).
+        self.fixed = fixed
+        self.workaround = workaround
 
     def covers(self, release: Release) -> bool:
         return self.first <= release <= self.last
+
+    def __repr__(self) -> str:
+        return f"KnownIssue({describe(self)!r})"
 
 
 _NOTES = "https://github.com/NVIDIA/nccl/releases/tag/v{}-1"
