@@ -12,12 +12,15 @@ commands:
   perf     nccl-tests' bandwidth sweep (same flags, columns and -J JSON); without a GPU it
            runs on pynccl's host-memory loopback libraries, and says so
   launch   start N local ranks of a script (or -m module) with the rendezvous environment
-           set; --loopback runs them on the loopback libraries
+           set; --loopback runs them on the loopback libraries; --flight-dir DIR
+           collects every rank's flight record when the job fails or times out
+  analyze  read the flight-record dumps of every rank (PYNCCL_FLIGHT_DIR) and name the
+           rank and the operation at fault
 
 python -m pynccl COMMAND --help shows a command's options.
 """
 
-_COMMANDS = ("info", "perf", "launch")
+_COMMANDS = ("info", "perf", "launch", "analyze")
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the subcommand's own ``main``; returns the exit status (2: usage)."""

@@ -5,6 +5,8 @@ and the buffers its calls use, which the graph keeps alive)."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from ctypes import byref, c_int, c_void_p
 
@@ -42,6 +44,7 @@ class Observed(CommHandle):
         "_raw_fn",
         "_ring",
         "_seq",
+        "_sites",
         "_stream",
     )
 
@@ -52,6 +55,8 @@ class Observed(CommHandle):
     _raw_bfn: list[Any]
     _ring: list[object]
     _seq: int
+    #: With PYNCCL_FLIGHT_STACKS=1: the call site of each entry of the ring, else None.
+    _sites: list[str | None] | None
     _stream: int
     _cstream: c_void_p  # _stream as the fast path passes it
     #: The Graphs that captured calls of this communicator (a WeakSet, from the first one).
@@ -180,19 +185,29 @@ class Observed(CommHandle):
         way, the fast path's slots (``_bfn``) are empty, so every call takes the checked
         path, which tells the graph what it captured (:meth:`note_capture`)."""
         watch = self._watch
-        if watch is None:
-            fn, bfn = list(self._raw_fn), list(self._raw_bfn)
-        else:
-            fn = [None if f is None else _watched(self, f, watch) for f in self._raw_fn]
-            bfn = [None if f is None else _watched(self, f, watch) for f in self._raw_bfn]
+        fn, bfn = list(self._raw_fn), list(self._raw_bfn)
+        if watch is not None:
+            fn = [None if f is None else _watched(self, f, watch) for f in fn]
+            bfn = [None if f is None else _watched(self, f, watch) for f in bfn]
+        sites = self._sites
+        if sites is not None:
+            fn = [None if f is None else _sited(self, f, sites) for f in fn]
+            bfn = [None if f is None else _sited(self, f, sites) for f in bfn]
         self._fn = fn
         self._bfn = [None] * len(bfn) if self._captures else bfn
 
     def _init_handle(self, lib: Any, owner: bool) -> None:
         super()._init_handle(lib, owner)
         self._graphs = None
+        self._sites = [None] * _recorder.RING_SIZE if STACKS else None
 
     def _adopted(self) -> None:
+        if STACKS or DUMPS:
+            from . import _flight
+
+            _flight.adopted(self)
+            if STACKS:
+                self._install_slots()
         if not _HOOKED:
             _hook_captures()
         if self._captures:  # a capture began before this communicator existed
@@ -258,6 +273,11 @@ class Observed(CommHandle):
 
 
 _HOOKED = False
+#: ``PYNCCL_FLIGHT_STACKS=1``: record the Python line that issued each operation (read
+#: once, at import; costs a wrapper per call only then).
+STACKS = os.environ.get("PYNCCL_FLIGHT_STACKS", "") == "1"
+#: ``PYNCCL_FLIGHT_DIR`` set: install the dump triggers with the first communicator.
+DUMPS = bool(os.environ.get("PYNCCL_FLIGHT_DIR"))
 
 
 def _hook_captures() -> None:
@@ -290,5 +310,22 @@ def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
                 stream = stream.value or 0
             watch.enqueued(comm._seq, stream)  # type: ignore[arg-type]
         return rc
+
+    return call
+
+
+def _sited(comm: Observed, fn: Any, sites: list[str | None]) -> Any:
+    """``fn`` remembering the first line outside pynccl that issued each operation."""
+    mask = _recorder.RING_MASK
+
+    def call(*args: object) -> int:
+        frame = sys._getframe(1)
+        while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(
+            "pynccl."
+        ):
+            frame = frame.f_back
+        code = frame.f_code
+        sites[comm._seq & mask] = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        return int(fn(*args))
 
     return call

@@ -23,6 +23,7 @@ __all__ = [
     "RING_SIZE",
     "FlightRecord",
     "entry",
+    "fields",
     "format_lines",
     "format_record",
     "groups",
@@ -97,9 +98,9 @@ def _op_name(code: int) -> str:
         return f"premulsum({code})"
 
 
-def format_record(item: FlightRecord) -> str:
-    """One entry as a line of text: ``#3 ncclReduce count=7 dtype=ncclFloat32 op=max root=0
-    stream=0x0``."""
+def fields(item: FlightRecord) -> dict[str, object]:
+    """One entry decoded: ``seq``, ``function``, ``count``, ``dtype`` (its C name), ``op``
+    (reductions), ``root`` or ``peer``, ``stream`` (the handle, an int)."""
     seq, name, where, args = item
     p2p = name in _P2P
     count, dtype = (args[1], args[2]) if p2p else (args[2], args[3])
@@ -107,13 +108,24 @@ def format_record(item: FlightRecord) -> str:
         dname = DataType(int(dtype)).c_name  # type: ignore[call-overload]
     except ValueError:
         dname = str(dtype)
-    text = f"#{seq} {name} count={count} dtype={dname}"
+    out: dict[str, object] = {"seq": seq, "function": name, "count": count, "dtype": dname}
     if not p2p and len(args) > 4 and COLLECTIVES_HAS_OP.get(name):
-        text += f" op={_op_name(int(args[4]))}"  # type: ignore[call-overload]
+        out["op"] = _op_name(int(args[4]))  # type: ignore[call-overload]
     if where >= 0:
-        text += f" {'peer' if p2p else 'root'}={where}"
-    stream = args[-1] or 0
-    return text + f" stream={stream:#x}"
+        out["peer" if p2p else "root"] = where
+    out["stream"] = args[-1] or 0
+    return out
+
+
+def format_record(item: FlightRecord) -> str:
+    """One entry as a line of text: ``#3 ncclReduce count=7 dtype=ncclFloat32 op=max root=0
+    stream=0x0``."""
+    f = fields(item)
+    text = f"#{f['seq']} {f['function']} count={f['count']} dtype={f['dtype']}"
+    for key in ("op", "root", "peer"):
+        if key in f:
+            text += f" {key}={f[key]}"
+    return text + f" stream={f['stream']:#x}"
 
 
 COLLECTIVES_HAS_OP = {row.cfunc: row.has_op for row in COLLECTIVES}

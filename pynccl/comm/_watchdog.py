@@ -68,6 +68,9 @@ if TYPE_CHECKING:
 else:
     Watched = object
 
+#: The last watchdog started on each communicator (weakly): read by flight-record dumps.
+WATCHED: weakref.WeakKeyDictionary[Any, Watchdog] = weakref.WeakKeyDictionary()
+
 _EVENT_DISABLE_TIMING = 0x2
 _NOT_READY = 600
 
@@ -110,6 +113,10 @@ class Watchdog:
         self._pool: list[int] = []
         self._stop = threading.Event()
         self.reason: BaseException | None = None
+        #: Operations known complete: every one up to ``done`` (its event completed, and
+        #: those before it); ``first``: the first operation watched (0: none yet).
+        self.done = 0
+        self.first = 0
         #: The last unexpected exception of the thread (reported, never fatal), if any.
         self.failure: BaseException | None = None
         self._unready_since: float | None = time.monotonic()
@@ -118,6 +125,7 @@ class Watchdog:
         )
         # At interpreter exit only ask the thread to stop: never join or touch CUDA there.
         atexit.register(self._stop.set)
+        WATCHED[comm] = self  # what a flight-record dump reads, also after a trip
         self._thread.start()
 
     # -- called by the communicator (the issuing thread) --------------------------------
@@ -167,6 +175,8 @@ class Watchdog:
                     self._pool.append(event)
                     return self._unwatched(seq, "cudaEventRecord", device)
                 self._pending.append((seq, event, time.monotonic()))
+                if not self.first:
+                    self.first = seq
         finally:
             if switch and current.value >= 0:
                 self._set_device(current.value)
@@ -223,6 +233,7 @@ class Watchdog:
                             self._rt.raw("cudaGetLastError")()
                         self._pending.popleft()
                         self._pool.append(event)
+                        self.done = max(self.done, seq)
                         continue
                 now = time.monotonic()
                 if now - issued > self.timeout:
@@ -320,6 +331,7 @@ class Watchdog:
                 if rc == 0:
                     self._pending.popleft()
                     self._pool.append(event)
+                    self.done = max(self.done, seq)
                     continue
                 if rc != _NOT_READY:
                     self._rt.raw("cudaGetLastError")()
@@ -346,7 +358,20 @@ class Watchdog:
             )
         return "the watchdog aborted the communicator"
 
+    def state(self, seq: int) -> str:
+        """Operation ``seq`` as the events tell: ``"completed"`` (its event, and every
+        earlier one, completed), ``"started"`` (every earlier watched operation completed:
+        its stream is in it), else ``"issued"`` (also when not watched)."""
+        if not self.first or seq < self.first:
+            return "issued"
+        if seq <= self.done:
+            return "completed"
+        return "started" if seq == max(self.done + 1, self.first) else "issued"
+
     def _trip(self, comm: Watched, reason: BaseException, revoke: bool | None = None) -> None:
         self.reason = reason
         comm.watch_trip(reason, self.on_hang == "revoke" if revoke is None else revoke)
         self.stop()  # from this thread: no join, frees the events
+        from . import _flight
+
+        _flight.on_trip(reason)
