@@ -190,14 +190,20 @@ def analyze(dumps: list[dict[str, Any]]) -> dict[str, Any]:
             "ranks": details}  # fmt: skip
 
 
+def _first(text: object) -> str:
+    lines = str(text or "?").splitlines()
+    return lines[0] if lines else "?"
+
+
 def _detail(d: dict[str, Any]) -> list[str]:
-    lines = [f"pid {d.get('pid', '?')} on {d.get('host', '?')}, dumped on {d.get('reason') or '?'}"]
+    reason = _first(d.get("reason"))
+    lines = [f"pid {d.get('pid', '?')} on {d.get('host', '?')}, dumped on {reason}"]
     for c in d.get("comms", []):
         wd = c.get("watchdog") or {}
         head = (f"comm {c.get('index')}: rank {c.get('rank')}/{c.get('size', '?')}, "
                 f"{c.get('state')}, {c.get('issued')} operation(s) issued")  # fmt: skip
         if wd.get("verdict"):
-            head += f"; watchdog: {wd['verdict'].splitlines()[0]}"
+            head += f"; watchdog: {_first(wd['verdict'])}"
         lines.append(head)
         for op in c.get("ops", [])[-4:]:
             site = f" at {op['site']}" if op.get("site") else ""

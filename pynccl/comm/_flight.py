@@ -66,6 +66,11 @@ def _comm_record(comm: Any) -> dict[str, object]:
     marks = _recorder.groups(comm._ring, items)
     sites = getattr(comm, "_sites", None)
     watch = WATCHED.get(comm)
+    if watch is not None and watch.running:
+        try:
+            watch.refresh()
+        except Exception:  # a dump says what it knows; the watchdog reports CUDA trouble
+            pass
     ops = []
     for item, gid in zip(items, marks):
         op = _recorder.fields(item)
@@ -95,7 +100,10 @@ def _main_stack() -> list[str]:
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     if frame is None:
         return []
-    return [f"{f.filename}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)][-8:]
+    # a dump from a signal handler runs on the main thread: its own frames are no news
+    stack = [f for f in traceback.extract_stack(frame) if f.filename != __file__][-8:]
+    return [f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else "")
+            for f in stack]  # fmt: skip
 
 
 def snapshot(reason: str) -> dict[str, object]:

@@ -358,6 +358,29 @@ class Watchdog:
             )
         return "the watchdog aborted the communicator"
 
+    def refresh(self) -> None:
+        """Take in the events that completed since the thread last looked (for a dump:
+        states as of now). Queries in relaxed capture mode, as the thread does."""
+        from ..cuda._graph import CaptureMode, exchange_capture_mode
+
+        previous = exchange_capture_mode(CaptureMode.RELAXED)
+        try:
+            query = self._rt.raw("cudaEventQuery")
+            with self.lock:
+                while self._pending:
+                    seq, event, _ = self._pending[0]
+                    rc = query(event)
+                    if rc:
+                        if rc != _NOT_READY:
+                            self._rt.raw("cudaGetLastError")()
+                        return
+                    self._pending.popleft()
+                    self._pool.append(event)
+                    self.done = max(self.done, seq)
+        finally:
+            if previous is not None:
+                exchange_capture_mode(previous)
+
     def state(self, seq: int) -> str:
         """Operation ``seq`` as the events tell: ``"completed"`` (its event, and every
         earlier one, completed), ``"started"`` (every earlier watched operation completed:

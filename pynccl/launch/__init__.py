@@ -65,6 +65,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from . import _flight
 from ._job import Job
 
 __all__ = ["main"]
@@ -85,6 +86,7 @@ _VALUE_OPTIONS = frozenset(
         "--master_addr",
         "--master-port",
         "--master_port",
+        *_flight.OPTIONS,
     }
 )
 _DEFAULT_MULTINODE_PORT = 29500  # torchrun's
@@ -159,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
         f"{_DEFAULT_MULTINODE_PORT} with --nnodes > 1)",
     )
     p.add_argument("-m", dest="module", default=None, help="run a module, as python -m does")
+    _flight.add_options(p)
     return p
 
 
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         addr = (opts.master_addr or "127.0.0.1").strip()
         port = opts.master_port or (_DEFAULT_MULTINODE_PORT if opts.nnodes > 1 else _free_port())
         envs, warnings = _child_envs(opts, devices, addr, port)
+        flight = _flight.prepare(opts, envs)
     except (ValueError, ImportError) as e:
         parser.print_usage(sys.stderr)
         print(f"python -m pynccl launch: error: {e}", file=sys.stderr)
@@ -354,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     # here, and say after a failure what to do (a job that needs no GPU hears nothing).
     no_gpu = None if opts.loopback else _no_gpu_reason()
     job = Job(cmd, envs, opts.grace, opts.timeout)
+    if flight is not None:
+        job.dump_grace = opts.dump_grace
+        job.dumped = _flight.all_dumped(flight, job.ranks)
+        job.exiting = _flight.exiting(flight)
     pending: list[int] = []
     handled = (signal.SIGINT, signal.SIGTERM)
     previous: dict[int, object] = {}
@@ -375,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
             job.stop_all(signal.SIGKILL)
             return 1
         code = job.run(pending)
+        if flight is not None and code != 0:
+            _flight.report(flight, job.say)
         if code != 0 and no_gpu is not None:
             job.say(
                 f"hint: {no_gpu}; ranks that use CUDA fail here. Add --loopback to run them "

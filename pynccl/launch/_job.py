@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO
 
 from . import _keeper
@@ -153,6 +154,14 @@ class Job:
         self.kill_at: float | None = None
         self.wake_r, self.wake_w = socket.socketpair()
         self.keeper: _KeeperLink | None = None
+        #: Seconds the ranks get to dump their flight records (SIGUSR1) before a failed or
+        #: timed-out job is terminated; None: no dump phase. ``dumped()``: all are on disk.
+        self.dump_grace: float | None = None
+        self.dumped: Callable[[float], bool] = lambda since: False
+        #: ``exiting(rank)``: it dumped on an unhandled exception and is ending (a signal
+        #: there would find Python's handlers already gone).
+        self.exiting: Callable[[int], bool] = lambda rank: False
+        self.term_at: tuple[float, float] | None = None  # (asked at, terminate at)
 
     def say(self, text: str) -> None:
         self.err.write(f"pynccl launch: {text}\n".encode())
@@ -179,6 +188,22 @@ class Job:
             self._signal_group(rank, sig)
         if self.kill_at is None:
             self.kill_at = time.monotonic() + self.grace
+
+    def stop_failed(self) -> None:
+        """Stop a failed or timed-out job: with a dump phase, SIGUSR1 to each rank first
+        (its flight record), SIGTERM once all dumped or after ``dump_grace``."""
+        if self.dump_grace is None or self.term_at is not None:
+            return self.stop_all(signal.SIGTERM)
+        now = time.time()
+        for rank, pid in enumerate(self.pids):
+            if rank not in self.codes and not self.exiting(self.ranks[rank]):
+                try:
+                    os.kill(pid, signal.SIGUSR1)  # the rank only: its children keep theirs
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.say(f"asking the ranks for their flight records (SIGUSR1, {self.dump_grace:g} s)")
+        self.term_at = (now, time.monotonic() + self.dump_grace)
+        return None
 
     def kill_all(self) -> None:
         """SIGKILL the ranks' groups, and (through the keeper) every descendant outside them."""
@@ -249,7 +274,7 @@ class Job:
             self.failure = (rank, code)
             what = _describe(code)
             self.say(f"rank {self.ranks[rank]} failed ({what}); stopping the other ranks")
-            self.stop_all(signal.SIGTERM)
+            self.stop_failed()
 
     def _keeper_lost(self) -> None:
         """The keeper ended on its own (killed): the ranks die with it (parent-death signal)."""
@@ -327,6 +352,11 @@ class Job:
             ):
                 self.timed_out = True
                 self.say(f"timed out after {self.timeout:g} s; stopping the ranks")
+                self.stop_failed()
+            term = self.term_at
+            if term is not None and self.kill_at is None and (
+                now >= term[1] or self.dumped(term[0])
+            ):
                 self.stop_all(signal.SIGTERM)
             if self.kill_at is not None and now >= self.kill_at:
                 self.kill_all()
