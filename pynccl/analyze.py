@@ -123,6 +123,14 @@ def _signature(op: dict[str, Any]) -> tuple[object, ...]:
     return tuple(op.get(k) for k in _SIGNATURE)
 
 
+def _ended(comm: dict[str, Any]) -> bool:
+    """The communicator was aborted or failed: an event that completed since may mark
+    work that the abort ended, not work that ran."""
+    verdict = (comm.get("watchdog") or {}).get("verdict")
+    failed = verdict or comm.get("error") or comm.get("async_error")
+    return bool(failed) or comm.get("state") in ("aborted", "revoked")
+
+
 def _comm_verdict(comms: dict[int, dict[str, Any]]) -> tuple[str, list[int], int] | None:
     """One communicator's records across ranks (rank -> record): rules 2, 3 and 5."""
     ops = {r: {op["seq"]: op for op in c["ops"]} for r, c in comms.items()}
@@ -141,7 +149,8 @@ def _comm_verdict(comms: dict[int, dict[str, Any]]) -> tuple[str, list[int], int
         behind = sorted(r for r, n in issued.items() if n < seq)
         if behind and have:
             op = next(iter(have.values()))
-            waiting = sorted(r for r, o in have.items() if o.get("state") != "completed")
+            waiting = sorted(r for r, o in have.items()
+                             if o.get("state") != "completed" or _ended(comms[r]))  # fmt: skip
             tail = f"{_ranks(waiting)} {'is' if len(waiting) == 1 else 'are'} waiting in it"
             if not waiting:
                 tail = f"{_ranks(sorted(have))} issued it"

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 #: The ``format`` field of every dump (and its version, ``version``: 1).
 FORMAT = "pynccl-flight"
 _SIGNALS = ("SIGUSR1", "SIGTERM")
-_LOCK = threading.Lock()
+#: Reentrant: a SIGTERM that lands while the main thread dumps for SIGUSR1 dumps again.
+_LOCK = threading.RLock()
+_TMP = itertools.count()
 #: The order communicators were made in this process (matches them across ranks).
 _ORDER: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _COUNT = itertools.count()
@@ -81,6 +83,10 @@ def _comm_record(comm: Any) -> dict[str, object]:
         ops.append(op)
     verdict = None if watch is None or watch.reason is None else str(watch.reason)
     error = comm.error if hasattr(comm, "error") else None
+    try:
+        result = comm._async_result()  # without the gate, as the watchdog reads it
+    except Exception:
+        result = None
     return {
         "index": _ORDER.get(comm, -1),
         "rank": comm.rank,
@@ -91,6 +97,7 @@ def _comm_record(comm: Any) -> dict[str, object]:
         if watch is None
         else {"timeout": watch.timeout, "completed": watch.done, "verdict": verdict},
         "error": None if error is None else f"{type(error).__name__}: {error}",
+        "async_error": None if result is None or int(result) in (0, 7) else int(result),
         "ops": ops,
     }
 
@@ -142,7 +149,7 @@ def dump(reason: str, where: str | None = None) -> str | None:
             data = snapshot(reason)
             os.makedirs(target, exist_ok=True)
             path = os.path.join(target, f"rank{data['rank']}.json")
-            tmp = f"{path}.{os.getpid()}.tmp"
+            tmp = f"{path}.{os.getpid()}.{next(_TMP)}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 json.dump(data, f, indent=1)
             os.replace(tmp, path)
@@ -172,6 +179,12 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     dump(f"unhandled {kind.__name__}: {value}")
+    if threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGUSR1) is _on_signal
+    ):
+        # The process ends: Python's exit resets its handlers to the default (SIGUSR1's
+        # kills), not an ignored one; a late request for a dump must not kill it.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     previous = _HOOK[0] if _HOOK else sys.__excepthook__
     previous(kind, value, tb)
 

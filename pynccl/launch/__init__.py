@@ -361,7 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     if flight is not None:
         job.dump_grace = opts.dump_grace
         job.dumped = _flight.all_dumped(flight, job.ranks)
-        job.exiting = _flight.exiting(flight)
     pending: list[int] = []
     handled = (signal.SIGINT, signal.SIGTERM)
     previous: dict[int, object] = {}

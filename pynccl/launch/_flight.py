@@ -11,12 +11,10 @@ dumps are and the first line of ``python -m pynccl analyze DIR``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
 from collections.abc import Callable
 
-__all__ = ["add_options", "all_dumped", "exiting", "prepare", "report"]
+__all__ = ["add_options", "all_dumped", "prepare", "report"]
 
 OPTIONS = ("--flight-dir", "--dump-grace")
 
@@ -65,24 +63,6 @@ def all_dumped(where: str, ranks: list[int]) -> Callable[[float], bool]:
         return True
 
     return dumped
-
-
-def exiting(where: str) -> Callable[[int], bool]:
-    """``exiting(rank)``: since now, that rank dumped on an unhandled exception (it is
-    ending: Python's signal handlers are gone at its exit, so SIGUSR1 would kill it)."""
-    start = time.time()
-
-    def ending(rank: int) -> bool:
-        path = os.path.join(where, f"rank{rank}.json")
-        try:
-            if os.stat(path).st_mtime < start:
-                return False
-            with open(path, encoding="utf-8") as f:
-                return str(json.load(f).get("reason", "")).startswith("unhandled")
-        except (OSError, ValueError):
-            return False
-
-    return ending
 
 
 def report(where: str, say: Callable[[str], None]) -> None:

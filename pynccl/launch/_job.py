@@ -158,9 +158,6 @@ class Job:
         #: timed-out job is terminated; None: no dump phase. ``dumped()``: all are on disk.
         self.dump_grace: float | None = None
         self.dumped: Callable[[float], bool] = lambda since: False
-        #: ``exiting(rank)``: it dumped on an unhandled exception and is ending (a signal
-        #: there would find Python's handlers already gone).
-        self.exiting: Callable[[int], bool] = lambda rank: False
         self.term_at: tuple[float, float] | None = None  # (asked at, terminate at)
 
     def say(self, text: str) -> None:
@@ -196,7 +193,7 @@ class Job:
             return self.stop_all(signal.SIGTERM)
         now = time.time()
         for rank, pid in enumerate(self.pids):
-            if rank not in self.codes and not self.exiting(self.ranks[rank]):
+            if rank not in self.codes:
                 try:
                     os.kill(pid, signal.SIGUSR1)  # the rank only: its children keep theirs
                 except (ProcessLookupError, PermissionError):
