@@ -19,6 +19,7 @@ import io
 import json
 import os
 import pickle
+import re
 import sys
 from typing import Any
 
@@ -39,9 +40,9 @@ class _NoClasses(pickle.Unpickler):
 def _from_torch(data: dict[str, Any], name: str) -> dict[str, Any]:
     """A PyTorch flight-recorder dump as pynccl's dump shape (collectives of each pg)."""
     rank = data.get("rank")
-    if not isinstance(rank, int):
-        digits = "".join(c for c in name if c.isdigit())
-        rank = int(digits) if digits else -1
+    if not isinstance(rank, int):  # fr_trace's rule: the file name's trailing digits
+        digits = re.search(r"(\d+)$", name)
+        rank = int(digits.group(1)) if digits else -1
     comms: dict[object, dict[str, Any]] = {}
     for e in data.get("entries", []):
         if e.get("is_p2p"):
