@@ -78,8 +78,10 @@ def _comm_record(comm: Any) -> dict[str, object]:
         op = _recorder.fields(item)
         op["group"] = gid
         op["state"] = "issued" if watch is None else watch.state(item[0])
-        if sites is not None and sites[item[0] & _recorder.RING_MASK] is not None:
-            op["site"] = sites[item[0] & _recorder.RING_MASK]
+        site = None if sites is None else sites[item[0] & _recorder.RING_MASK]
+        if site is not None:
+            code, line = site
+            op["site"] = f"{code.co_filename}:{line} in {code.co_name}"
         ops.append(op)
     verdict = None if watch is None or watch.reason is None else str(watch.reason)
     error = comm.error if hasattr(comm, "error") else None

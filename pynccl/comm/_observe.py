@@ -55,8 +55,9 @@ class Observed(CommHandle):
     _raw_bfn: list[Any]
     _ring: list[object]
     _seq: int
-    #: With PYNCCL_FLIGHT_STACKS=1: the call site of each entry of the ring, else None.
-    _sites: list[str | None] | None
+    #: With PYNCCL_FLIGHT_STACKS=1: the call site ``(code, line)`` of each entry of the
+    #: ring, else None.
+    _sites: list[Any] | None
     _stream: int
     _cstream: c_void_p  # _stream as the fast path passes it
     #: The Graphs that captured calls of this communicator (a WeakSet, from the first one).
@@ -314,18 +315,21 @@ def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
     return call
 
 
-def _sited(comm: Observed, fn: Any, sites: list[str | None]) -> Any:
-    """``fn`` remembering the first line outside pynccl that issued each operation."""
+def _sited(comm: Observed, fn: Any, sites: list[Any]) -> Any:
+    """``fn`` remembering the first frame outside pynccl that issued each operation, as
+    ``(code, line)``: made text only when a record is read."""
     mask = _recorder.RING_MASK
+    getframe = sys._getframe
 
     def call(*args: object) -> int:
-        frame = sys._getframe(1)
-        while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(
-            "pynccl."
-        ):
+        frame = getframe(1)
+        while frame.f_code.co_filename.startswith(_PACKAGE) and frame.f_back is not None:
             frame = frame.f_back
-        code = frame.f_code
-        sites[comm._seq & mask] = f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        sites[comm._seq & mask] = (frame.f_code, frame.f_lineno)
         return int(fn(*args))
 
     return call
+
+
+#: pynccl's directory (with its separator): frames under it are not call sites.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
