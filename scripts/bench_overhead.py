@@ -186,7 +186,7 @@ class Objects:
 
 
 def build_variants(
-    n: int, stack: list[Callable[[], Any]]
+    n: int, stack: list[Callable[[], Any]], watchdog: float | None = None
 ) -> tuple[dict[str, Variant], list[str], ctypes.CDLL]:
     import numpy as np
 
@@ -197,6 +197,8 @@ def build_variants(
 
     comm = Communicator(1, UniqueId(), 0, device=0)
     stack.append(comm.destroy)
+    if watchdog is not None:  # its per-call event, and the flight record's states
+        comm.start_watchdog(watchdog)
     bufs = [DeviceBuffer(n, DataType.FLOAT32) for _ in range(10)]
     stack.extend(b.close for b in bufs)
     st = Stream()
@@ -548,6 +550,13 @@ def main() -> int:
         help="where perf_event_open gives no instruction counter, count group()'s under "
         "valgrind's callgrind (four runs of a few seconds each)",
     )
+    parser.add_argument(
+        "--watchdog",
+        type=float,
+        metavar="SECONDS",
+        help="time the calls with the communicator's watchdog on (an event per operation; "
+        "PYNCCL_FLIGHT_STACKS=1 adds the call site of each)",
+    )
     parser.add_argument("--group-loop", help=argparse.SUPPRESS)  # group_callgrind's child
     args = parser.parse_args()
     if args.group_loop:
@@ -556,7 +565,7 @@ def main() -> int:
         args.rounds, args.calls = 5, 300
     stack: list[Callable[[], Any]] = []
     try:
-        variants, notes, cdll = build_variants(1024, stack)
+        variants, notes, cdll = build_variants(1024, stack, args.watchdog)
         chosen = select(variants, args.only)
         missed: list[tuple[str, str, float, str]] = []
         print("pynccl per-call overhead on the loopback null build, public API "
