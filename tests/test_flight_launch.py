@@ -16,23 +16,24 @@ from support.workers import _harness as h
 WATCHDOG = 3.0
 
 
-def _run(tmp_path: Path, mode: str) -> tuple[float, str, Path]:
+def _run(tmp_path: Path, mode: str, *extra: str, watchdog: float = WATCHDOG,
+         code: int | None = None) -> tuple[float, str, Path]:  # fmt: skip
     flight = tmp_path / "flight"
-    argv = h.launch(4, h.worker("flight.py"), "--mode", mode, "--watchdog", str(WATCHDOG),
+    argv = h.launch(4, h.worker("flight.py"), "--mode", mode, "--watchdog", str(watchdog),
                     grace=2)  # fmt: skip
-    argv[4:4] = ["--flight-dir", str(flight), "--dump-grace", "3"]
+    argv[4:4] = ["--flight-dir", str(flight), "--dump-grace", "3", *extra]
     out = tmp_path / "out.txt"
     proc = h.start(argv, h.loopback_env(), out)
     try:
         warm = h.wait_for_output(out, lambda t: t.count("WARM ") == 4, timeout=60, procs=[proc])
         assert warm
         started = time.monotonic()
-        code = proc.wait(timeout=WATCHDOG + 30)
+        ended = proc.wait(timeout=WATCHDOG + 30)
         took = time.monotonic() - started
     finally:
         h.stop([proc])
     text = out.read_text()
-    assert code != 0, text
+    assert ended != 0 if code is None else ended == code, text
     return took, text, flight
 
 
@@ -77,3 +78,16 @@ def test_launch_dumps_and_analyze_names_the_culprit(
     assert line == first, text
     assert verdict["culprits"] == [culprit] and verdict["operation"] == 4
     assert f"flight records in {flight}" in text and first in text
+
+
+@pytest.mark.slow
+def test_timed_out_job_is_asked_for_its_records(tmp_path: Path) -> None:
+    """No watchdog trips (100 s): the launcher's --timeout ends the job; the ranks waiting
+    in synchronize() and the one asleep on the host all dump on SIGUSR1 first."""
+    took, text, flight = _run(tmp_path, "sleep", "--timeout", "6", watchdog=100, code=124)
+    assert "timed out after 6 s" in text and took < 6 + 10
+    reasons = {json.loads(p.read_text())["reason"] for p in flight.glob("rank*.json")}
+    assert len(list(flight.glob("rank*.json"))) == 4 and reasons <= {"signal SIGUSR1",
+                                                                     "signal SIGTERM"}
+    line, verdict = _analyze(flight)
+    assert line.startswith("rank 3 never issued operation #4") and verdict["culprits"] == [3]

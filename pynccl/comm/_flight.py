@@ -146,6 +146,7 @@ def dump(reason: str, where: str | None = None) -> str | None:
     target = where or directory()
     if not target:
         return None
+    tmp = ""
     with _LOCK:
         try:
             data = snapshot(reason)
@@ -156,6 +157,8 @@ def dump(reason: str, where: str | None = None) -> str | None:
                 json.dump(data, f, indent=1)
             os.replace(tmp, path)
         except Exception as exc:
+            if tmp and os.path.exists(tmp):
+                os.unlink(tmp)  # nothing left behind
             print(f"pynccl: flight-record dump failed: {type(exc).__name__}: {exc}",
                   file=sys.stderr)  # fmt: skip
             return None
