@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import ROOT
 
 from pynccl.testing import loopback
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # A 2-rank loopback job: two threads, one communicator each, one all_reduce of 4096 float32.
 JOB = """

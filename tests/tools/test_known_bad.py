@@ -7,14 +7,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support import ROOT
 
 from pynccl import _known_bad
 from pynccl.testing import loopback
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # Written by hand from NCCL's release notes (the reference, not the table): the release,
 # then the "fixed in" releases its warning must name.
