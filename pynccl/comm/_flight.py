@@ -64,8 +64,8 @@ def adopted(comm: object) -> None:
 def _comm_record(comm: Any) -> dict[str, object]:
     from ._watchdog import WATCHED
 
-    items = comm.flight_record()
-    marks = _recorder.groups(comm._ring, items)
+    entries = comm.flight_entries()
+    items = [item for item, _ in entries]
     sites = getattr(comm, "_sites", None)
     watch = WATCHED.get(comm)
     if watch is not None and watch.running:
@@ -74,7 +74,7 @@ def _comm_record(comm: Any) -> dict[str, object]:
         except Exception:  # a dump says what it knows; the watchdog reports CUDA trouble
             pass
     ops = []
-    for item, gid in zip(items, marks):
+    for item, gid in entries:
         op = _recorder.fields(item)
         op["group"] = gid
         op["state"] = "issued" if watch is None else watch.state(item[0])
@@ -86,20 +86,20 @@ def _comm_record(comm: Any) -> dict[str, object]:
     verdict = None if watch is None or watch.reason is None else str(watch.reason)
     error = comm.error if hasattr(comm, "error") else None
     try:
-        result = comm._async_result()  # without the gate, as the watchdog reads it
+        async_error = comm.watch_status()[2]  # without the gate, as the watchdog reads it
     except Exception:
-        result = None
+        async_error = None
     return {
         "index": _ORDER.get(comm, -1),
         "rank": comm.rank,
-        "size": comm._size,
+        "size": comm.size,
         "state": str(comm.state),
-        "issued": comm._seq,
+        "issued": items[-1][0] if items else 0,
         "watchdog": None
         if watch is None
         else {"timeout": watch.timeout, "completed": watch.done, "verdict": verdict},
         "error": None if error is None else f"{type(error).__name__}: {error}",
-        "async_error": None if result is None or int(result) in (0, 7) else int(result),
+        "async_error": None if async_error is None else str(async_error).split("\n", 1)[0],
         "ops": ops,
     }
 

@@ -98,6 +98,12 @@ class Observed(CommHandle):
         numbered from #1."""
         return _recorder.record(self._ring, self._seq)
 
+    def flight_entries(self) -> list[tuple[_recorder.FlightRecord, int]]:
+        """:meth:`flight_record` with the group number (0: none) each operation was issued
+        in."""
+        items = self.flight_record()
+        return list(zip(items, _recorder.groups(self._ring, items)))
+
     def format_flight_record(self, last: int = 0) -> str:
         """The flight record as text (``last`` > 0: only the newest ``last`` entries; a
         non-negative int)."""

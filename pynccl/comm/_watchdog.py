@@ -65,6 +65,8 @@ if TYPE_CHECKING:
         def format_flight_record(self, last: int = 0) -> str: ...
 
         def watch_trip(self, reason: BaseException, revoke: bool = False) -> None: ...
+
+        def watch_tripped(self, reason: BaseException) -> None: ...
 else:
     Watched = object
 
@@ -395,6 +397,4 @@ class Watchdog:
         self.reason = reason
         comm.watch_trip(reason, self.on_hang == "revoke" if revoke is None else revoke)
         self.stop()  # from this thread: no join, frees the events
-        from . import _flight
-
-        _flight.on_trip(reason)
+        comm.watch_tripped(reason)

@@ -118,6 +118,13 @@ class Watched(Observed):
             return
         self._teardown("watchdog", reason)
 
+    def watch_tripped(self, reason: BaseException) -> None:
+        """For the watchdog, once it has stopped after a trip: every rank's flight record is
+        dumped where ``PYNCCL_FLIGHT_DIR`` says (:mod:`._flight`), if it says."""
+        from . import _flight
+
+        _flight.on_trip(reason)
+
     def _watch_revoke(self, reason: BaseException) -> bool:
         """``ncclCommRevoke`` from the watchdog thread; False (abort instead) if it failed.
         Never raises: nothing on that thread would see it. A communicator the user revoked
