@@ -1,4 +1,4 @@
-"""``python -m pynccl {info,perf,launch}`` and ``python -m pynccl --version``."""
+"""``python -m pynccl {info,perf,launch,analyze,ras}`` and ``python -m pynccl --version``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ commands:
            collects every rank's flight record when the job fails or times out
   analyze  read the flight-record dumps of every rank (PYNCCL_FLIGHT_DIR) and name the
            rank and the operation at fault
+  ras      ask NCCL's RAS service (NCCL >= 2.24) of a running job for its status, naming
+           the ranks it sees as missing or dead first; --json for machines
 
 python -m pynccl COMMAND --help shows a command's options.
 """
 
-_COMMANDS = ("info", "perf", "launch", "analyze")
+_COMMANDS = ("info", "perf", "launch", "analyze", "ras")
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to the subcommand's own ``main``; returns the exit status (2: usage)."""

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, int]] = [
     ("pynccl.launch", 7),
     ("pynccl.perf", 7),
     ("pynccl.info", 7),
+    ("pynccl.ras", 7),
     ("pynccl.__main__", 7),
     ("pynccl.testing", 7),
 ]

@@ -298,6 +298,7 @@ void lb_comm_teardown(struct lb_comm *c, enum lbw_rank_state state) {
     if (first) handle_kill(c);
     pthread_mutex_unlock(&c->mu);
     if (!first) return;
+    lb_ras_comm_remove(c);
     lb_comm_halt(c);
     lb_rma_quiesce(c); /* signal tasks are done with the world */
     drop_splits_of(c);
@@ -343,6 +344,7 @@ ncclResult_t lb_comm_create(const unsigned char *uid, int nranks, int rank, int 
         comm_free(c);
         return lb_err(ncclSystemError, "%s : out of memory", opname);
     }
+    lb_ras_comm_add(c);
     *out = c;
     return ncclSuccess;
 }

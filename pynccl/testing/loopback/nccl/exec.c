@@ -244,6 +244,7 @@ ncclResult_t lbx_exec_coll(struct lb_comm *c, const struct lb_op *op) {
         c->direct = direct;
         for (int s = 0; s < c->nranks; s++) c->direct &= c->ranks[s].pid == c->pid;
     }
+    lb_ras_count(c, op->kind);
     const uint64_t seq = ++c->cseq, g = c->gchunk++;
     struct lbw_desc *d = &c->ranks[c->rank].desc[seq & 1];
     d->count = op->count;

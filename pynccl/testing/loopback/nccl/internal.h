@@ -77,7 +77,7 @@ struct lb_op {
 /* ---- shared memory world (world.c) ------------------------------------- */
 
 #define LBW_MAGIC 0x314457424c4e4350ULL /* "PCNLBWD1" */
-#define LBW_LAYOUT 2
+#define LBW_LAYOUT 3
 #define LBW_SHM_PREFIX "pynccl-lb-"
 #define LB_CACHELINE 64
 
@@ -117,6 +117,8 @@ struct lbw_rank {
     uint64_t enc_hash; /* ncclSetEncryption key digest (crypto.c), 0 = none */
     /* 1 once this rank entered a non-abort ncclCommFinalize/Destroy (teardown.c) */
     uint32_t teardown __attribute__((aligned(LB_CACHELINE)));
+    /* collectives this rank started, per NCCL function (ras.c; RAS's collective_counts) */
+    uint64_t ras_counts[5] __attribute__((aligned(LB_CACHELINE)));
 };
 
 /* One direction of a p2p channel: bytes written by the sender and consumed by the
@@ -360,6 +362,16 @@ void lbw_break(struct lb_comm *c, ncclResult_t code, int set_local, const char *
 /* The error a healthy rank adopts when the world is broken, or ncclSuccess. */
 ncclResult_t lbw_broken(struct lb_comm *c);
 ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns);
+/* 0 once process `pid` is gone (exited, or a zombie nobody reaped yet). */
+int lbw_pid_alive(pid_t pid);
+
+/* ---- NCCL's RAS service (ras.c) ------------------------------------------------------ */
+/* A new communicator (ref taken): the first one starts the listener unless
+ * NCCL_RAS_ENABLE=0; remove drops it and stops the listener with the last one. */
+void lb_ras_comm_add(struct lb_comm *c);
+void lb_ras_comm_remove(struct lb_comm *c);
+/* This rank starts a collective of `kind` (enum lb_kind). */
+void lb_ras_count(struct lb_comm *c, int kind);
 ncclResult_t lbw_split_post(struct lb_comm *c, uint64_t seq, int color, int key);
 /* Non-blocking unless blocking: 1 with colors/keys filled once everyone posted. */
 ncclResult_t lbw_split_gather(struct lb_comm *c, uint64_t seq, int *colors, int *keys,

@@ -130,6 +130,8 @@ static int pid_alive(pid_t pid) {
     return 1;
 }
 
+int lbw_pid_alive(pid_t pid) { return pid_alive(pid); }
+
 ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns) {
     uint64_t now = lb_now_ns();
     if (now - *last_ns < (uint64_t)LB_SWEEP_MS * 1000000ULL) return ncclSuccess;
