@@ -445,9 +445,9 @@ def test_cudart_files_form_a_dag_with_core_at_the_bottom() -> None:
 
 #: The nccl files bottom to top, as nccl/core.c's header comment lists them.
 NCCL_ORDER = (
-    "core", "reduce", "debug", "crypto", "param", "config", "sync", "world", "exec", "p2p",
-    "window", "comm", "group", "gjob", "teardown", "init", "fault", "suspend", "redop", "props",
-    "signal", "winreg", "launch", "enqueue",
+    "core", "reduce", "debug", "crypto", "param", "config", "sync", "world", "ras_fmt", "ras",
+    "exec", "p2p", "window", "comm", "group", "gjob", "teardown", "init", "fault", "suspend",
+    "redop", "props", "signal", "winreg", "launch", "enqueue",
 )  # fmt: skip
 #: The one cycle allowed (as in NCCL): a comm made in a group waits for the group's end,
 #: and a group item holds a reference to its comm.

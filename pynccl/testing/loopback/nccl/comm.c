@@ -147,6 +147,7 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
 }
 
 static void comm_free(struct lb_comm *c) {
+    lb_ras_comm_remove(c); /* a no-op once teardown removed it */
     lb_rma_free(c);
     if (c->w) lbw_leave(c, LBR_LEFT); /* unmapped at the last reference (see teardown) */
     if (__atomic_sub_fetch(c->mm_refs, 1, __ATOMIC_ACQ_REL) == 0) free(c->mm_refs);

@@ -366,8 +366,9 @@ ncclResult_t lbw_peer_sweep(struct lb_comm *c, uint64_t *last_ns);
 int lbw_pid_alive(pid_t pid);
 
 /* ---- NCCL's RAS service (ras.c) ------------------------------------------------------ */
-/* A new communicator (ref taken): the first one starts the listener unless
- * NCCL_RAS_ENABLE=0; remove drops it and stops the listener with the last one. */
+/* A new communicator: the first one starts the listener unless NCCL_RAS_ENABLE=0.
+ * remove (at teardown, and before the comm is freed) forgets it, and stops the listener
+ * with the last one; the listener reads a comm only under the registry's lock. */
 void lb_ras_comm_add(struct lb_comm *c);
 void lb_ras_comm_remove(struct lb_comm *c);
 /* This rank starts a collective of `kind` (enum lb_kind). */

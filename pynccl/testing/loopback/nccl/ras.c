@@ -30,7 +30,7 @@
 #define LB_RAS_LINE 1024
 
 struct ras_node {
-    struct lb_comm *c; /* ref held */
+    struct lb_comm *c; /* removed (lb_ras_comm_remove) before it is freed */
     struct ras_node *next;
 };
 
@@ -306,7 +306,6 @@ static void ras_stop(struct ras_srv *srv) {
 void lb_ras_comm_add(struct lb_comm *c) {
     struct ras_node *e = malloc(sizeof *e);
     if (!e) return; /* RAS does not see this communicator: never an init error */
-    lb_comm_ref(c);
     e->c = c;
     pthread_mutex_lock(&g_ras_mu);
     e->next = g_comms;
@@ -325,14 +324,11 @@ void lb_ras_comm_remove(struct lb_comm *c) {
             break;
         }
     }
-    struct ras_srv *stop = g_comms == NULL ? g_srv : NULL;
+    struct ras_srv *stop = gone && g_comms == NULL ? g_srv : NULL;
     if (stop) g_srv = NULL;
     pthread_mutex_unlock(&g_ras_mu);
     ras_stop(stop);
-    if (gone) {
-        lb_comm_unref(gone->c);
-        free(gone);
-    }
+    free(gone);
 }
 
 __attribute__((destructor)) static void ras_unload(void) {
