@@ -8,6 +8,7 @@ report's "Rank N -- GPU G managed by process P on node H" lines under INCOMPLETE
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -282,6 +283,38 @@ def test_parse_status_reads_ncclras_json() -> None:
         "  Rank 4 -- [process information not found]\n\n"
     )
     assert ras.missing_from_text(text) == [(3, 77, "10.1.1.1", False), (4, -1, "unknown", False)]
+
+
+def test_listener_thread_lives_with_the_communicators(lb_env: dict[str, str]) -> None:
+    """One thread and one listening socket from the first init; both gone at the last destroy,
+    and back with the next init (NCCL_RAS_ENABLE=0: never)."""
+    code = (
+        "import os, socket\n"
+        "from pynccl.comm import Communicator\n"
+        "def seen():\n"
+        "    s = socket.socket(); r = s.connect_ex(('127.0.0.1', PORT)); s.close()\n"
+        "    return len(os.listdir('/proc/self/task')), r == 0\n"
+        "out = [seen()]\n"
+        "a, b = Communicator.init_all(2); out.append(seen())\n"
+        "a.destroy(); out.append(seen()); b.destroy(); out.append(seen())\n"
+        "(c,) = Communicator.init_all(1); out.append(seen()); c.destroy(); out.append(seen())\n"
+        "print(out)\n"
+    )
+    for enable, extra in (("1", 1), ("0", 0)):
+        port = _free_port()
+        env = {**lb_env, "NCCL_RAS_ADDR": f"127.0.0.1:{port}", "NCCL_RAS_ENABLE": enable}
+        out = subprocess.run(
+            [sys.executable, "-c", code.replace("PORT", str(port))],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        seen = ast.literal_eval(out.stdout)
+        base = seen[0][0]
+        on = (base + extra, bool(extra))
+        assert seen == [(base, False), on, on, (base, False), on, (base, False)], seen
 
 
 def test_ras_disabled_or_old_release_listens_nowhere(lb_env: dict[str, str]) -> None:

@@ -84,6 +84,7 @@ struct lb_op {
 enum lbw_rank_state { LBR_EMPTY = 0, LBR_JOINED = 1, LBR_LEFT = 2, LBR_FAILED = 3 };
 
 #include "collectives.h" /* enum lb_kind, struct lb_kind_info */
+#include "ras.h"         /* the RAS report (ras_fmt.c) */
 
 /* What each rank posts for its current collective, compared by every rank. */
 struct lbw_desc {
@@ -118,7 +119,7 @@ struct lbw_rank {
     /* 1 once this rank entered a non-abort ncclCommFinalize/Destroy (teardown.c) */
     uint32_t teardown __attribute__((aligned(LB_CACHELINE)));
     /* collectives this rank started, per NCCL function (ras.c; RAS's collective_counts) */
-    uint64_t ras_counts[5] __attribute__((aligned(LB_CACHELINE)));
+    uint64_t ras_counts[LB_RAS_NFUNCS] __attribute__((aligned(LB_CACHELINE)));
 };
 
 /* One direction of a p2p channel: bytes written by the sender and consumed by the

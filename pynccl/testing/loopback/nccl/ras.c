@@ -8,7 +8,6 @@
  * stopped (joined, sockets closed) when the last communicator goes, and at unload.
  */
 #include "internal.h"
-#include "ras.h"
 
 #include <arpa/inet.h>
 #include <errno.h>

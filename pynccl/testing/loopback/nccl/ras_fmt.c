@@ -5,7 +5,6 @@
  * 127.0.0.1: the loopback job runs on this one.
  */
 #include "internal.h"
-#include "ras.h"
 
 #include <stdarg.h>
 #include <stdio.h>
