@@ -285,6 +285,29 @@ def test_parse_status_reads_ncclras_json() -> None:
     assert ras.missing_from_text(text) == [(3, 77, "10.1.1.1", False), (4, -1, "unknown", False)]
 
 
+def test_ranks_of_one_communicator_in_one_process_are_one_communicator(
+    lb_env: dict[str, str],
+) -> None:
+    port = _free_port()
+    code = (
+        "from pynccl.comm import Communicator\nfrom pynccl import ras\n"
+        "cs = Communicator.init_all(3)\n"
+        f"st = ras.status('127.0.0.1:{port}'); text = ras.query('127.0.0.1:{port}')\n"
+        "[c.destroy() for c in cs]\n"
+        "print([(len(c.ranks), c.size) for c in st.communicators])\n"
+        "print(text.split('Job summary')[1].splitlines()[5].split())\n"
+    )
+    env = {**lb_env, "NCCL_RAS_ADDR": f"127.0.0.1:{port}"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    comms, summary = out.stdout.splitlines()
+    assert comms == "[(3, 3)]"
+    # nodes, processes per node, GPUs per process, processes, GPUs
+    assert summary == "['1', '1', '3', '1', '3']"
+
+
 def test_listener_thread_lives_with_the_communicators(lb_env: dict[str, str]) -> None:
     """One thread and one listening socket from the first init; both gone at the last destroy,
     and back with the next init (NCCL_RAS_ENABLE=0: never)."""

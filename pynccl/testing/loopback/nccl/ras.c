@@ -124,6 +124,9 @@ static int view_build(struct lb_ras_view *v) {
     struct ras_node *e = g_comms;
     for (int i = 0; ok && i < n; i++, e = e->next) {
         struct lb_comm *c = e->c;
+        int dup = 0; /* several ranks of one communicator in this process: reported once */
+        for (int j = 0; j < v->ncomms && !dup; j++) dup = v->comms[j].hash == c->hash;
+        if (dup) continue;
         struct lb_ras_comm *o = &v->comms[v->ncomms];
         o->ranks = calloc((size_t)c->nranks, sizeof *o->ranks);
         if (!o->ranks) ok = 0;

@@ -126,9 +126,11 @@ static void json_report(struct obuf *b, const struct lb_ras_view *v) {
 
 /* ---- text ---------------------------------------------------------------------------- */
 
-/* Distinct pids of the job (alive and dead), counted once each. */
-static void count_processes(const struct lb_ras_view *v, int *nproc, int *ndead) {
-    *nproc = *ndead = 0;
+/* Distinct pids of the job (alive and dead), counted once each; the ranks' GPUs. */
+static void count_processes(const struct lb_ras_view *v, int *nproc, int *ndead, int *ngpus) {
+    *nproc = *ndead = *ngpus = 0;
+    for (int i = 0; i < v->ncomms; i++)
+        if (v->comms[i].size > *ngpus) *ngpus = v->comms[i].size;
     for (int i = 0; i < v->ncomms; i++) {
         for (int s = 0; s < v->comms[i].size; s++) {
             const struct lb_ras_rank *r = &v->comms[i].ranks[s];
@@ -163,13 +165,14 @@ static void text_dead(struct obuf *b, const struct lb_ras_view *v, int ndead) {
 static void text_report(struct obuf *b, const struct lb_ras_view *v) {
     char ver[32];
     version_string(ver, sizeof ver);
-    int nproc, ndead;
-    count_processes(v, &nproc, &ndead);
+    int nproc, ndead, ngpus;
+    count_processes(v, &nproc, &ndead, &ngpus);
     put(b, "NCCL version %s (pynccl loopback)\nCUDA runtime version -1, driver version -1\n\n", ver);
     put(b, "Job summary\n===========\n\n");
     put(b, "  Nodes  Processes         GPUs  Processes     GPUs\n");
     put(b, "(total)   per node  per process    (total)  (total)\n");
-    put(b, "%7d  %9d  %11d  %9d  %7d\n", 1, nproc, 1, nproc, nproc);
+    put(b, "%7d  %9d  %11d  %9d  %7d\n", 1, nproc, nproc ? (ngpus + nproc - 1) / nproc : 0, nproc,
+        ngpus);
     put(b, "\nCommunicators... (%.3fs)\n=============\n\n", v->secs);
     put(b, "Group     Comms     Nodes     Ranks     Ranks     Ranks    Status  Errors\n");
     put(b, "    #  in group  per comm  per node  per comm  in group\n");
