@@ -358,3 +358,42 @@ def test_ras_disabled_or_old_release_listens_nowhere(lb_env: dict[str, str]) -> 
         [sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=120
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("version", "listens", "has_json"),
+    [("2.23.4", False, False), ("2.28.3", True, False), ("2.28.7", True, True)],
+)
+def test_what_each_release_answers(version: str, listens: bool, has_json: bool) -> None:
+    """RAS from NCCL 2.24; JSON ("SET FORMAT json") from 2.28.7."""
+    from pynccl.testing import loopback
+
+    port = _free_port()
+    env = {**os.environ, **loopback.env(version), "NCCL_RAS_ADDR": f"127.0.0.1:{port}"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = (
+        "import json, sys\nfrom pynccl.comm import Communicator\nfrom pynccl import ras\n"
+        "cs = Communicator.init_all(2)\nout = {}\n"
+        "for fmt in (False, True):\n"
+        "    try:\n"
+        f"        out[fmt] = ras.query('127.0.0.1:{port}', json_format=fmt)\n"
+        "    except ras.RasError as e:\n"
+        "        out[fmt] = 'RasError: ' + str(e)\n"
+        "[c.destroy() for c in cs]\nprint(json.dumps([out[False], out[True]]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    text, doc = json.loads(proc.stdout)
+    if not listens:
+        assert text.startswith(f"RasError: no RAS listening at 127.0.0.1:{port}")
+        return
+    assert text.startswith(f"NCCL version {version} ")
+    if not has_json:
+        assert doc.startswith("RasError: RAS at 127.0.0.1:")
+        assert "has no JSON output (NCCL >= 2.28.7 has): it answered 'ERROR: Unknown command" in doc
+        return
+    st = ras.parse_status(doc)
+    assert st.nccl_version == version and not st.missing()
