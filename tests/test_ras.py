@@ -397,3 +397,23 @@ def test_what_each_release_answers(version: str, listens: bool, has_json: bool) 
         return
     st = ras.parse_status(doc)
     assert st.nccl_version == version and not st.missing()
+
+
+def test_a_forked_child_does_not_keep_the_port(lb_env: dict[str, str]) -> None:
+    """After fork, only the parent listens: once its last communicator is destroyed the port
+    refuses connections (a child holding the socket would queue them where nobody accepts)."""
+    port = _free_port()
+    code = (
+        "import os, socket, time\nfrom pynccl.comm import Communicator\n"
+        "(c,) = Communicator.init_all(1)\nr, w = os.pipe()\npid = os.fork()\n"
+        "if pid == 0:\n    os.close(w); os.read(r, 1); os._exit(0)\n"
+        "c.destroy()\n"
+        f"s = socket.socket(); refused = s.connect_ex(('127.0.0.1', {port})) != 0; s.close()\n"
+        "os.write(w, b'x'); os.waitpid(pid, 0); print(refused)\n"
+    )
+    env = {**lb_env, "NCCL_RAS_ADDR": f"127.0.0.1:{port}"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"

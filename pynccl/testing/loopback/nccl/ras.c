@@ -305,7 +305,20 @@ static void ras_stop(struct ras_srv *srv) {
     srv_close(srv);
 }
 
+/* fork: a child has no listener thread; it closes its copies of the listener's sockets, so
+ * that no connection is queued where nobody accepts, and starts its own with its first comm. */
+static void ras_fork_prepare(void) { pthread_mutex_lock(&g_ras_mu); }
+static void ras_fork_parent(void) { pthread_mutex_unlock(&g_ras_mu); }
+static void ras_fork_child(void) {
+    if (g_srv) srv_close(g_srv);
+    g_srv = NULL;
+    pthread_mutex_unlock(&g_ras_mu);
+}
+static pthread_once_t g_fork_once = PTHREAD_ONCE_INIT;
+static void ras_fork_hooks(void) { pthread_atfork(ras_fork_prepare, ras_fork_parent, ras_fork_child); }
+
 void lb_ras_comm_add(struct lb_comm *c) {
+    pthread_once(&g_fork_once, ras_fork_hooks);
     struct ras_node *e = malloc(sizeof *e);
     if (!e) return; /* RAS does not see this communicator: never an init error */
     e->c = c;
