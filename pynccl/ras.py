@@ -336,7 +336,8 @@ def _text_summary(where: str, text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print RAS's status, its missing/dead ranks first. 0: printed; 1: RAS failed; 2: usage."""
+    """Print RAS's status, its missing/dead ranks first. 0: printed; 1: RAS failed; 2: usage
+    (a bad address or timeout too)."""
     parser = argparse.ArgumentParser(
         prog="python -m pynccl ras",
         description="Ask NCCL's RAS service (NCCL >= 2.24, every process of a job) for the "
@@ -387,5 +388,5 @@ def main(argv: list[str] | None = None) -> int:
             print(text, end="")
     except (RasError, ValueError) as e:
         print(f"python -m pynccl ras: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ValueError) else 1
     return 0

@@ -192,6 +192,8 @@ def test_bad_address_and_timeout_are_named() -> None:
     with pytest.raises(ValueError, match=r"'a:b:c'.*HOST\[:PORT\]"):
         ras.parse_address("a:b:c")
     assert ras.parse_address(None) == ("localhost", 28028)
+    bad = _pynccl("ras", "a:b:c", env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert bad.returncode == 2 and "RAS address 'a:b:c'" in bad.stderr
     assert ras.parse_address("[::1]:9") == ("::1", 9)
     with pytest.raises(ValueError, match="timeout -1"):
         ras.query("127.0.0.1:1", timeout=-1)
