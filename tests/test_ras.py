@@ -9,6 +9,7 @@ report's "Rank N -- GPU G managed by process P on node H" lines under INCOMPLETE
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import signal
@@ -25,15 +26,15 @@ from pynccl import ras
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# One rank: join a 4-rank communicator, run 3 all_reduce + 1 broadcast, say "ready", then
-# wait for a line on stdin before destroying the communicator.
+# One rank (argv: rank, uid, N): join an N-rank communicator, run 3 all_reduce and 1
+# broadcast, say "ready", then wait for a line on stdin before destroying the communicator.
 _RANK = r"""
 import sys
 import numpy as np
 from pynccl.comm import Communicator, UniqueId
 from pynccl.cuda import DeviceBuffer
 rank, uid = int(sys.argv[1]), UniqueId.from_bytes(bytes.fromhex(sys.argv[2]))
-comm = Communicator(4, uid, rank, device=rank)
+comm = Communicator(int(sys.argv[3]), uid, rank, device=rank)
 buf = DeviceBuffer.from_numpy(np.ones(16, np.float32), device=rank)
 for _ in range(3):
     comm.all_reduce(buf, buf, op="sum")
@@ -62,34 +63,28 @@ def _pynccl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )
 
 
-@pytest.fixture()
-def job(lb_env: dict[str, str]) -> Iterator[tuple[list[subprocess.Popen[str]], dict[str, str]]]:
-    """A 4-process loopback job whose ranks all listen for RAS on one free port."""
-    port = _free_port()
-    env = {**lb_env, "NCCL_RAS_ADDR": f"127.0.0.1:{port}", "PYNCCL_RAS_TEST_PORT": str(port)}
+@contextlib.contextmanager
+def _ranks(env: dict[str, str], n: int) -> Iterator[list[subprocess.Popen[str]]]:
+    """n rank processes of one communicator, each ready (its collectives done)."""
     code = "from pynccl.comm import UniqueId; print(UniqueId().hex())"
     uid = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        text=True,
-        capture_output=True,
-        check=True,
+        [sys.executable, "-c", code], env=env, text=True, capture_output=True, check=True,
         timeout=120,
-    ).stdout.strip()
+    ).stdout.strip()  # fmt: skip
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RANK, str(r), uid],
+            [sys.executable, "-c", _RANK, str(r), uid, str(n)],
             env=env,
             text=True,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
-        for r in range(4)
+        for r in range(n)
     ]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        yield procs, env
+        yield procs
     finally:
         for p in procs:
             if p.poll() is None:
@@ -98,6 +93,15 @@ def job(lb_env: dict[str, str]) -> Iterator[tuple[list[subprocess.Popen[str]], d
             for f in (p.stdin, p.stdout):
                 if f is not None:
                     f.close()
+
+
+@pytest.fixture()
+def job(lb_env: dict[str, str]) -> Iterator[tuple[list[subprocess.Popen[str]], dict[str, str]]]:
+    """A 4-process loopback job whose ranks all listen for RAS on one free port."""
+    port = _free_port()
+    env = {**lb_env, "NCCL_RAS_ADDR": f"127.0.0.1:{port}", "PYNCCL_RAS_TEST_PORT": str(port)}
+    with _ranks(env, 4) as procs:
+        yield procs, env
 
 
 def _kill(p: subprocess.Popen[str]) -> None:
@@ -419,3 +423,24 @@ def test_a_forked_child_does_not_keep_the_port(lb_env: dict[str, str]) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("version", "status"), [("2.28.7", False), ("2.28.9", True)])
+def test_missing_ranks_status_object_since_2_28_9(version: str, status: bool) -> None:
+    """NCCL 2.28.7's missing_ranks entries end at nvml_dev; 2.28.9 adds status{unresponsive,
+    considered_dead}: the client reads both (None where not reported)."""
+    from pynccl.testing import loopback
+
+    port = _free_port()
+    env = {**os.environ, **loopback.env(version), "NCCL_RAS_ADDR": f"127.0.0.1:{port}"}
+    env["PYTHONPATH"] = str(ROOT)
+    with _ranks(env, 2) as procs:
+        _kill(procs[1])
+        doc = ras.query(f"127.0.0.1:{port}", json_format=True)
+    (comm,) = json.loads(doc)["communicators"]
+    (gone,) = comm["missing_ranks"]
+    assert gone["rank"] == 1 and gone["pid"] == procs[1].pid
+    assert ("status" in gone) == status
+    ((_, missing),) = ras.parse_status(doc).missing()
+    assert missing.considered_dead == (True if status else None)
