@@ -360,10 +360,15 @@ def test_ras_disabled_or_old_release_listens_nowhere(lb_env: dict[str, str]) -> 
     )
     assert out.stdout.strip() == "True", out.stderr
     env.pop("NCCL_RAS_ENABLE")
+    env["NCCL_DEBUG"] = "INFO"  # NCCL's INIT line for the listener
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=120
     )
-    assert out.stdout.strip() == "False", out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "False", out.stderr
+    info = (out.stdout + out.stderr).splitlines()
+    listening = [ln for ln in info if " NCCL INFO RAS client listening socket at " in ln]
+    assert len(listening) == 1 and listening[0].endswith(f" at 127.0.0.1:{port}"), info
 
 
 @pytest.mark.slow

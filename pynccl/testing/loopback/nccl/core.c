@@ -19,8 +19,8 @@
  * dead peers), world.c (a communicator's shared-memory world: create, join, leave),
  * ras_fmt.c and ras.c (NCCL's RAS service: its reports, and the listener thread answering
  * from the worlds of this process's communicators), exec.c (collectives over the world),
- * p2p.c (send/recv rings), window.c (ncclMemAlloc, window objects, a comm's RMA state), comm.c and group.c (communicator objects and
- * the calling thread's open group: the one cycle, as in NCCL, since a comm made inside
+ * p2p.c (send/recv rings), window.c (ncclMemAlloc, window objects, a comm's RMA state),
+ * comm.c and group.c (communicator objects and the calling thread's open group: the one cycle, as in NCCL, since a comm made inside
  * a group is deferred to its end and a group item holds its comm), gjob.c (jobs on worker
  * threads: non-blocking group ends and finalize), teardown.c (finalize, destroy, abort
  * and what they wait for), init.c (init, split, queries), fault.c (revoke, shrink, grow),

@@ -268,7 +268,7 @@ static void srv_close(struct ras_srv *srv) {
 }
 
 /* The listener, or NULL when RAS is off or cannot listen (never an init error). */
-static struct ras_srv *ras_start(void) {
+static struct ras_srv *ras_start(int dev) {
 #if !LB_AT_LEAST(2, 24, 3)
     return NULL; /* RAS came with NCCL 2.24 */
 #endif
@@ -294,6 +294,7 @@ static struct ras_srv *ras_start(void) {
         srv_close(srv);
         return NULL;
     }
+    lb_info(LB_DBG_INIT, dev, "RAS client listening socket at 127.0.0.1:%d", port);
     return srv;
 }
 
@@ -325,7 +326,7 @@ void lb_ras_comm_add(struct lb_comm *c) {
     pthread_mutex_lock(&g_ras_mu);
     e->next = g_comms;
     g_comms = e;
-    if (!g_srv) g_srv = ras_start();
+    if (!g_srv) g_srv = ras_start(c->dev);
     pthread_mutex_unlock(&g_ras_mu);
 }
 
