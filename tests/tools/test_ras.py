@@ -17,14 +17,12 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from support import ROOT
 
 from pynccl import ras
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # One rank (argv: rank, uid, N): join an N-rank communicator, run 3 all_reduce and 1
 # broadcast, say "ready", then wait for a line on stdin before destroying the communicator.
