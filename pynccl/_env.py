@@ -24,6 +24,7 @@ KNOWN: dict[str, str] = {
     "PYNCCL_LAUNCHER": "set by python -m pynccl launch for its ranks",
     "PYNCCL_FLIGHT_DIR": "where each rank dumps its flight record (rank<R>.json)",
     "PYNCCL_FLIGHT_STACKS": "1: the flight record keeps the Python line of each operation",
+    "PYNCCL_TRACE_ALGORITHMS": "1: NCCL's TUNING lines to a file, read by pynccl.tuning",
     "PYNCCL_CACHE_DIR": "where the loopback libraries are built (default ~/.cache/pynccl)",
     "PYNCCL_PERF_NGPUS": "set by python -m pynccl perf for the ranks it launches",
     "PYNCCL_PERF_J_PATH": "set by python -m pynccl perf for the ranks it launches",

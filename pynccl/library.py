@@ -61,12 +61,25 @@ def load_library(path: str | os.PathLike[str] | None = None) -> NcclLibrary:
             from ._capi.nccl import NcclLibrary
 
             _env.warn_unknown_once()  # a mistyped PYNCCL_* variable would do nothing
+            _trace_algorithms()  # NCCL reads NCCL_DEBUG* once, so set them before it loads
             found = _loader.open_nccl(None if path is None else os.fspath(path))
             current = _nccl = NcclLibrary(found.cdll, found.path, found.rule)
             _warn_known_bad(current)
         else:
             _refuse_another("libnccl", current, path)
         return current
+
+
+def _trace_algorithms() -> None:
+    """PYNCCL_TRACE_ALGORITHMS=1: NCCL's TUNING lines into a file (``pynccl.tuning``)."""
+    if not os.environ.get("PYNCCL_TRACE_ALGORITHMS"):
+        return
+    import atexit
+
+    from . import tuning
+
+    if tuning.prepare():
+        atexit.register(tuning.remove_trace_file)
 
 
 def _warn_known_bad(nccl: NcclLibrary) -> None:

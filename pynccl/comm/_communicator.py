@@ -283,4 +283,5 @@ class Communicator(Collectives):
     all_to_all_v = delegate("_vcoll", VCollectives.all_to_all_v)
     barrier = delegate("_vcoll", VCollectives.barrier)
     properties = delegate_property("_introspect", Introspection.properties)
+    algorithms = delegate("_introspect", Introspection.algorithms)
 

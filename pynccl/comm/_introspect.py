@@ -1,4 +1,5 @@
-"""The communicator's introspection: :attr:`properties` (``ncclCommQueryProperties``)."""
+"""The communicator's introspection: :attr:`properties` (``ncclCommQueryProperties``) and
+:meth:`algorithms` (NCCL's TUNING lines, ``pynccl.tuning``)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ __all__ = ["Introspection"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from ..tuning import AlgorithmRecord
     from ._core import Core
     from ._properties import CommProperties
 
 
 class Introspection:
-    """``properties``: a part of :class:`~pynccl.Communicator`, over its core's public
-    surface."""
+    """``properties`` and ``algorithms``: a part of :class:`~pynccl.Communicator`, over
+    its core's public surface."""
 
     __slots__ = ("core",)
 
@@ -35,3 +37,20 @@ class Introspection:
 
         core = self.core
         return query(core.library, lambda p: core.call_locked("ncclCommQueryProperties", HANDLE, p))
+
+    def algorithms(self, last: int | None = None) -> list[AlgorithmRecord]:
+        """Which algorithm NCCL ran for this communicator's recent collectives, as its tuner
+        reported it (``NCCL_DEBUG_SUBSYS=TUNING``): one :class:`~pynccl.tuning.
+        AlgorithmRecord` per collective, oldest first (the ``last`` ones when given), each
+        with ``collective``, ``nbytes``, ``algorithm``, ``protocol``, ``channels`` and
+        ``symmetric`` (a symmetric-window kernel or the copy engine ran).
+
+        Needs ``PYNCCL_TRACE_ALGORITHMS=1`` before the library loads
+        (:class:`~pynccl.tuning.TracingOffError` otherwise). NCCL reports on rank 0 of a
+        communicator only: elsewhere the list is empty. Records are this process's lines
+        for this communicator's device; call after the collectives were issued (NCCL
+        prints while it plans them, at the call or at the group's end).
+        """
+        from .. import tuning
+
+        return tuning.recent(last, device=self.core.device)

@@ -16,6 +16,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#define LB_WIN_COLL_SYMMETRIC 0x01 /* NCCL_WIN_COLL_SYMMETRIC, as in winreg.c */
+
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static int g_level;              /* 1 VERSION, 2 WARN, 3 INFO, 4 ABORT, 5 TRACE */
 static unsigned long g_mask;
@@ -132,8 +134,52 @@ void lb_info_comm_ready(const struct lb_comm *c) {
             h, c->rank, c->nranks, c->dev, c->dev, (c->dev + 1) << 12, (unsigned long long)c->hash);
 }
 
-void lb_info_coll(const struct lb_comm *c, const struct lb_op *op, const char *opname,
-                  const void *stream) {
+/* NCCL_ALGO names Tree for all_reduce ("tree", "ring,tree", "allreduce:tree"; "^..." excludes):
+ * the loopback's tuner follows it, as NCCL's does, and otherwise reports RING. */
+static int algo_tree(void) {
+    const char *e = getenv("NCCL_ALGO");
+    if (!e || e[0] == '^') return 0;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", e);
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",;", &save); t; t = strtok_r(NULL, ",;", &save)) {
+        char *colon = strchr(t, ':');
+        if (colon && strncasecmp(t, "allreduce:", 10)) continue;
+        if (!strcasecmp(colon ? colon + 1 : t, "tree")) return 1;
+    }
+    return 0;
+}
+
+/* NCCL's symmetric kernels (2.27+, src/sym_kernels.cc): all_gather of any type; all_reduce and
+ * reduce_scatter with sum over 16/32-bit and fp8 floats; both buffers in windows registered with
+ * NCCL_WIN_COLL_SYMMETRIC. The loopback has no multicast (NVLS), so only the LL and LD/ST kernels
+ * are candidates; LL wins for small messages and is never used at 4 GiB of bus bytes or more. */
+static const char *sym_kernel(struct lb_comm *c, const struct lb_op *op, size_t bytes) {
+    if (!LB_AT_LEAST(2, 27, 3)) return NULL;
+    int flt = op->dtype == ncclFloat16 || op->dtype == ncclFloat32 || op->dtype == ncclBfloat16 ||
+              op->dtype == ncclFloat8e4m3 || op->dtype == ncclFloat8e5m2;
+    int red_ok = op->api_op == ncclSum && flt;
+    if (op->kind == LB_K_ALLREDUCE ? !red_ok : op->kind == LB_K_REDUCESCATTER ? !red_ok
+                                             : op->kind != LB_K_ALLGATHER)
+        return NULL;
+    size_t sbytes = op->kind == LB_K_REDUCESCATTER ? bytes * (size_t)c->nranks : bytes;
+    size_t rbytes = op->kind == LB_K_ALLGATHER ? bytes * (size_t)c->nranks : bytes;
+    pthread_mutex_lock(&c->mu);
+    int sym = lb_win_find(c, op->sbuf, sbytes, LB_WIN_COLL_SYMMETRIC) &&
+              lb_win_find(c, op->rbuf, rbytes, LB_WIN_COLL_SYMMETRIC);
+    pthread_mutex_unlock(&c->mu);
+    if (!sym) return NULL;
+    size_t bus = op->kind == LB_K_ALLREDUCE ? bytes : bytes * (size_t)c->nranks;
+    if (bus >= ((size_t)64 << 30)) return NULL;
+    int ll = bus < ((size_t)4 << 30) && bus <= 64 * 1024; /* the LL kernels' latency edge */
+    switch (op->kind) {
+    case LB_K_ALLREDUCE: return ll ? "AllReduce_AGxLL_R" : "AllReduce_RSxLD_AGxST";
+    case LB_K_ALLGATHER: return ll ? "AllGather_LL" : "AllGather_ST";
+    default: return ll ? "ReduceScatter_LL" : "ReduceScatter_LD";
+    }
+}
+
+void lb_info_coll(struct lb_comm *c, const struct lb_op *op, const char *opname, const void *stream) {
     if (!strncmp(opname, "nccl", 4)) opname += 4; /* NCCL names it "AllReduce" */
     if (lb_info_on(LB_DBG_COLL))
         lb_info(LB_DBG_COLL, c->dev,
@@ -141,7 +187,15 @@ void lb_info_coll(const struct lb_comm *c, const struct lb_op *op, const char *o
                 "[nranks=%d] stream %p",
                 opname, (unsigned long long)c->issued, op->sbuf, (void *)op->rbuf, op->count, op->dtype,
                 op->api_op, op->root, (const void *)c->handle, c->nranks, stream);
-    if (c->rank == 0 && op->kind < LB_K_SEND && lb_info_on(LB_DBG_TUNING)) /* NCCL: rank 0 */
-        lb_info(LB_DBG_TUNING, c->dev, "%s: %zu Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..0}",
-                opname, op->count * lb_type_size(op->dtype));
+    if (op->kind >= LB_K_SEND || !lb_info_on(LB_DBG_TUNING)) return;
+    size_t bytes = op->count * lb_type_size(op->dtype);
+    const char *k = sym_kernel(c, op, bytes);
+    /* NCCL 2.27 printed the symmetric line on every rank, 2.28+ on rank 0 only; the
+     * "Algo" line is rank 0's since 2.19 (src/enqueue.cc, src/scheduler/symmetric_sched.cc). */
+    if (k && (c->rank == 0 || !LB_AT_LEAST(2, 28, 3)))
+        lb_info(LB_DBG_TUNING, c->dev, "%s [Symmetric]: %zu Bytes -> Kernel %s nchannels %d nthreads %d%s",
+                opname, bytes, k, 1, 512, LB_AT_LEAST(2, 28, 3) ? " nWorks 1" : "");
+    else if (!k && c->rank == 0)
+        lb_info(LB_DBG_TUNING, c->dev, "%s: %zu Bytes -> Algo %s proto SIMPLE channel{Lo..Hi}={0..0}", opname,
+                bytes, op->kind == LB_K_ALLREDUCE && algo_tree() ? "TREE" : "RING");
 }

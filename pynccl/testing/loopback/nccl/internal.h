@@ -551,7 +551,7 @@ ncclResult_t lb_launch_async(struct lb_gitem *items, int n, struct lb_wop *ops, 
 int lb_info_on(unsigned long subsys);
 void lb_info(unsigned long subsys, int dev, const char *fmt, ...) LBN_PRINTF(3, 4);
 void lb_info_comm_ready(const struct lb_comm *c);
-void lb_info_coll(const struct lb_comm *c, const struct lb_op *op, const char *opname,
+void lb_info_coll(struct lb_comm *c, const struct lb_op *op, const char *opname,
                   const void *stream);
 
 #pragma GCC visibility pop
