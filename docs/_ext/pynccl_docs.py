@@ -40,6 +40,7 @@ PUBLIC_MODULES = (
     "pynccl.enums",
     "pynccl.groups",
     "pynccl.watchdog",
+    "pynccl.tuning",
     "pynccl.capi",
     "pynccl.cuda",
     "pynccl.bootstrap",
