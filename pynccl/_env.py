@@ -21,6 +21,7 @@ KNOWN: dict[str, str] = {
     "PYNCCL_RENDEZVOUS_KEY": "shared secret authenticating the TCP unique-id rendezvous",
     "PYNCCL_NO_KNOWN_BAD_WARNING": "1: no warning when the loaded libnccl has known issues",
     "PYNCCL_RENDEZVOUS_REPORT": "seconds between rendezvous lines naming missing ranks (30)",
+    "PYNCCL_INIT_REPORT": "seconds between ncclCommInitRank lines naming missing ranks (30)",
     "PYNCCL_LAUNCHER": "set by python -m pynccl launch for its ranks",
     "PYNCCL_FLIGHT_DIR": "where each rank dumps its flight record (rank<R>.json)",
     "PYNCCL_FLIGHT_STACKS": "1: the flight record keeps the Python line of each operation",

@@ -203,6 +203,15 @@ class BoundLibrary:
         self._raw[name] = cfunc
         return cfunc
 
+    def extension(self, name: str) -> Any | None:
+        """A new ctypes function for ``name``, a symbol outside the prototype table (the
+        loopback's ``pynccl_lb_*`` test hooks), or ``None`` if the library lacks it. The
+        caller sets its restype and argtypes."""
+        try:
+            return self._cdll[name]
+        except AttributeError:
+            return None
+
     def bare(self, name: str) -> Any:
         """A new ctypes function object for ``name`` with its restype and *no* argtypes
         (so ctypes converts nothing): only for callers that pass every argument as a

@@ -16,22 +16,23 @@ REPORT_ENV = "PYNCCL_RENDEZVOUS_REPORT"
 DEFAULT_INTERVAL = 30.0
 
 
-def report_interval(value: float | None = None) -> float:
-    """``value`` if given, else ``$PYNCCL_RENDEZVOUS_REPORT``, else 30 s; 0 means never.
+def report_interval(value: float | None = None, env: str = REPORT_ENV) -> float:
+    """``value`` if given, else ``$env`` (``PYNCCL_RENDEZVOUS_REPORT``; init reads
+    ``PYNCCL_INIT_REPORT``), else 30 s; 0 means never.
 
     Raises ``ValueError`` naming the value when it is not a finite number >= 0.
     """
     source = "report_interval"
     if value is None:
-        text = os.environ.get(REPORT_ENV, "").strip()
+        text = os.environ.get(env, "").strip()
         if not text:
             return DEFAULT_INTERVAL
-        source = REPORT_ENV
+        source = env
         try:
             value = float(text)
         except ValueError:
             raise ValueError(
-                f"{REPORT_ENV}={text!r} is not a number of seconds (expected e.g. 30, or 0 "
+                f"{env}={text!r} is not a number of seconds (expected e.g. 30, or 0 "
                 "for no progress lines)"
             ) from None
     if (
@@ -66,10 +67,11 @@ def missing_report(
     )
 
 
-def say(line: str) -> None:
-    """Write one progress line on stderr (never raises: stderr may be closed)."""
+def say(line: str, stage: str = "rendezvous") -> None:
+    """Write one progress line on stderr, as ``pynccl <stage>: <line>`` (never raises:
+    stderr may be closed)."""
     try:
-        sys.stderr.write(f"pynccl rendezvous: {line}\n")
+        sys.stderr.write(f"pynccl {stage}: {line}\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass

@@ -151,6 +151,17 @@ def init_rank(
 ) -> tuple[int | None, bool]:
     """``ncclCommInitRank`` (``...Config`` with ``cfg``; ``...Scalable`` — NCCL >= 2.23
     — with several ids): the new handle, and whether a non-blocking init is pending."""
+    from ._init_report import init_report
+
+    with init_report(L, bytes(ids[0]), rank, nranks):
+        result, handle = _init_call(L, ids, nranks, rank, cfg)
+    return handle, result == Result.IN_PROGRESS
+
+
+def _init_call(
+    L: NcclLibrary, ids: list[UniqueId], nranks: int, rank: int, cfg: ncclConfig_t | None
+) -> tuple[int, int | None]:
+    """The one C call of :func:`init_rank`: its result and the handle it wrote."""
     comm = c_void_p()
     if len(ids) > 1:
         L.require("ncclCommInitRankScalable (several unique ids)", (2, 23, 4))
@@ -162,7 +173,7 @@ def init_rank(
         result = L.ncclCommInitRankConfig(byref(comm), nranks, ids[0].struct, rank, byref(cfg))
     else:
         result = L.ncclCommInitRank(byref(comm), nranks, ids[0].struct, rank)
-    return comm.value, result == Result.IN_PROGRESS
+    return int(result), comm.value
 
 
 def init_all_devices(devices: Sequence[int] | int) -> list[int]:

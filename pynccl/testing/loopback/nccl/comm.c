@@ -65,6 +65,7 @@ static const lb_env_spec g_env_specs[] = {
     {"PYNCCL_LOOPBACK_HANG", LB_ENV_UINT, LB_ENV_MAX_COUNT},
     {"PYNCCL_LOOPBACK_NONBLOCKING_DELAY", LB_ENV_UINT, LB_ENV_MAX_INT},
     {"PYNCCL_LOOPBACK_INIT_TIMEOUT", LB_ENV_SECONDS, 0},
+    {"PYNCCL_INIT_REPORT", LB_ENV_SECONDS, 0},
     {"PYNCCL_LOOPBACK_CHUNK_BYTES", LB_ENV_UINT, LB_ENV_MAX_INT},
     {"PYNCCL_LOOPBACK_RING_BYTES", LB_ENV_UINT, LB_ENV_MAX_INT},
     {"PYNCCL_LOOPBACK_DIRECT", LB_ENV_BOOL, 1},
@@ -143,11 +144,13 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     c->nb_polls_left = (int)delay;
     lb_env_seconds("PYNCCL_LOOPBACK_INIT_TIMEOUT", 300, &tmo, NULL, 0);
     c->init_deadline_ns = tmo > 0 ? lb_now_ns() + (uint64_t)(tmo * 1e9) : 0;
+    lb_init_report_setup(c);
     return c;
 }
 
 static void comm_free(struct lb_comm *c) {
     lb_ras_comm_remove(c); /* a no-op once teardown removed it */
+    lb_joining_remove(c); /* before the world is unmapped: the query reads it */
     lb_rma_free(c);
     if (c->w) lbw_leave(c, LBR_LEFT); /* unmapped at the last reference (see teardown) */
     if (__atomic_sub_fetch(c->mm_refs, 1, __ATOMIC_ACQ_REL) == 0) free(c->mm_refs);
@@ -273,6 +276,7 @@ ncclResult_t lb_comm_progress(struct lb_comm *c, int blocking) {
     const char *opname = "ncclCommInitRank";
     ncclResult_t r = blocking ? lbw_wait_joined(c, opname) : lbw_check_joined(c, opname);
     if (r == ncclInProgress) return r;
+    lb_joining_remove(c);
     if (r != ncclSuccess) {
         __atomic_store_n(&c->async, (int)r, __ATOMIC_RELEASE);
         __atomic_store_n(&c->state, LBC_FAILED, __ATOMIC_RELEASE);
@@ -340,6 +344,7 @@ ncclResult_t lb_comm_create(const unsigned char *uid, int nranks, int rank, int 
         comm_free(c);
         return r;
     }
+    lb_joining_add(c);
     if (!handle_new(c)) {
         lbw_leave(c, LBR_FAILED);
         comm_free(c);

@@ -60,6 +60,9 @@
  *                                    the issuing thread until earlier work has run.
  *   PYNCCL_LOOPBACK_INIT_TIMEOUT=<s> give up waiting for ranks to join after s seconds
  *                                    (default 300, fractions allowed; 0 = wait forever).
+ *   PYNCCL_INIT_REPORT=<s>           while init waits, a WARN line naming the ranks not
+ *                                    joined yet every s seconds and at the timeout
+ *                                    (default 30; 0 = none; shown with NCCL_DEBUG=WARN|INFO).
  *   NCCL_COMM_BLOCKING=0|1           overrides ncclConfig_t.blocking, like NCCL.
  *   NCCL_DEBUG=WARN|INFO|TRACE       print each error message on stderr, like NCCL.
  * Read when the world is created (the first rank to arrive decides for all):

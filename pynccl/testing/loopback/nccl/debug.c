@@ -82,7 +82,7 @@ static void debug_init(void) {
     char *dot = strchr(g_host, '.');
     if (dot) *dot = '\0'; /* NCCL cuts the host name at the first dot */
     const char *file = getenv("NCCL_DEBUG_FILE");
-    g_out = (g_level >= 3 && file) ? open_file(file) : stderr;
+    g_out = (g_level >= 2 && file) ? open_file(file) : stderr;
 }
 
 int lb_info_on(unsigned long subsys) {
@@ -90,16 +90,37 @@ int lb_info_on(unsigned long subsys) {
     return g_level >= 3 && (g_mask & subsys);
 }
 
-static void emit(int dev, const char *fmt, va_list ap) {
+int lb_warn_on(void) {
+    pthread_once(&g_once, debug_init);
+    return g_level >= 2;
+}
+
+/* where: "" for INFO, "file:line " for WARN (NCCL's shapes). */
+static void emit_as(const char *level, const char *where, int dev, const char *fmt, va_list ap) {
     char line[1024];
-    int n = snprintf(line, sizeof line, "%s:%d:%d [%d] NCCL INFO ", g_host, (int)getpid(),
-                     (int)syscall(SYS_gettid), dev);
+    int n = snprintf(line, sizeof line, "%s:%d:%d [%d] %sNCCL %s ", g_host, (int)getpid(),
+                     (int)syscall(SYS_gettid), dev, where, level);
     if (n < 0 || (size_t)n >= sizeof line) return;
     vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
     pthread_mutex_lock(&g_out_mu);
     fprintf(g_out, "%s\n", line);
     fflush(g_out);
     pthread_mutex_unlock(&g_out_mu);
+}
+
+static void emit(int dev, const char *fmt, va_list ap) { emit_as("INFO", "", dev, fmt, ap); }
+
+/* NCCL's WARN shape: "host:pid:tid [dev] file:line NCCL WARN ...", at NCCL_DEBUG=WARN or
+ * above, whatever NCCL_DEBUG_SUBSYS says. */
+void lb_warn(int dev, const char *file, int line, const char *fmt, ...) {
+    if (!lb_warn_on()) return;
+    char where[160];
+    const char *base = strrchr(file, '/');
+    snprintf(where, sizeof where, "%s:%d ", base ? base + 1 : file, line);
+    va_list ap;
+    va_start(ap, fmt);
+    emit_as("WARN", where, dev, fmt, ap);
+    va_end(ap);
 }
 
 void lb_info(unsigned long subsys, int dev, const char *fmt, ...) {

@@ -218,6 +218,8 @@ struct lb_comm {
     int finalize_called; /* NCCL's: finalize or revoke ran; destroy/abort skip its waits */
     int nb_polls_left;
     uint64_t init_deadline_ns;
+    uint64_t init_start_ns, init_report_ns, init_next_report_ns; /* initwait.c */
+    struct lb_comm *joining_next; /* the process's comms still joining (initwait.c) */
 
     /* tasks (mu) */
     uint64_t issued, completed;
@@ -350,6 +352,14 @@ ncclResult_t lb_comm_revoke_state(struct lb_comm *c);
 ncclResult_t lbw_join(struct lb_comm *c, const char *opname);
 int lbw_all_joined(struct lb_comm *c);
 ncclResult_t lbw_check_joined(struct lb_comm *c, const char *opname);
+
+/* ---- comms waiting for their world to fill (initwait.c) --------------------------- */
+
+void lb_joining_add(struct lb_comm *c);
+void lb_joining_remove(struct lb_comm *c);
+void lb_init_report_setup(struct lb_comm *c);
+void lb_init_report(struct lb_comm *c, const char *opname, int timed_out);
+LB_EXPORT int pynccl_lb_init_missing(const unsigned char *uid, int *missing, int cap, int *nranks);
 ncclResult_t lbw_wait_joined(struct lb_comm *c, const char *opname);
 /* Tell the other ranks this one left (state: LBR_LEFT or LBR_FAILED, first one wins);
  * leave also unmaps the world (at the last reference: a call may still be waiting in it). */
@@ -549,6 +559,8 @@ ncclResult_t lb_launch_async(struct lb_gitem *items, int n, struct lb_wop *ops, 
 #define LB_DBG_ALL (~0UL)
 
 int lb_info_on(unsigned long subsys);
+int lb_warn_on(void);
+void lb_warn(int dev, const char *file, int line, const char *fmt, ...) LBN_PRINTF(4, 5);
 void lb_info(unsigned long subsys, int dev, const char *fmt, ...) LBN_PRINTF(3, 4);
 void lb_info_comm_ready(const struct lb_comm *c);
 void lb_info_coll(struct lb_comm *c, const struct lb_op *op, const char *opname,

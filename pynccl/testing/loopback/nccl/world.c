@@ -403,12 +403,14 @@ ncclResult_t lbw_check_joined(struct lb_comm *c, const char *opname) {
     if (r == LB_ABORTED) return lb_err(LB_REMOTE_ERR, "%s : aborted during init", opname);
     if (r != ncclSuccess) return r;
     if (c->init_deadline_ns && lb_now_ns() > c->init_deadline_ns) {
+        lb_init_report(c, opname, 1);
         int miss = first_missing(c);
         lbw_break(c, LB_REMOTE_ERR, 1,
                   "%s : timed out waiting for rank %d of %d to join (PYNCCL_LOOPBACK_INIT_TIMEOUT)",
                   opname, miss, c->nranks);
         return LB_REMOTE_ERR;
     }
+    lb_init_report(c, opname, 0);
     return ncclInProgress;
 }
 
