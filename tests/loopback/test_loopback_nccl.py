@@ -178,7 +178,7 @@ def test_exports_every_function_of_the_header_and_its_p_alias(build: Any) -> Non
     if out.returncode == 0:  # nothing else leaks out of the library
         names = {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
         extra = {n for n in names if n.lstrip("p") not in {**PROTOTYPES, **DEVICE_PROTOTYPES}}
-        assert extra == set()
+        assert extra == {"pynccl_lb_init_missing"}  # the one test hook (nccl/initwait.c)
 
 
 def _wheel_nccl_include() -> str | None:
