@@ -445,7 +445,8 @@ def test_cudart_files_form_a_dag_with_core_at_the_bottom() -> None:
 
 #: The nccl files bottom to top, as nccl/core.c's header comment lists them.
 NCCL_ORDER = (
-    "core", "reduce", "debug", "crypto", "param", "config", "sync", "world", "ras_fmt", "ras",
+    "core", "reduce", "debug", "crypto", "param", "config", "sync", "initwait", "world",
+    "ras_fmt", "ras",
     "exec", "p2p", "window", "comm", "group", "gjob", "teardown", "init", "fault", "suspend",
     "redop", "props", "signal", "winreg", "launch", "enqueue",
 )  # fmt: skip

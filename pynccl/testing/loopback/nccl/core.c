@@ -16,7 +16,8 @@
  * core.c, reduce.c (element types and reductions), debug.c (NCCL_DEBUG=INFO lines),
  * crypto.c (ncclSetEncryption),
  * param.c (the parameter API), config.c (ncclConfig_t), sync.c (waits, broken worlds,
- * dead peers), world.c (a communicator's shared-memory world: create, join, leave),
+ * dead peers), initwait.c (the inits under way, and the ranks they wait for), world.c (a
+ * communicator's shared-memory world: create, join, leave),
  * ras_fmt.c and ras.c (NCCL's RAS service: its reports, and the listener thread answering
  * from the worlds of this process's communicators), exec.c (collectives over the world),
  * p2p.c (send/recv rings), window.c (ncclMemAlloc, window objects, a comm's RMA state),

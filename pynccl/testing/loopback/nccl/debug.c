@@ -16,7 +16,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#define LB_WIN_COLL_SYMMETRIC 0x01 /* NCCL_WIN_COLL_SYMMETRIC, as in winreg.c */
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 static int g_level;              /* 1 VERSION, 2 WARN, 3 INFO, 4 ABORT, 5 TRACE */
@@ -175,21 +174,15 @@ static int algo_tree(void) {
  * reduce_scatter with sum over 16/32-bit and fp8 floats; both buffers in windows registered with
  * NCCL_WIN_COLL_SYMMETRIC. The loopback has no multicast (NVLS), so only the LL and LD/ST kernels
  * are candidates; LL wins for small messages and is never used at 4 GiB of bus bytes or more. */
-static const char *sym_kernel(struct lb_comm *c, const struct lb_op *op, size_t bytes) {
-    if (!LB_AT_LEAST(2, 27, 3)) return NULL;
+static const char *sym_kernel(struct lb_comm *c, const struct lb_op *op, size_t bytes,
+                              int in_windows) {
+    if (!LB_AT_LEAST(2, 27, 3) || !in_windows) return NULL;
     int flt = op->dtype == ncclFloat16 || op->dtype == ncclFloat32 || op->dtype == ncclBfloat16 ||
               op->dtype == ncclFloat8e4m3 || op->dtype == ncclFloat8e5m2;
     int red_ok = op->api_op == ncclSum && flt;
     if (op->kind == LB_K_ALLREDUCE ? !red_ok : op->kind == LB_K_REDUCESCATTER ? !red_ok
                                              : op->kind != LB_K_ALLGATHER)
         return NULL;
-    size_t sbytes = op->kind == LB_K_REDUCESCATTER ? bytes * (size_t)c->nranks : bytes;
-    size_t rbytes = op->kind == LB_K_ALLGATHER ? bytes * (size_t)c->nranks : bytes;
-    pthread_mutex_lock(&c->mu);
-    int sym = lb_win_find(c, op->sbuf, sbytes, LB_WIN_COLL_SYMMETRIC) &&
-              lb_win_find(c, op->rbuf, rbytes, LB_WIN_COLL_SYMMETRIC);
-    pthread_mutex_unlock(&c->mu);
-    if (!sym) return NULL;
     size_t bus = op->kind == LB_K_ALLREDUCE ? bytes : bytes * (size_t)c->nranks;
     if (bus >= ((size_t)64 << 30)) return NULL;
     int ll = bus < ((size_t)4 << 30) && bus <= 64 * 1024; /* the LL kernels' latency edge */
@@ -200,7 +193,8 @@ static const char *sym_kernel(struct lb_comm *c, const struct lb_op *op, size_t 
     }
 }
 
-void lb_info_coll(struct lb_comm *c, const struct lb_op *op, const char *opname, const void *stream) {
+void lb_info_coll(struct lb_comm *c, const struct lb_op *op, const char *opname, const void *stream,
+                  int in_windows) {
     if (!strncmp(opname, "nccl", 4)) opname += 4; /* NCCL names it "AllReduce" */
     if (lb_info_on(LB_DBG_COLL))
         lb_info(LB_DBG_COLL, c->dev,
@@ -210,7 +204,7 @@ void lb_info_coll(struct lb_comm *c, const struct lb_op *op, const char *opname,
                 op->api_op, op->root, (const void *)c->handle, c->nranks, stream);
     if (op->kind >= LB_K_SEND || !lb_info_on(LB_DBG_TUNING)) return;
     size_t bytes = op->count * lb_type_size(op->dtype);
-    const char *k = sym_kernel(c, op, bytes);
+    const char *k = sym_kernel(c, op, bytes, in_windows);
     /* NCCL 2.27 printed the symmetric line on every rank, 2.28+ on rank 0 only; the
      * "Algo" line is rank 0's since 2.19 (src/enqueue.cc, src/scheduler/symmetric_sched.cc). */
     if (k && (c->rank == 0 || !LB_AT_LEAST(2, 28, 3)))

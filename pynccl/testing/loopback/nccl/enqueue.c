@@ -146,12 +146,26 @@ static ncclResult_t submit(struct lb_comm *c, cudaStream_t stream, const struct 
 #endif
 }
 
+/* Whether both of op's buffers lie in windows registered NCCL_WIN_COLL_SYMMETRIC (what
+ * NCCL's symmetric kernels need): for the TUNING line, asked only when it prints. */
+static int in_symmetric_windows(struct lb_comm *c, const struct lb_op *op) {
+    if (op->kind >= LB_K_SEND || !lb_info_on(LB_DBG_TUNING)) return 0;
+    size_t bytes = op->count * lb_type_size(op->dtype);
+    size_t sbytes = op->kind == LB_K_REDUCESCATTER ? bytes * (size_t)c->nranks : bytes;
+    size_t rbytes = op->kind == LB_K_ALLGATHER ? bytes * (size_t)c->nranks : bytes;
+    pthread_mutex_lock(&c->mu);
+    int sym = lb_win_find(c, op->sbuf, sbytes, 0x01 /* NCCL_WIN_COLL_SYMMETRIC */) &&
+              lb_win_find(c, op->rbuf, rbytes, 0x01);
+    pthread_mutex_unlock(&c->mu);
+    return sym;
+}
+
 static ncclResult_t run_op(struct lb_op *op, ncclComm_t comm, cudaStream_t stream,
                            const char *opname) {
     struct lb_comm *c;
     ncclResult_t r = lb_comm_get(comm, opname, &c);
     if (r == ncclSuccess) r = check_args(c, op, stream, opname);
-    if (r == ncclSuccess) lb_info_coll(c, op, opname, stream);
+    if (r == ncclSuccess) lb_info_coll(c, op, opname, stream, in_symmetric_windows(c, op));
     if (r == ncclSuccess) r = submit(c, stream, op, opname);
     return lb_group_error(r);
 }

@@ -563,8 +563,10 @@ int lb_warn_on(void);
 void lb_warn(int dev, const char *file, int line, const char *fmt, ...) LBN_PRINTF(4, 5);
 void lb_info(unsigned long subsys, int dev, const char *fmt, ...) LBN_PRINTF(3, 4);
 void lb_info_comm_ready(const struct lb_comm *c);
+/* in_windows: both buffers lie in NCCL_WIN_COLL_SYMMETRIC windows (the caller, above
+ * window.c, asks; only when TUNING lines are on). */
 void lb_info_coll(struct lb_comm *c, const struct lb_op *op, const char *opname,
-                  const void *stream);
+                  const void *stream, int in_windows);
 
 #pragma GCC visibility pop
 
