@@ -209,7 +209,11 @@ def collect() -> dict[str, Any]:
     if cuda["no_gpu_reason"]:
         cuda["hint"] = LOOPBACK_HINT
     return {
-        "pynccl": {"version": __version__, "path": os.path.dirname(os.path.abspath(__file__))},
+        "pynccl": {
+            "version": __version__,
+            "path": os.path.dirname(os.path.abspath(__file__)),
+            **_distribution(),
+        },
         "python": {"version": sys.version.split()[0], "executable": sys.executable},
         "nccl": nccl,
         "nccl_mapped": _loader.mapped_libraries("libnccl"),
@@ -222,6 +226,43 @@ def collect() -> dict[str, Any]:
         "nccl_parameters": _nccl_params(lib),
         "known_issues": _known_issues(lib),
     }
+
+
+#: This project's distribution name; "pynccl" on PyPI is an unrelated project that imports as
+#: ``pynccl`` too.
+DISTRIBUTION = "pynccl-ctypes"
+_UNRELATED = "pynccl"
+#: This project's summary (pyproject's description): an install of this project made before
+#: the rename, under the old name "pynccl", is this project, not the unrelated one.
+SUMMARY = (
+    "A pure-ctypes Python binding to NVIDIA NCCL, with a host-memory loopback for GPU-less testing"
+)
+
+
+def _distribution() -> dict[str, Any]:
+    """Which installed distribution this ``pynccl`` comes from (None: a source tree), and
+    the unrelated PyPI project "pynccl" if it is installed too: both own the import name, so
+    whichever was installed last wins (``shadow`` says which one that is not this)."""
+    from importlib import metadata
+
+    def version_of(name: str) -> str | None:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return None
+
+    ours, other = version_of(DISTRIBUTION), version_of(_UNRELATED)
+    if other is not None and metadata.metadata(_UNRELATED)["Summary"] == SUMMARY:
+        ours, other = ours or other, None  # this project, installed under its old name
+    shadow = None
+    if other is not None:
+        shadow = (
+            f"the unrelated PyPI project {_UNRELATED!r} {other} is installed too and also "
+            f"imports as 'pynccl'; one overwrites the other's files: pip uninstall "
+            f"{_UNRELATED} && pip install --force-reinstall {DISTRIBUTION}"
+        )
+    return {"distribution": DISTRIBUTION if ours is not None else None,
+            "installed_version": ours, "shadow": shadow}  # fmt: skip
 
 
 def _known_issues(lib: Any) -> list[str] | None:
@@ -247,10 +288,14 @@ def _lib_line(name: str, sec: dict[str, Any], version: str | None) -> list[str]:
 def format_text(report: dict[str, Any]) -> str:
     """The human-readable form of :func:`collect`'s report."""
     p, cuda = report["pynccl"], report["cuda"]
+    dist = p.get("distribution")
+    where = f"  (distribution {dist} {p.get('installed_version')})" if dist else "  (source tree)"
     lines = [
-        f"pynccl     {p['version']}  {p['path']}",
+        f"pynccl     {p['version']}  {p['path']}{where}",
         f"python     {report['python']['version']}  {report['python']['executable']}",
     ]
+    if p.get("shadow"):
+        lines.append(f"{'':<11}WARNING: {p['shadow']}")
     lines += _lib_line("libnccl", report["nccl"], report["nccl"].get("version"))
     lines += _lib_line("libcudart", report["cudart"], cuda.get("runtime_version"))
     issues = report.get("known_issues")

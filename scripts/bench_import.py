@@ -82,7 +82,7 @@ def build_wheel(dest: Path) -> Path:
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
         check=True,
     )
-    (wheel,) = out.glob("pynccl-*.whl")
+    (wheel,) = out.glob("pynccl_ctypes-*.whl")
     return wheel
 
 

@@ -405,7 +405,7 @@ def _parse(argv: Sequence[str]) -> Options:
         except ImportError:
             raise PerfError(
                 "--plot needs matplotlib, which is not installed: "
-                "pip install 'pynccl[plot]' (or pip install matplotlib)"
+                "pip install 'pynccl-ctypes[plot]' (or pip install matplotlib)"
             ) from None
     if opts.output_file is not None and not opts.output_file.lower().endswith(".json"):
         raise PerfError(

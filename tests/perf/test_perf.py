@@ -630,7 +630,7 @@ def test_runs_without_numpy(tmp_path: Path) -> None:
 def test_plot_without_matplotlib(tmp_path: Path) -> None:
     proc = run_perf("--plot", str(tmp_path / "p.png"), extra_env=_shadow(tmp_path, "matplotlib"))
     assert proc.returncode == 2
-    assert "--plot needs matplotlib" in proc.stderr and "pynccl[plot]" in proc.stderr
+    assert "--plot needs matplotlib" in proc.stderr and "pynccl-ctypes[plot]" in proc.stderr
     assert not (tmp_path / "p.png").exists()
 
 
