@@ -1,11 +1,11 @@
 """Argument resolution for every collective: the fast path's value-keyed tables, and the
-checked path (:func:`prepare`).
+rules of the checked path.
 
 The fast path (:meth:`._collectives.Collectives._call`) resolves the common forms through
 the tables here; everything else — a form seen for the first time, ``None`` buffers, odd
-values — comes to :func:`prepare`, so that every collective checks the same things in the
-same order and words each mistake the same way (the rules themselves are
-:mod:`pynccl._limits`).
+values — goes to the checked path (:meth:`._checked.Checked._prepare`), which applies the
+rules here and in :mod:`pynccl._limits`, so that every collective checks the same things in
+the same order and words each mistake the same way.
 """
 
 from __future__ import annotations
@@ -14,12 +14,8 @@ import sys
 from ctypes import c_int
 
 from .. import _adapt
-from .._capi._binding import SIZE_ARGS, SIZE_ARGS_LIMIT, size_arg
 from .._capi._enumargs import C_DATATYPE, C_REDOP
-from .._limits import (
-    U64,
-    index_int,
-)
+from .._limits import index_int
 from ..dtypes import known_names, to_numpy_dtype
 from ..enums import DataType, RedOp
 from ..errors import NotSupportedError
@@ -36,7 +32,6 @@ __all__ = [
     "rank_args",
     "raw_needs",
     "resolve_op",
-    "size_arg",
 ]
 
 TYPE_CHECKING = False
@@ -225,4 +220,3 @@ def raw_needs(obj: int, name: str, count: object, dtype: object) -> None:
         )
 
 
-__all__ += ["SIZE_ARGS", "SIZE_ARGS_LIMIT", "U64"]  # SIZE_ARGS: see pynccl._capi._binding

@@ -17,7 +17,7 @@ then joins the open group, takes the gate, stores one flight-record entry, makes
 call (a function without argtypes: every argument is already a ctypes object) and checks
 its result. Anything else — a form seen for the first time, ``None`` buffers, a per-call
 ``config=``, a capture under way, a communicator not ready — goes to the checked path
-(:meth:`Collectives._slow`, :func:`._args.prepare`), which words every mistake the same way
+(:meth:`._checked.Checked._slow`, ``_prepare``), which words every mistake the same way
 for every row; what it resolves, the fast path knows from then on. No cache here needs
 invalidating: every table maps a value to what that value means.
 """
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from ._collconfig import CollConfig
     from ._communicator import Communicator
 
-_IN_PROGRESS = 7
 _OPEN = _groups.OPEN  # threads with a group open (empty: nothing to look up)
 _GROUPS = _groups.STATE  # the calling thread's group state: ``.s``
 _NULL = c_void_p(0)  # the legacy default stream
@@ -171,11 +170,11 @@ class Collectives(Checked):
     def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, where: object, s: int,
                 count: object, dtype: object, on_complex: bool) -> _Resolved:  # fmt: skip
         """The fast path's arrays, each read once by its type's handler, as
-        :func:`._args.prepare` reads them (the count's source first): ``(send c_void_p, recv
-        c_void_p, c_size_t count, c_int type)``, None for a buffer the row has not. Raises
-        KeyError for what prepare must look at instead: count= or dtype= given, a type read
-        for the first time, a buffer on another device or of another type, odd sizes, a
-        rooted call off its root, a complex array with prod/max/min."""
+        :meth:`._checked.Checked._prepare` reads them (the count's source first): ``(send
+        c_void_p, recv c_void_p, c_size_t count, c_int type)``, None for a buffer the row has
+        not. Raises KeyError for what the checked path must look at instead: count= or dtype=
+        given, a type read for the first time, a buffer on another device or of another
+        type, odd sizes, a rooted call off its root, a complex array with prod/max/min."""
         _, _, _, in_place, no_send, no_recv, _, send_n, recv_n, first, rooted = row.fast
         in_place = in_place and recvbuf is None
         if count is not None or dtype is not None or (not on_complex and (

@@ -108,28 +108,15 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
     ``keep`` was taken (else the caller may let it go now). Once NCCL has launched, only
     objects whose memory a free could hand out while the work runs need that (see
     :func:`needs_order`); while a non-blocking group is in progress (``waiting``) nothing
-    is on the streams yet, so everything waits. One pass over the entries: per object
-    only a type test, per entry that needs order one dict entry per distinct stream."""
+    is on the streams yet, so everything waits. One pass over the entries: per entry that
+    needs order one dict entry per distinct stream."""
     streams: dict[tuple[int, int], Any] | None = None
-    safe = _SAFE
     for entry in keep:
         comm, stream = entry[0], entry[1]
         if comm is None or stream is None:  # nothing issued on a stream, or nothing to keep
             continue
-        if not waiting:
-            for obj in entry[2:]:  # needs_order, inline: the common kinds by type alone
-                kind = type(obj)
-                if kind in safe:
-                    continue
-                if kind is DeviceBuffer:
-                    if obj.allocator == "nccl":
-                        break
-                    continue
-                if kind in HOLDERS and not needs_order((obj,)):
-                    continue
-                break  # this entry needs order
-            else:
-                continue
+        if not waiting and not needs_order(entry[2:]):
+            continue
         handle = stream if type(stream) is int else (stream.value or 0)
         device = comm.watch_device()  # known, or asked without the gate
         key = (-1 if device is None else device, handle)

@@ -21,19 +21,19 @@ def to_device(values: Any, dtype: Any = np.float32, device: int = 0) -> DeviceBu
 
 def takes_fast_path(call: Any, *args: Any, **kwargs: Any) -> bool:
     """Whether ``call(*args, **kwargs)`` issued without the checked path
-    (``Collectives._slow``)."""
-    from pynccl.comm._checked import Checked as Collectives  # where _slow is defined
+    (``Checked._slow``)."""
+    from pynccl.comm._checked import Checked  # where _slow is defined
 
     seen: list[object] = []
-    checked = Collectives._slow
+    checked = Checked._slow
 
     def spy(self: Any, *args: Any, **kwargs: Any) -> None:
         seen.append(args)
         checked(self, *args, **kwargs)
 
-    Collectives._slow = spy  # type: ignore[method-assign]
+    Checked._slow = spy  # type: ignore[method-assign]
     try:
         call(*args, **kwargs)
     finally:
-        Collectives._slow = checked  # type: ignore[method-assign]
+        Checked._slow = checked  # type: ignore[method-assign]
     return not seen
