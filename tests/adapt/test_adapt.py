@@ -23,32 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import ROOT
 from support import producers as P
+from support.producers import addr
+from support.reference import ML_TYPES, NUMPY_TYPES
 
 from pynccl import DataType
 from pynccl._adapt import as_buffer, as_stream, check_device, is_complex
-
-# numpy dtype -> the NCCL type it must map to (written out, not derived).
-NUMPY_TYPES = [
-    (np.int8, DataType.INT8),
-    (np.uint8, DataType.UINT8),
-    (np.int32, DataType.INT32),
-    (np.uint32, DataType.UINT32),
-    (np.int64, DataType.INT64),
-    (np.uint64, DataType.UINT64),
-    (np.float16, DataType.FLOAT16),
-    (np.float32, DataType.FLOAT32),
-    (np.float64, DataType.FLOAT64),
-]
-ML_TYPES = [
-    (ml_dtypes.bfloat16, DataType.BFLOAT16),
-    (ml_dtypes.float8_e4m3fn, DataType.FLOAT8_E4M3),
-    (ml_dtypes.float8_e5m2, DataType.FLOAT8_E5M2),
-]
-
-
-def addr(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
-
 
 # --- raw pointers -------------------------------------------------------------------------
 

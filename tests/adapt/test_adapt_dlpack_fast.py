@@ -16,33 +16,16 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
 from support import producers as P
+from support.producers import addr
+from support.reference import ML_TYPES, NUMPY_TYPES
 
 from pynccl import DataType
 from pynccl._adapt import _dlpack
 
-# numpy dtype -> NCCL type, written out.
-TYPES = [
-    (np.int8, DataType.INT8),
-    (np.uint8, DataType.UINT8),
-    (np.int32, DataType.INT32),
-    (np.uint32, DataType.UINT32),
-    (np.int64, DataType.INT64),
-    (np.uint64, DataType.UINT64),
-    (np.float16, DataType.FLOAT16),
-    (np.float32, DataType.FLOAT32),
-    (np.float64, DataType.FLOAT64),
-    (ml_dtypes.bfloat16, DataType.BFLOAT16),
-    (ml_dtypes.float8_e4m3fn, DataType.FLOAT8_E4M3),
-    (ml_dtypes.float8_e5m2, DataType.FLOAT8_E5M2),
-]
-
-
-def addr(a: np.ndarray) -> int:
-    return int(a.__array_interface__["data"][0])
+TYPES = NUMPY_TYPES + ML_TYPES
 
 
 @pytest.fixture

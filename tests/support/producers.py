@@ -31,6 +31,11 @@ import numpy as np
 # --- __cuda_array_interface__ -------------------------------------------------------------
 
 
+def addr(a: np.ndarray) -> int:
+    """The address of numpy array ``a``'s data."""
+    return int(a.__array_interface__["data"][0])
+
+
 def cai_dict(
     array: np.ndarray,
     *,

@@ -276,3 +276,23 @@ def assert_matches(got: np.ndarray, want: np.ndarray, what: str) -> None:
     eps = float(ml_dtypes.finfo(got.dtype).eps)
     tiny = float(ml_dtypes.finfo(got.dtype).smallest_subnormal)
     np.testing.assert_allclose(g, w, rtol=eps, atol=tiny, err_msg=what)
+
+
+#: numpy dtype -> the NCCL type it must map to (written out, not derived).
+NUMPY_TYPES = [
+    (np.int8, DataType.INT8),
+    (np.uint8, DataType.UINT8),
+    (np.int32, DataType.INT32),
+    (np.uint32, DataType.UINT32),
+    (np.int64, DataType.INT64),
+    (np.uint64, DataType.UINT64),
+    (np.float16, DataType.FLOAT16),
+    (np.float32, DataType.FLOAT32),
+    (np.float64, DataType.FLOAT64),
+]
+#: ml_dtypes' types -> theirs.
+ML_TYPES = [
+    (ml_dtypes.bfloat16, DataType.BFLOAT16),
+    (ml_dtypes.float8_e4m3fn, DataType.FLOAT8_E4M3),
+    (ml_dtypes.float8_e5m2, DataType.FLOAT8_E5M2),
+]
