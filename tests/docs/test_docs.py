@@ -24,6 +24,7 @@ PUBLIC_MODULES = (
     "pynccl.groups",
     "pynccl.watchdog",
     "pynccl.tuning",
+    "pynccl.interop",
     "pynccl.capi",
     "pynccl.cuda",
     "pynccl.bootstrap",

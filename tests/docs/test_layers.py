@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, int]] = [
     ("pynccl.watchdog", 6),
     ("pynccl.launch", 7),
     ("pynccl.perf", 7),
+    ("pynccl.interop", 7),
     ("pynccl.info", 7),
     ("pynccl.ras", 7),
     ("pynccl.__main__", 7),
