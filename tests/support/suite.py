@@ -123,75 +123,67 @@ def _assert_results(
             assert_same(send_after, original, f"rank {r} sendbuf changed by {what}")
 
 
-def _check_all_reduce(world: World, spec: Spec) -> None:
-    n, dt = spec.count, spec.datatype
-    inputs = _inputs(spec, world.size, n, _purpose(spec))
-    want = ref_reduce(inputs, dt, spec.op)
+def _check_in_or_out_of_place(
+    world: World,
+    spec: Spec,
+    inputs: list[np.ndarray],
+    call: Callable[[Communicator, Any, Any, int], None],
+    expected: Callable[[int], np.ndarray | None],
+    what: str,
+) -> None:
+    """The rows whose send and recv buffers have one size (all_reduce, reduce, broadcast):
+    each rank sends ``inputs[r]``, into garbage or in place, and rank r must read
+    ``expected(r)`` (None: not checked) with its sendbuf unchanged."""
 
     def setup(r: int) -> dict[str, Any]:
         st = {"s": Slot(spec.kind, inputs[r], world.device(r))}
         if not spec.inplace:
-            st["r"] = Slot(spec.kind, _garbage(spec, n, r), world.device(r))
+            st["r"] = Slot(spec.kind, _garbage(spec, spec.count, r), world.device(r))
         return st
 
-    def call(comm: Communicator, st: dict[str, Any]) -> None:
+    def issue(comm: Communicator, st: dict[str, Any]) -> None:
         recv = st["r"].obj if "r" in st else None
-        comm.all_reduce(st["s"].obj, recv, spec.op, **st["s"].kw(n))
+        call(comm, st["s"].obj, recv, st["s"])
 
     def finish(st: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
         if "r" in st:
             return st["r"].read(), st["s"].read()
         return st["s"].read(), None
 
-    results = world.collective(setup, call, finish)
-    _assert_results(results, lambda r: want, lambda r: inputs[r], "all_reduce")
+    results = world.collective(setup, issue, finish)
+    _assert_results(results, expected, lambda r: inputs[r], what)
+
+
+def _check_all_reduce(world: World, spec: Spec) -> None:
+    n = spec.count
+    inputs = _inputs(spec, world.size, n, _purpose(spec))
+    want = ref_reduce(inputs, spec.datatype, spec.op)
+    _check_in_or_out_of_place(
+        world, spec, inputs,
+        lambda comm, send, recv, slot: comm.all_reduce(send, recv, spec.op, **slot.kw(n)),
+        lambda r: want, "all_reduce",
+    )  # fmt: skip
 
 
 def _check_reduce(world: World, spec: Spec) -> None:
-    n, dt, root = spec.count, spec.datatype, spec.root
+    n, root = spec.count, spec.root
     inputs = _inputs(spec, world.size, n, _purpose(spec))
-    want = ref_reduce(inputs, dt, spec.op)
-
-    def setup(r: int) -> dict[str, Any]:
-        st = {"s": Slot(spec.kind, inputs[r], world.device(r))}
-        if not spec.inplace:
-            st["r"] = Slot(spec.kind, _garbage(spec, n, r), world.device(r))
-        return st
-
-    def call(comm: Communicator, st: dict[str, Any]) -> None:
-        recv = st["r"].obj if "r" in st else None
-        comm.reduce(st["s"].obj, recv, spec.op, root=root, **st["s"].kw(n))
-
-    def finish(st: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
-        if "r" in st:
-            return st["r"].read(), st["s"].read()
-        return st["s"].read(), None
-
-    results = world.collective(setup, call, finish)
-    _assert_results(results, lambda r: want if r == root else None, lambda r: inputs[r], "reduce")
+    want = ref_reduce(inputs, spec.datatype, spec.op)
+    _check_in_or_out_of_place(
+        world, spec, inputs,
+        lambda comm, send, recv, slot: comm.reduce(send, recv, spec.op, root=root, **slot.kw(n)),
+        lambda r: want if r == root else None, "reduce",
+    )  # fmt: skip
 
 
 def _check_broadcast(world: World, spec: Spec) -> None:
     n, root = spec.count, spec.root
     inputs = _inputs(spec, world.size, n, "bytes")
-
-    def setup(r: int) -> dict[str, Any]:
-        st = {"s": Slot(spec.kind, inputs[r], world.device(r))}
-        if not spec.inplace:
-            st["r"] = Slot(spec.kind, _garbage(spec, n, r), world.device(r))
-        return st
-
-    def call(comm: Communicator, st: dict[str, Any]) -> None:
-        recv = st["r"].obj if "r" in st else None
-        comm.broadcast(st["s"].obj, recv, root=root, **st["s"].kw(n))
-
-    def finish(st: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None]:
-        if "r" in st:
-            return st["r"].read(), st["s"].read()
-        return st["s"].read(), None
-
-    results = world.collective(setup, call, finish)
-    _assert_results(results, lambda r: inputs[root], lambda r: inputs[r], "broadcast")
+    _check_in_or_out_of_place(
+        world, spec, inputs,
+        lambda comm, send, recv, slot: comm.broadcast(send, recv, root=root, **slot.kw(n)),
+        lambda r: inputs[root], "broadcast",
+    )  # fmt: skip
 
 
 def _check_all_gather(world: World, spec: Spec) -> None:
