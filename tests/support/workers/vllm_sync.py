@@ -26,7 +26,7 @@ import json
 import os
 import sys
 import time
-from ctypes import byref, c_int, c_size_t, c_void_p
+from ctypes import byref, c_size_t, c_void_p
 from typing import Any
 
 import ml_dtypes
