@@ -42,6 +42,7 @@ PUBLIC_MODULES = (
     "pynccl.watchdog",
     "pynccl.tuning",
     "pynccl.interop",
+    "pynccl.interop.vllm",
     "pynccl.capi",
     "pynccl.cuda",
     "pynccl.bootstrap",

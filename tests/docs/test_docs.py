@@ -25,6 +25,7 @@ PUBLIC_MODULES = (
     "pynccl.watchdog",
     "pynccl.tuning",
     "pynccl.interop",
+    "pynccl.interop.vllm",
     "pynccl.capi",
     "pynccl.cuda",
     "pynccl.bootstrap",
