@@ -17,6 +17,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,9 @@ from support.child import result_line, run_ranks
 from support.workers.vllm_sync import SPECS, RawVllm, weight
 
 from pynccl.comm import Communicator, UniqueId
-from pynccl.cuda import DeviceBuffer
-from pynccl.errors import NcclError
+from pynccl.comm._state import live_handles
+from pynccl.cuda import DeviceBuffer, Stream
+from pynccl.errors import NcclError, NcclTimeoutError
 from pynccl.interop import vllm
 
 WORKER = Path(__file__).resolve().parents[1] / "support" / "workers" / "vllm_sync.py"
@@ -189,6 +191,61 @@ def test_without_the_warm_up_vllms_first_collective_is_mismatched(lb: Any) -> No
     mine, _ = _both(trainer, peer)
     assert "mismatched collectives at collective #1" in mine, mine
     assert "ncclAllReduce" in mine and "ncclBroadcast" in mine, mine
+
+
+def test_join_on_a_stream_waits_for_the_warm_up_there(lb: Any) -> None:
+    uid = vllm.new_unique_id()
+    stream = Stream()
+    joined = threading.Event()
+
+    def peer() -> None:
+        raw = RawVllm()
+        raw.init(uid, 2, 1)
+        joined.wait(TIMEOUT)
+        raw.abort()
+
+    def trainer() -> tuple[int, str]:
+        try:
+            comm = vllm.join(uid, 0, 2, device=0, stream=stream, timeout=TIMEOUT)
+        finally:
+            joined.set()
+        comm.abort()
+        return comm.stream, comm.last_operation()
+
+    (kept, last), _ = _both(trainer, peer)
+    assert kept == stream.handle
+    assert last.startswith("#1 ncclAllReduce count=1 dtype=ncclFloat32 op=sum"), last
+    assert f"stream={stream.handle:#x}" in last, last
+    stream.close()
+
+
+def test_a_peer_without_the_warm_up_times_join_out(lb: Any) -> None:
+    # A peer that inits and then issues nothing: the warm-up never completes. join
+    # raises within timeout + 1 s, and the communicator it made is aborted.
+    uid = vllm.new_unique_id()
+    done = threading.Event()
+
+    def peer() -> None:
+        raw = RawVllm()
+        raw.init(uid, 2, 1, warm_up=False)
+        done.wait(TIMEOUT)
+        raw.abort()
+
+    def trainer() -> tuple[float, BaseException | None]:
+        started = time.monotonic()
+        try:
+            vllm.join(uid, 0, 2, device=0, timeout=1.0)
+        except NcclTimeoutError as exc:
+            return time.monotonic() - started, exc
+        finally:
+            done.set()
+        return time.monotonic() - started, None
+
+    (seconds, error), _ = _both(trainer, peer)
+    assert isinstance(error, NcclTimeoutError), error
+    assert "did not finish within 1 s" in str(error) and "ncclAllReduce" in str(error)
+    assert seconds < 1.0 + 1.0 + 1.0  # init (the peer is there at once) + timeout + 1 s
+    assert not [c for c in live_handles() if c.state not in ("aborted", "destroyed")]
 
 
 # --- separate processes: the trainer and "vLLM" ---------------------------------------------

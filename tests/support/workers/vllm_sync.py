@@ -118,13 +118,17 @@ class RawVllm:
         self.check(self.nccl.ncclGetUniqueId(byref(uid)), "ncclGetUniqueId")
         return bytes(uid.internal)
 
-    def init(self, uid_bytes: bytes, world: int, rank: int) -> None:
+    def init(self, uid_bytes: bytes, world: int, rank: int, warm_up: bool = True) -> None:
+        """from_unique_id_bytes: init, then the warm-up (left out with ``warm_up=False``:
+        a peer that does not keep step)."""
         if len(uid_bytes) != 128:  # from_unique_id_bytes's first check
             raise ValueError(f"expected a 128-byte id, got {len(uid_bytes)}")
         uid = ncclUniqueId()
         ctypes.memmove(byref(uid), uid_bytes, 128)
         self.cuda(self.rt.cudaSetDevice(rank), "cudaSetDevice")
         self.check(self.nccl.ncclCommInitRank(byref(self.comm), world, uid, rank), "init")
+        if not warm_up:
+            return
         # the warm-up: torch.zeros(1) and empty_like, all_reduce, stream.synchronize()
         data, out = self.malloc(4), self.malloc(4)
         self.cuda(self.rt.cudaMemsetAsync(data, 0, c_size_t(4), self.stream), "memset")
