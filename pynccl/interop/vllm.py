@@ -32,8 +32,11 @@ ranks. What it does, call by call (read from vLLM 0.33's sources, 2026):
    ``receive_weights`` allocates each tensor of ``update_info`` (names, dtype names,
    shapes, same order) and calls ``broadcast(weight, src=0)``: ``ncclBroadcast`` with the
    tensor as both buffers on the root and ``sendbuff=NULL`` elsewhere, one call per tensor,
-   no group. (``packed=True`` batches tensors into rotating buffers first; not served
-   here.)
+   no group. With ``packed=True`` (``packed_tensor.packed_nccl_broadcast_producer`` /
+   ``_consumer``) the tensors are taken in the same order into chunks, a chunk closing
+   with the tensor that makes it exceed ``packed_buffer_size_bytes`` (1 GiB by default),
+   and each chunk — the tensors' bytes end to end — is one ``uint8`` broadcast; the
+   rotating buffers and streams (``packed_num_buffers``) are local and change no call.
 6. **The end.** ``PyNcclCommunicator.destroy`` calls ``ncclCommAbort`` (in a daemon thread,
    joined for 5 s, since an abort waits for CUDA graphs that captured the communicator);
    the engine's ``shutdown`` only drops its reference.
@@ -42,7 +45,8 @@ Here: :func:`new_unique_id` makes the 128 bytes a trainer publishes (with
 :func:`init_info`, the fields of vLLM's ``NCCLWeightTransferInitInfo``); :func:`join`
 makes this process one rank of the group from those bytes, or from bytes vLLM published,
 and does step 4 exactly as vLLM does, so both sides stay in lock-step;
-:func:`broadcast_weights` is step 5 from either side. The result of :func:`join` is an
+:func:`broadcast_weights` is step 5 from either side, :func:`broadcast_packed` its packed form
+(:func:`packed_chunks`: which tensors share a broadcast). The result of :func:`join` is an
 ordinary :class:`~pynccl.Communicator`: end it with ``abort()`` as vLLM does, or
 ``destroy()``.
 
@@ -54,21 +58,27 @@ processes).
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
 
+from .._adapt import as_buffer, as_stream
 from .._capi.structs import NCCL_UNIQUE_ID_BYTES
-from .._limits import C_INT_MAX, check_c_int, check_index
+from .._limits import C_INT_MAX, check_c_int, check_index, index_int
 from ..comm import Communicator, UniqueId
 from ..cuda import DeviceBuffer
 from ..enums import DataType, RedOp
+from ..library import cudart
 
 __all__ = [
+    "PACKED_BUFFER_SIZE_BYTES",
     "UNIQUE_ID_BYTES",
     "WARMUP",
+    "broadcast_packed",
     "broadcast_weights",
     "init_info",
     "join",
     "new_unique_id",
+    "packed_chunks",
 ]
 
 TYPE_CHECKING = False
@@ -81,6 +91,11 @@ UNIQUE_ID_BYTES: int = NCCL_UNIQUE_ID_BYTES
 #: vLLM's warm-up, the first collective of every one of its groups: ``(count, dtype, op)``
 #: of the all-reduce ``PyNcclCommunicator`` issues right after ``ncclCommInitRank``.
 WARMUP: tuple[int, DataType, RedOp] = (1, DataType.FLOAT32, RedOp.SUM)
+
+#: vLLM's default ``packed_buffer_size_bytes`` (``DEFAULT_PACKED_BUFFER_SIZE_BYTES``): 1 GiB.
+PACKED_BUFFER_SIZE_BYTES: int = 1 << 30
+
+_D2D = 3  # cudaMemcpyDeviceToDevice
 
 _WHAT = "for a vLLM group (vLLM makes no NCCL communicator for a group of one)"
 
@@ -201,3 +216,71 @@ def broadcast_weights(
         comm.broadcast(array, root=src, stream=stream)
         issued += 1
     return issued
+
+
+def packed_chunks(
+    nbytes: Sequence[int], buffer_size_bytes: int = PACKED_BUFFER_SIZE_BYTES
+) -> list[range]:
+    """Which tensors vLLM's packed transfer sends together: for tensors of ``nbytes`` bytes
+    in order, the index ranges of its chunks. A chunk takes tensors until its size
+    exceeds ``buffer_size_bytes``, that tensor included (so a tensor larger than the
+    buffer is a chunk of its own); the rest is the last chunk."""
+    limit = index_int(buffer_size_bytes, "buffer_size_bytes")
+    if limit < 1:
+        raise ValueError(f"buffer_size_bytes={limit} is out of range; expected >= 1")
+    chunks: list[range] = []
+    start = total = 0
+    for i, n in enumerate(nbytes):
+        total += n
+        if total > limit:
+            chunks.append(range(start, i + 1))
+            start, total = i + 1, 0
+    if start < len(nbytes):
+        chunks.append(range(start, len(nbytes)))
+    return chunks
+
+
+def broadcast_packed(
+    comm: Communicator, arrays: Sequence[BufferLike], *, src: int = 0,
+    buffer_size_bytes: int = PACKED_BUFFER_SIZE_BYTES, stream: StreamLike = None,
+    timeout: float | None = None,
+) -> int:  # fmt: skip
+    """:func:`broadcast_weights` as vLLM's ``packed=True`` sends it: per chunk of
+    :func:`packed_chunks`, the arrays' bytes end to end in one ``uint8`` broadcast from
+    ``src`` (copied in on ``src``, out elsewhere, on ``stream``). ``buffer_size_bytes``
+    must be vLLM's ``packed_buffer_size_bytes``. Each chunk is waited for (``timeout``:
+    as :meth:`~pynccl.Communicator.synchronize`) before its staging buffer is freed, so
+    the arrays are complete when this returns. Returns the number of broadcasts."""
+    src = check_index(src, "src", comm.size, f"for a communicator of size {comm.size}")
+    spans = []
+    for i, array in enumerate(arrays):
+        ptr, n, dtype, _ = as_buffer(array, name=f"arrays[{i}]", writable=comm.rank != src)
+        spans.append((ptr, n * dtype.itemsize))
+    chunks = packed_chunks([n for _, n in spans], buffer_size_bytes)
+    s = comm.stream if stream is None else as_stream(stream)
+    for chunk in chunks:
+        _one_chunk(comm, [spans[i] for i in chunk], src, s, timeout)
+    return len(chunks)
+
+
+def _one_chunk(
+    comm: Communicator, spans: list[tuple[int, int]], src: int, stream: int,
+    timeout: float | None,
+) -> None:  # fmt: skip
+    """One packed broadcast of the arrays at ``spans`` (pointer, bytes), waited for."""
+    rt = cudart()
+    staging = DeviceBuffer((sum(n for _, n in spans),), DataType.UINT8, comm.device)
+    try:
+        offsets = list(accumulate((n for _, n in spans[:-1]), initial=staging.ptr))
+        if comm.rank == src:
+            for (ptr, n), at in zip(spans, offsets):
+                if n:
+                    rt.cudaMemcpyAsync(at, ptr, n, _D2D, stream)
+        comm.broadcast(staging, root=src, stream=stream)
+        if comm.rank != src:
+            for (ptr, n), at in zip(spans, offsets):
+                if n:
+                    rt.cudaMemcpyAsync(ptr, at, n, _D2D, stream)
+        comm.synchronize(stream, timeout=timeout)
+    finally:
+        staging.close()

@@ -105,6 +105,28 @@ def test_init_info_is_what_vllms_init_info_decodes(lb: Any) -> None:
             vllm.init_info(uid, 3, rank_offset=bad)
 
 
+@pytest.mark.parametrize(
+    ("nbytes", "limit", "chunks"),
+    [
+        ([128, 32, 30, 56, 33], 100, [[0], [1, 2, 3], [4]]),  # the weights of vllm_sync.py
+        ([10, 10, 10], 20, [[0, 1, 2]]),  # 20 does not exceed 20: the third closes it
+        ([10, 10, 10], 19, [[0, 1], [2]]),
+        ([500, 1, 1], 100, [[0], [1, 2]]),  # larger than the buffer: a chunk of its own
+        ([0, 0], 100, [[0, 1]]),  # empty tensors still travel, in a 0-byte broadcast
+        ([], 100, []),
+    ],
+)
+def test_packed_chunks_close_as_vllms_pack_tensors_does(
+    nbytes: list[int], limit: int, chunks: list[list[int]]
+) -> None:
+    assert [list(r) for r in vllm.packed_chunks(nbytes, limit)] == chunks
+
+
+def test_packed_chunks_refuse_a_buffer_of_nothing() -> None:
+    with pytest.raises(ValueError, match=r"buffer_size_bytes=0 is out of range; expected >= 1"):
+        vllm.packed_chunks([1], 0)
+
+
 # --- vLLM's sequence in a thread of this process ---------------------------------------------
 
 
@@ -161,6 +183,37 @@ def test_join_keeps_step_with_vllms_warm_up_and_broadcasts(lb: Any) -> None:
     issued, ok = _both(trainer, peer)
     assert issued == len(SPECS)
     assert ok == [True] * len(SPECS)
+
+
+def test_packed_weights_reach_vllms_packed_consumer(lb: Any) -> None:
+    uid = vllm.new_unique_id()
+    sent = threading.Event()
+
+    def peer() -> list[bool]:
+        raw = RawVllm()
+        raw.init(uid, 2, 1)
+        got = raw.receive_packed(100, 0)
+        sent.wait(TIMEOUT)
+        raw.abort()
+        return [bool(np.array_equal(g.view(np.uint8), weight(i).view(np.uint8)))
+                for i, g in enumerate(got)]  # fmt: skip
+
+    def trainer() -> tuple[int, str]:
+        comm = vllm.join(uid, 0, 2, device=0, timeout=TIMEOUT)
+        bufs = [DeviceBuffer.from_numpy(weight(i), device=0) for i in range(len(SPECS))]
+        try:
+            issued = vllm.broadcast_packed(comm, bufs, buffer_size_bytes=100, timeout=TIMEOUT)
+            last = comm.last_operation()
+        finally:
+            sent.set()
+            comm.destroy()
+            for b in bufs:
+                b.close()
+        return issued, last
+
+    (issued, last), ok = _both(trainer, peer)
+    assert issued == 3 and ok == [True] * len(SPECS)
+    assert "ncclBroadcast count=33 dtype=ncclUint8 root=0" in last, last
 
 
 def test_without_the_warm_up_vllms_first_collective_is_mismatched(lb: Any) -> None:
@@ -289,12 +342,16 @@ def test_trainer_joins_a_group_vllm_created(lb_env: dict[str, str], tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_vllm_joins_a_group_the_trainer_created(lb_env: dict[str, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("packed", "broadcasts"), [(None, len(SPECS)), (100, 3)])
+def test_vllm_joins_a_group_the_trainer_created(
+    lb_env: dict[str, str], tmp_path: Path, packed: int | None, broadcasts: int
+) -> None:
     # The trainer makes the id and publishes init_info (NCCLWeightTransferInitInfo's
     # fields); two vLLM workers decode it and join at WORKER + rank_offset, as
-    # from_unique_id_bytes does; the weights go out from rank 0, as receive_weights expects.
+    # from_unique_id_bytes does; the weights go out from rank 0, as receive_weights expects
+    # (one by one, or packed in chunks of 100 bytes: weights 0 | 1-3 | 4).
     id_file = tmp_path / "init_info.json"
-    common = {"WORLD": "3", "SRC": "0"}
+    common = {"WORLD": "3", "SRC": "0", **({} if packed is None else {"PACKED": str(packed)})}
     trainer, worker0, worker1 = _run(
         lb_env,
         [
@@ -305,7 +362,7 @@ def test_vllm_joins_a_group_the_trainer_created(lb_env: dict[str, str], tmp_path
         id_file,
     )
     n = len(SPECS)
-    assert trainer == {"rank": 0, "ok": [True] * n, "issued": n}
+    assert trainer == {"rank": 0, "ok": [True] * n, "issued": broadcasts}
     assert worker0 == {"rank": 1, "ok": [True] * n, "pynccl_imported": False}
     assert worker1 == {"rank": 2, "ok": [True] * n, "pynccl_imported": False}
     info = json.loads(id_file.read_text())

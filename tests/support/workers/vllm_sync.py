@@ -14,7 +14,8 @@ Environment: ``ROLE``, ``WORLD``, ``ID_FILE`` (where the id is published), ``MIN
 the rank that makes the id, ``RANK`` (a trainer's rank, or a vLLM rank that mints) or
 ``WORKER`` (a vLLM worker's index: its rank is ``WORKER + rank_offset`` from the init
 info), ``SRC`` (the weights' root), ``REPLY_SRC`` (if set: afterwards one more broadcast,
-of :func:`reply`, from that rank). Prints ``RESULT {json}``: what this rank received,
+of :func:`reply`, from that rank), ``PACKED`` (if set: vLLM's ``packed=True`` transfer with
+that ``packed_buffer_size_bytes``). Prints ``RESULT {json}``: what this rank received,
 checked against numpy.
 """
 
@@ -170,6 +171,28 @@ class RawVllm:
         self.free(ptr)
         return got
 
+    def receive_packed(self, limit: int, src: int) -> list[np.ndarray]:
+        """packed_nccl_broadcast_consumer: take the weights' (shape, dtype) in order until
+        the chunk's bytes exceed ``limit``, broadcast that many uint8, split it."""
+        got: list[np.ndarray] = []
+        pending: list[int] = []
+        for i in range(len(SPECS) + 1):
+            if i < len(SPECS):
+                pending.append(i)
+                if sum(weight(k).nbytes for k in pending) <= limit:
+                    continue
+            if not pending:
+                break
+            host = np.zeros(sum(weight(k).nbytes for k in pending), np.uint8)
+            raw = self.broadcast(host, src, -1, "uint8")
+            at = 0
+            for k in pending:
+                n = weight(k).nbytes
+                got.append(raw[at : at + n].view(weight(k).dtype).reshape(weight(k).shape))
+                at += n
+            pending = []
+        return got
+
     def abort(self) -> None:
         self.check(self.nccl.ncclCommAbort(self.comm), "ncclCommAbort")
 
@@ -193,9 +216,12 @@ def vllm_rank(env: dict[str, str]) -> dict[str, Any]:
             uid, rank = bytes.fromhex(text), int(env["RANK"])
     raw.init(uid, world, rank)
     src = int(env["SRC"])
-    ok = [bool(np.array_equal(raw.broadcast(weight(i), src, rank, d).view(np.uint8),
-                              weight(i).view(np.uint8)))
-          for i, (d, _) in enumerate(SPECS)]  # fmt: skip
+    if "PACKED" in env:
+        got = raw.receive_packed(int(env["PACKED"]), src)
+    else:
+        got = [raw.broadcast(weight(i), src, rank, d) for i, (d, _) in enumerate(SPECS)]
+    ok = [bool(np.array_equal(g.view(np.uint8), weight(i).view(np.uint8)))
+          for i, g in enumerate(got)]  # fmt: skip
     if "REPLY_SRC" in env:
         got = raw.broadcast(reply(), int(env["REPLY_SRC"]), rank, "int64")
         ok.append(bool(np.array_equal(got, reply())))
@@ -221,7 +247,10 @@ def trainer_rank(env: dict[str, str]) -> dict[str, Any]:
     src = int(env["SRC"])
     hosts = [weight(i) if rank == src else np.zeros_like(weight(i)) for i in range(len(SPECS))]
     bufs = [DeviceBuffer.from_numpy(h, device=rank) for h in hosts]
-    issued = vllm.broadcast_weights(comm, bufs, src=src)
+    if "PACKED" in env:
+        issued = vllm.broadcast_packed(comm, bufs, src=src, buffer_size_bytes=int(env["PACKED"]))
+    else:
+        issued = vllm.broadcast_weights(comm, bufs, src=src)
     comm.synchronize(timeout=60)
     ok = [bool(np.array_equal(b.to_numpy().view(np.uint8), weight(i).view(np.uint8)))
           for i, b in enumerate(bufs)]  # fmt: skip
