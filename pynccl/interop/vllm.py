@@ -48,7 +48,10 @@ and does step 4 exactly as vLLM does, so both sides stay in lock-step;
 :func:`broadcast_weights` is step 5 from either side, :func:`broadcast_packed` its packed form
 (:func:`packed_chunks`: which tensors share a broadcast). The result of :func:`join` is an
 ordinary :class:`~pynccl.Communicator`: end it with ``abort()`` as vLLM does, or
-``destroy()``.
+``destroy()``. Mind the order at the end: a rank's abort reaches peers still waiting on the
+group as :class:`~pynccl.NcclRemoteError` (the loopback does this), so let every rank see
+its last operation complete (``synchronize``) before any rank aborts — as vLLM's
+``finish_weight_update`` call after the transfer orders it.
 
 Nothing here imports vLLM, torch or NumPy. The same calls run on the loopback libraries
 (``tests/interop/test_vllm.py`` drives vLLM's sequence through raw ctypes in other
