@@ -49,6 +49,7 @@ _LAZY: dict[str, str] = {
     "Registration": "comm",
     "SignalWait": "comm",
     "Window": "comm",
+    "Work": "comm",
     "group": "groups",
     "group_start": "groups",
     "group_end": "groups",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
         SignalWait,
         UniqueId,
         Window,
+        Work,
     )
     from .comm._params import Params, params
     from .comm._properties import CommProperties
@@ -127,6 +129,7 @@ __all__ = [
     "Stream",
     "UniqueId",
     "Window",
+    "Work",
     "__version__",
     "as_datatype",
     "cudart",

@@ -9,7 +9,8 @@ A package by role (see docs/architecture.md): ``_spec`` (the table of collective
 ``_vcoll``, ``_introspect``), ``_collectives`` (every collective, through the one fast
 path),
 ``_communicator`` (the class), ``_uid``, ``_config``, ``_collconfig`` (per-call
-``CollConfig``), ``_persistent`` (``<method>_init`` operations) and ``_from_env``.
+``CollConfig``), ``_persistent`` (``<method>_init`` operations), ``_work`` (completion handles) and
+``_from_env``.
 
 Importing it loads no library; it avoids :mod:`dataclasses`, :mod:`typing` and
 :mod:`hashlib`, so that the first use of the object API stays cheap.
@@ -25,6 +26,7 @@ from ._signals import SignalWait
 from ._state import State
 from ._uid import UniqueId
 from ._window import Window
+from ._work import Work
 
 __all__ = [
     "CollConfig",
@@ -38,6 +40,7 @@ __all__ = [
     "State",
     "UniqueId",
     "Window",
+    "Work",
     "from_env",
     "params",
 ]

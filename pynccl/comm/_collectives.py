@@ -30,7 +30,7 @@ from .. import groups as _groups
 from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
 from .._capi._binding import PTR_ARGS, SIZE_ARGS
 from ..enums import DataType
-from . import _recorder
+from . import _colldocs, _recorder
 from ._checked import Checked
 from ._persistent import PersistentOp, persistent
 from ._spec import (
@@ -45,13 +45,15 @@ from ._spec import (
     SCATTER,
     SEND,
     CollSpec,
-    Extent,
 )
+from ._work import Work, issue
 
 __all__ = ["Collectives"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from ..typing import BufferLike, DTypeLike, OpLike, StreamLike
     from ._collconfig import CollConfig
     from ._communicator import Communicator
@@ -65,21 +67,10 @@ _Resolved = tuple[c_void_p | None, c_void_p | None, c_size_t, c_int]
 _SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
 _NO = 1 << 62  # an index no list has: IndexError, the checked path
 
-_COMMON = """
-
-``count`` is NCCL's ``count`` ({unit}); omitted, it is read from ``{count_from}``. Buffers
-are raw device pointers (``int``, with ``count=`` and ``dtype=``), ``DeviceBuffer`` objects
-or objects exposing ``__cuda_array_interface__`` or DLPack on this communicator's device.
-``dtype`` is a :class:`~pynccl.DataType`, its name (``"float32"``, ``"bf16"``), a numpy
-dtype or scalar type, or a torch/CuPy dtype; ``op`` a :class:`~pynccl.RedOp`, its name or
-an op from :meth:`create_premul_sum`. ``stream=None`` uses :attr:`stream`; an ``int``
-handle, a :class:`~pynccl.cuda.Stream` or any stream protocol object is taken too.
-``config=`` (a :class:`CollConfig`, NCCL >= 2.31) issues the ``nccl*Config`` variant."""
-
-
-def _doc(row: CollSpec, text: str) -> str:
-    unit = "elements per rank" if Extent.PER_RANK in (row.send, row.recv) else "elements"
-    return text + _COMMON.format(unit=unit, count_from=row.count_from.value + "buf")
+def _issue(comm: Collectives, row: CollSpec, async_op: object, *args: Any) -> Work:
+    """A call with ``async_op=True``: through the one path, then its handle (:mod:`._work`;
+    ``args`` as :meth:`Collectives._call` takes them, the stream seventh)."""
+    return issue(comm._me(), lambda: comm._call(row, *args), args[6], async_op)
 
 
 class Collectives(Checked):
@@ -123,7 +114,7 @@ class Collectives(Checked):
                 keep = False
             else:  # arrays: each read by its type's handler
                 cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, where, s, count, dtype,
-                                                on_complex)
+                                         on_complex)
                 keep = True
             if (cs is None) is not no_send or (cr is None) is not no_recv or code is None:
                 raise KeyError(i)  # a raw call with a None (or array) buffer, a type too new
@@ -184,7 +175,7 @@ class Collectives(Checked):
         if in_place or no_send or no_recv:  # one buffer
             one, name = (recvbuf, "recvbuf") if no_send else (sendbuf, "sendbuf")
             ptr, n, dt, dev = _BUFFER_HANDLERS[type(one)](one, None, None, name,
-                                                          in_place or no_send, s)  # fmt: skip
+                                                   in_place or no_send, s)  # fmt: skip
             sp = rp = ptr
         else:
             if rooted and where != self._rank:
@@ -219,58 +210,107 @@ class Collectives(Checked):
     def all_reduce(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None,
                    op: OpLike = "sum", *, count: int | None = None, dtype: DTypeLike = None,
                    stream: StreamLike = None,
-                   config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(ALL_REDUCE, sendbuf, recvbuf, op, None, count, dtype, stream, config)
+                   config: CollConfig | None = None,
+                   async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, ALL_REDUCE, async_op, sendbuf, recvbuf, op, None, count, dtype,
+                          stream, config)  # fmt: skip
+        self._call(ALL_REDUCE, sendbuf, recvbuf, op, None, count, dtype, stream, config)
+        return None
 
     def broadcast(self, sendbuf: BufferLike | None, recvbuf: BufferLike | None = None, *,
                   root: int = 0, count: int | None = None, dtype: DTypeLike = None,
                   stream: StreamLike = None,
-                  config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(BROADCAST, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+                  config: CollConfig | None = None,
+                  async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, BROADCAST, async_op, sendbuf, recvbuf, None, root, count, dtype,
+                          stream, config)  # fmt: skip
+        self._call(BROADCAST, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+        return None
 
     def reduce(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None,
                op: OpLike = "sum", *, root: int = 0, count: int | None = None,
                dtype: DTypeLike = None, stream: StreamLike = None,
-               config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(REDUCE, sendbuf, recvbuf, op, root, count, dtype, stream, config)
+               config: CollConfig | None = None,
+               async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, REDUCE, async_op, sendbuf, recvbuf, op, root, count, dtype, stream,
+                   config)  # fmt: skip
+        self._call(REDUCE, sendbuf, recvbuf, op, root, count, dtype, stream, config)
+        return None
 
     def all_gather(self, sendbuf: BufferLike, recvbuf: BufferLike, *,
                    count: int | None = None, dtype: DTypeLike = None,
                    stream: StreamLike = None,
-                   config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(ALL_GATHER, sendbuf, recvbuf, None, None, count, dtype, stream, config)
+                   config: CollConfig | None = None,
+                   async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, ALL_GATHER, async_op, sendbuf, recvbuf, None, None, count, dtype,
+                          stream, config)  # fmt: skip
+        self._call(ALL_GATHER, sendbuf, recvbuf, None, None, count, dtype, stream, config)
+        return None
 
     def reduce_scatter(self, sendbuf: BufferLike, recvbuf: BufferLike, op: OpLike = "sum", *,
                        count: int | None = None, dtype: DTypeLike = None,
                        stream: StreamLike = None,
-                       config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(REDUCE_SCATTER, sendbuf, recvbuf, op, None, count, dtype, stream,
-                          config)  # fmt: skip
+                       config: CollConfig | None = None,
+                       async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, REDUCE_SCATTER, async_op, sendbuf, recvbuf, op, None, count, dtype,
+                          stream, config)  # fmt: skip
+        self._call(REDUCE_SCATTER, sendbuf, recvbuf, op, None, count, dtype, stream, config)
+        return None
 
     def gather(self, sendbuf: BufferLike, recvbuf: BufferLike | None = None, *, root: int = 0,
                count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-               config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(GATHER, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+               config: CollConfig | None = None,
+               async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, GATHER, async_op, sendbuf, recvbuf, None, root, count, dtype,
+                          stream, config)  # fmt: skip
+        self._call(GATHER, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+        return None
 
     def scatter(self, sendbuf: BufferLike | None, recvbuf: BufferLike, *, root: int = 0,
                 count: int | None = None, dtype: DTypeLike = None, stream: StreamLike = None,
-                config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(SCATTER, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+                config: CollConfig | None = None,
+                async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, SCATTER, async_op, sendbuf, recvbuf, None, root, count, dtype,
+                          stream, config)  # fmt: skip
+        self._call(SCATTER, sendbuf, recvbuf, None, root, count, dtype, stream, config)
+        return None
 
     def all_to_all(self, sendbuf: BufferLike, recvbuf: BufferLike, *, count: int | None = None,
                    dtype: DTypeLike = None, stream: StreamLike = None,
-                   config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(ALL_TO_ALL, sendbuf, recvbuf, None, None, count, dtype, stream, config)
+                   config: CollConfig | None = None,
+                   async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, ALL_TO_ALL, async_op, sendbuf, recvbuf, None, None, count, dtype,
+                          stream, config)  # fmt: skip
+        self._call(ALL_TO_ALL, sendbuf, recvbuf, None, None, count, dtype, stream, config)
+        return None
 
     def send(self, sendbuf: BufferLike, peer: int, *, count: int | None = None,
              dtype: DTypeLike = None, stream: StreamLike = None,
-             config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(SEND, sendbuf, None, None, peer, count, dtype, stream, config)
+             config: CollConfig | None = None,
+             async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, SEND, async_op, sendbuf, None, None, peer, count, dtype, stream,
+                   config)  # fmt: skip
+        self._call(SEND, sendbuf, None, None, peer, count, dtype, stream, config)
+        return None
 
     def recv(self, recvbuf: BufferLike, peer: int, *, count: int | None = None,
              dtype: DTypeLike = None, stream: StreamLike = None,
-             config: CollConfig | None = None) -> None:  # fmt: skip
-        return self._call(RECV, None, recvbuf, None, peer, count, dtype, stream, config)
+             config: CollConfig | None = None,
+             async_op: bool = False) -> Work | None:  # fmt: skip
+        if async_op is not False:
+            return _issue(self, RECV, async_op, None, recvbuf, None, peer, count, dtype, stream,
+                   config)  # fmt: skip
+        self._call(RECV, None, recvbuf, None, peer, count, dtype, stream, config)
+        return None
 
     # -- persistent operations: checked once, issued with prebuilt arguments ---------------
 
@@ -341,38 +381,5 @@ class Collectives(Checked):
         return persistent(self._me(), RECV, None, recvbuf, None, peer, count, dtype, stream, config)
 
 
-_DOCS = {
-    ALL_REDUCE: "``ncclAllReduce``: every rank gets op(sendbuf of all ranks) in ``recvbuf``."
-    "\n\n``recvbuf=None`` reduces in place into ``sendbuf``.",
-    BROADCAST: "``ncclBroadcast``: copy ``root``'s ``sendbuf`` into every rank's ``recvbuf``."
-    "\n\n``recvbuf=None`` broadcasts in place in ``sendbuf``; on the other ranks ``sendbuf`` "
-    "may be ``None`` (NCCL reads it on the root only).",
-    REDUCE: "``ncclReduce``: op(sendbuf of all ranks) into ``root``'s ``recvbuf``.\n\n"
-    "``recvbuf=None`` reduces in place (on the root the result lands in ``sendbuf``).",
-    ALL_GATHER: "``ncclAllGather``: ``recvbuf`` = every rank's ``sendbuf`` (``count`` each), "
-    "by rank.",
-    REDUCE_SCATTER: "``ncclReduceScatter``: rank r gets block r (``count`` elements) of "
-    "op(sendbuf).",
-    GATHER: "Gather ``count`` elements from each rank into ``root``'s ``recvbuf``, in rank "
-    "order.\n\n``ncclGather`` where the library has it (NCCL >= 2.28), otherwise grouped "
-    "``ncclSend``/``ncclRecv`` with the same result. ``recvbuf`` matters on the root only "
-    "(may be ``None`` elsewhere).",
-    SCATTER: "Scatter block r (``count`` elements) of ``root``'s ``sendbuf`` to rank r's "
-    "``recvbuf``.\n\n``ncclScatter`` where available (NCCL >= 2.28), otherwise grouped "
-    "send/recv. ``sendbuf`` matters on the root only (may be ``None`` elsewhere).",
-    ALL_TO_ALL: "Send block r (``count`` elements) of ``sendbuf`` to rank r; receive rank r's "
-    "block for this rank into block r of ``recvbuf``.\n\n``ncclAlltoAll`` where available "
-    "(NCCL >= 2.28), otherwise grouped send/recv. ``count`` defaults to "
-    "``len(sendbuf) // size``.",
-    SEND: "``ncclSend`` (NCCL >= 2.7): send ``count`` elements to ``peer`` (pair with its "
-    "recv).",
-    RECV: "``ncclRecv`` (NCCL >= 2.7): receive ``count`` elements from ``peer``.",
-}
-for _row, _text in _DOCS.items():
-    getattr(Collectives, _row.method).__doc__ = _doc(_row, _text)
-    getattr(Collectives, _row.method + "_init").__doc__ = (
-        f"A persistent ``{_row.method}`` (:class:`PersistentOp`): the arguments are checked "
-        f"once, as :meth:`{_row.method}` checks them, and each ``op()`` issues the same "
-        "operation again with prebuilt C arguments (``op(stream=s)`` on another stream)."
-    )
-del _row, _text
+
+_colldocs.attach(Collectives)

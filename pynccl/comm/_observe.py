@@ -185,6 +185,15 @@ class Observed(CommHandle):
         if result not in (Result.SUCCESS, Result.IN_PROGRESS):
             raise self._with_record(self._lib.make_error(result, "ncclCommGetAsyncError"), ". ")
 
+    #: The public name of the check (Work's waits use it): raise the asynchronous error.
+    raise_async_error = _raise_async_error
+
+    @property
+    def flight_seq(self) -> int:
+        """The number of the last operation issued (0: none yet), as the flight record
+        numbers them."""
+        return self._seq
+
     def _install_slots(self) -> None:
         """Each row's call slots for what is watched now: the watchdog's wrappers, which
         record a completion event (the hot path never tests for a watchdog), or the bare

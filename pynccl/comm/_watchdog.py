@@ -42,7 +42,7 @@ from .._limits import ON_HANG, check_on_hang, check_timeout
 from ..enums import Result
 from ..errors import NcclTimeoutError
 
-__all__ = ["ON_HANG", "Watchdog", "Watched", "check_on_hang"]
+__all__ = ["ON_HANG", "Watchdog", "Watched", "check_on_hang", "trip"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -185,12 +185,8 @@ class Watchdog:
         return None
 
     def _unwatched(self, seq: int, function: str, device: int) -> None:
-        _warn(
-            f"pynccl watchdog: operation #{seq} was issued but is not watched: {function} "
-            f"failed on device {device}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        what = f"operation #{seq} was issued but is not watched: {function} failed"
+        _warn(f"pynccl watchdog: {what} on device {device}", RuntimeWarning, stacklevel=3)
 
     def stop(self) -> None:
         """Stop the thread (joins it unless called from it) and free its events."""
@@ -291,7 +287,7 @@ class Watchdog:
         if not alive:
             return True
         if error is not None:
-            self._trip(comm, error)
+            trip(comm, error, self)
             return True
         now = time.monotonic()
         if not ready:  # a non-blocking init or call still in progress: bounded too
@@ -299,16 +295,10 @@ class Watchdog:
             if since is None:
                 self._unready_since = now
             elif now - since > self.timeout:
-                self._trip(
-                    comm,
-                    NcclTimeoutError(
-                        Result.TIMEOUT,
-                        "ncclCommGetAsyncError",
-                        f"communicator rank {comm.rank} was not ready within "
-                        f"{self.timeout:g} s; the watchdog aborted it",
-                    ),
-                    revoke=False,
-                )
+                late = f"communicator rank {comm.rank} was not ready within {self.timeout:g} s"
+                error = NcclTimeoutError(Result.TIMEOUT, "ncclCommGetAsyncError",
+                                         late + "; the watchdog aborted it")  # fmt: skip
+                trip(comm, error, self, revoke=False)
                 return True
             return False
         self._unready_since = None
@@ -319,7 +309,7 @@ class Watchdog:
                 return False
         hung = self._oldest_hung(comm, query, now)
         if hung is not None:
-            self._trip(comm, hung)
+            trip(comm, hung, self)
             return True
         return False
 
@@ -393,8 +383,16 @@ class Watchdog:
             return "completed"
         return "started" if seq == max(self.done + 1, self.first) else "issued"
 
-    def _trip(self, comm: Watched, reason: BaseException, revoke: bool | None = None) -> None:
-        self.reason = reason
-        comm.watch_trip(reason, self.on_hang == "revoke" if revoke is None else revoke)
-        self.stop()  # from this thread: no join, frees the events
-        comm.watch_tripped(reason)
+
+def trip(comm: Watched, reason: BaseException, watch: Watchdog | None,
+         revoke: bool | None = None) -> None:  # fmt: skip
+    """What a hang does (the watchdog's trip, and :meth:`pynccl.Work.wait`'s): abort
+    ``comm`` (revoke it, as ``watch.on_hang`` or ``revoke`` says) recording ``reason``, stop
+    ``watch`` (joined unless from its own thread), then dump the flight record if asked."""
+    if watch is not None:
+        watch.reason = reason
+        revoke = watch.on_hang == "revoke" if revoke is None else revoke
+    comm.watch_trip(reason, bool(revoke))
+    if watch is not None:
+        watch.stop()
+    comm.watch_tripped(reason)

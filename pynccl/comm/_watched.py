@@ -118,6 +118,22 @@ class Watched(Observed):
             return
         self._teardown("watchdog", reason)
 
+    def hang_verdict(self) -> str:
+        """What :meth:`trip_hang` does to this communicator, as its errors word it."""
+        watch = self._watch
+        return "the communicator was aborted" if watch is None else watch.verdict
+
+    def trip_hang(self, reason: BaseException) -> None:
+        """An operation found hung by a caller (:meth:`pynccl.Work.wait`): what the
+        watchdog does on a hang — through the running watchdog if there is one (its
+        ``on_hang`` applies, and it stops), else an abort through the one teardown;
+        ``reason`` is recorded for the next call and the flight record is dumped where
+        ``PYNCCL_FLIGHT_DIR`` says."""
+        from ._watchdog import trip
+
+        if self._state not in TERMINAL:
+            trip(self, reason, self._watch)
+
     def watch_tripped(self, reason: BaseException) -> None:
         """For the watchdog, once it has stopped after a trip: every rank's flight record is
         dumped where ``PYNCCL_FLIGHT_DIR`` says (:mod:`._flight`), if it says."""

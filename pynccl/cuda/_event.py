@@ -47,6 +47,18 @@ class Event(Closable):
         self._handle = out.value or 0
         self._device = used
 
+    @classmethod
+    def adopt(cls, handle: int, *, device: int) -> Event:
+        """An Event that takes ownership of the ``cudaEvent_t`` ``handle`` of ``device``
+        (destroyed when the Event is closed or garbage), as :class:`pynccl.Work` hands out
+        its event."""
+        if type(handle) is not int or handle <= 0:
+            raise ValueError(f"handle must be a live cudaEvent_t (a positive int), got {handle!r}")
+        event = cls.__new__(cls)
+        event._handle = handle
+        event._device = device
+        return event
+
     @property
     def device(self) -> int:
         """The device this event belongs to."""

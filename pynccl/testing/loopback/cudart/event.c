@@ -121,6 +121,13 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned int flags) {
     return cudaSuccess;
 }
 
+long pynccl_lb_live_events(void) {
+    pthread_rwlock_rdlock(&g_events_lock);
+    long n = (long)g_events.n;
+    pthread_rwlock_unlock(&g_events_lock);
+    return n;
+}
+
 cudaError_t cudaEventCreate(cudaEvent_t *event) {
     return cudaEventCreateWithFlags(event, cudaEventDefault);
 }

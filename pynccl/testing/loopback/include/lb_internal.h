@@ -87,6 +87,9 @@ LB_EXPORT int pynccl_lb_stream_device(void *stream);
  * nbytes == 0 only checks that ptr is inside (or one past the end of) an allocation. */
 LB_EXPORT int pynccl_lb_find_alloc(const void *ptr, size_t nbytes, int *device);
 
+/* Number of live events (created and not yet destroyed), for leak checks. */
+LB_EXPORT long pynccl_lb_live_events(void);
+
 /* The calling thread's current device (cudaGetDevice without the error path). */
 LB_EXPORT int pynccl_lb_current_device(void);
 
