@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from typing import Any, Protocol
 
     from ._capi.nccl import NcclLibrary
+    from .comm import Work
 
     class GroupMember(Protocol):
         """What a group needs from a communicator used inside it."""
@@ -66,6 +67,7 @@ __all__ = [
     "group_end",
     "group_start",
     "in_progress_later",
+    "inner_group",
     "keep_alive",
     "kept_objects",
     "release_done",
@@ -85,9 +87,9 @@ class _GroupState:
     def __init__(self) -> None:
         self.depth = 0
         self.ident = get_ident()  # the thread's, for OPEN
-        # Communicators that issued inside the open outermost group (calls that keep
-        # nothing alive; those that do are in `keep`).
-        self.comms: list[GroupMember] = []
+        # (communicator, stream handle or None) of each call issued inside the open
+        # outermost group that keeps nothing alive (those that do are in `keep`).
+        self.comms: list[tuple[GroupMember, Any]] = []
         # One entry per call that keeps objects alive: (communicator or None, stream or
         # None, *objects). The stream is a handle (int) or its shared c_void_p.
         self.keep: list[tuple[Any, ...]] = []
@@ -161,13 +163,14 @@ def kept_objects() -> list[object]:
     return [obj for entry in _local.s.keep for obj in entry[2:]]
 
 
-def in_progress_later(comm: GroupMember) -> None:
+def in_progress_later(comm: GroupMember, stream: int | None = None) -> None:
     """``comm`` issued inside the open group (its call may even have returned
-    ncclInProgress): if the outermost end returns ncclInProgress, ``comm`` waits for
-    readiness before its next call. Nothing happens outside a group."""
+    ncclInProgress) on ``stream`` (a handle; None: none to wait for): if the outermost end
+    returns ncclInProgress, ``comm`` waits for readiness before its next call; otherwise
+    the group's :attr:`Group.work` covers ``stream``. Nothing happens outside a group."""
     st = _local.s
     if st.gid:
-        st.comms.append(comm)
+        st.comms.append((comm, stream))
 
 
 def group_start() -> None:
@@ -230,10 +233,12 @@ def _ended(st: _GroupState, depth: int, rc: int, function: str, launched: bool =
     return _fail(rc, function)  # type: ignore[no-any-return]
 
 
-def _members(comms: list[GroupMember], keep: list[tuple[Any, ...]]) -> list[GroupMember]:
+def _members(
+    comms: list[tuple[GroupMember, Any]], keep: list[tuple[Any, ...]]
+) -> list[GroupMember]:
     """Every communicator that issued in the group, once each, in order."""
     found: dict[int, GroupMember] = {}
-    for comm in comms:
+    for comm, _ in comms:
         found.setdefault(id(comm), comm)
     for entry in keep:
         if entry[0] is not None:
@@ -260,13 +265,30 @@ def _end_after(exc: BaseException, end: Callable[[], object]) -> None:
 
 class Group:
     """What :func:`group` returns: a context manager that opens a group on the calling
-    thread on entry and ends it on exit. Plain groups share one instance (they keep no
-    state: the bookkeeping is per thread); see :class:`SimulatedGroup`."""
+    thread on entry and ends it on exit (the bookkeeping is per thread); once the
+    outermost group has ended, :attr:`work` is its completion handle. See
+    :class:`SimulatedGroup`."""
 
-    __slots__ = ()
+    __slots__ = ("_work",)
 
     #: A plain group makes no estimate (see :class:`SimulatedGroup`).
     estimated_time: float | None = None
+    #: Whether the end records :attr:`work` (pynccl's own inner groups do not).
+    records = True
+
+    @property
+    def work(self) -> Work | None:
+        """The :class:`pynccl.Work` of this group once it has ended: one event per
+        distinct stream its operations were issued on, recorded after the launch (done at
+        once for a group that issued nothing). None before the end, for a nested group
+        (the outermost one launches its operations), a simulated one (nothing runs), or
+        a non-blocking one whose end returned ncclInProgress (its operations reach their
+        streams only once the communicators are ready: ``comm.wait_ready()``, then
+        ``comm.synchronize()``)."""
+        try:
+            return self._work  # type: ignore[no-any-return]
+        except AttributeError:
+            return None
 
     def __enter__(self) -> Group:
         # group_start()'s body (it calls this): the hot path of every send/recv exchange.
@@ -303,6 +325,8 @@ class Group:
             _open_discard(st.ident)
             rc = _ge()
             keep = st.keep
+            if not rc and self.records:
+                self._work = _work_of(st.comms, keep)
             if rc or st.held:
                 _ended(st, 0, rc, "ncclGroupEnd")
             elif keep:
@@ -390,7 +414,22 @@ class SimulatedGroup(Group):
         return f"pynccl.group(simulate=True) (estimated_time={self.estimated_time!r})"
 
 
+class _Inner(Group):
+    """pynccl's own groups (a grouped fallback, a v-collective): no :attr:`work` of their
+    own; their caller makes the handle if one was asked for."""
+
+    __slots__ = ()
+    records = False
+
+
 _PLAIN = Group()
+#: What :func:`inner_group` returns (stateless: the bookkeeping is per thread).
+_INNER = _Inner()
+
+
+def inner_group() -> Group:
+    """A group for pynccl's own grouped calls, which records no :attr:`Group.work`."""
+    return _INNER
 
 
 def group(*, simulate: bool = False) -> Group:
@@ -416,7 +455,7 @@ def group(*, simulate: bool = False) -> Group:
     kept alive until the end (nothing runs) and errors raised as in a normal group.
     """
     if simulate is False:
-        return _PLAIN
+        return Group()
     if simulate is not True:
         raise TypeError(f"group(simulate=...) takes True or False, not {simulate!r}")
     return SimulatedGroup()
@@ -438,6 +477,22 @@ def _held() -> Any:
 
         _HELD = _held
     return _HELD
+
+
+def _work_of(comms: list[tuple[GroupMember, Any]], keep: list[tuple[Any, ...]]) -> Any:
+    """The ended group's :class:`pynccl.Work` (:mod:`pynccl.comm._work`)."""
+    return (_WORK or _work()).group_work(comms, keep)
+
+
+_WORK: Any = None
+
+
+def _work() -> Any:
+    global _WORK
+    from .comm import _work
+
+    _WORK = _work
+    return _WORK
 
 
 def release_done() -> int:

@@ -159,7 +159,7 @@ class Checked(Core):
         if len(plan) == 1:
             self._issue(plan[0][0], plan[0][1], s, cfg, config)
             return
-        with _groups.group():
+        with _groups.inner_group():
             for index, pre in plan:
                 self._issue(index, pre, s)
 
@@ -175,7 +175,7 @@ class Checked(Core):
         else:  # outside the watchdog's slots: it is told below
             fn = self._lib.raw(row.cfunc + "Config")
         if _OPEN:  # one of the group's communicators (see pynccl.groups)
-            _groups.in_progress_later(self)
+            _groups.in_progress_later(self, s)
 
         def issue(h: c_void_p) -> tuple[int, int]:
             seq = self._seq + 1

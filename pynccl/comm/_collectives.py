@@ -155,7 +155,7 @@ class Collectives(Checked):
             if keep:
                 st.keep.append((self, s, sendbuf, recvbuf))
             else:
-                st.comms.append(self)
+                st.comms.append((self, s))
         return gid
 
     def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, where: object, s: int,

@@ -20,6 +20,7 @@ from .._limits import check_count, check_extent, check_pointer, is_pointer_objec
 from ..dtypes import as_element_type, canonical_name, complex_name
 from ..enums import DataType, RedOp
 from ._args import resolve_op
+from ._work import Work, after, refuse
 
 __all__ = ["VCollectives"]
 
@@ -150,7 +151,8 @@ class VCollectives:
         displs: Sequence[int] | None = None,
         dtype: DTypeLike = None,
         stream: StreamLike = None,
-    ) -> None:
+        async_op: bool = False,
+    ) -> Work | None:
         """Gather ``counts[j]`` elements from every rank ``j`` into ``recvbuf`` at
         ``displs[j]`` (default: the prefix sums of ``counts``), on every rank.
 
@@ -159,6 +161,7 @@ class VCollectives:
         passes the same ``counts`` and ``displs``. Grouped ``ncclSend``/``ncclRecv``.
         """
         s = self._v_stream(stream)
+        self._v_refuse(s, async_op)
         counts = self._v_counts(counts, "counts")
         displs = self._v_displs(displs, "displs", counts)
         me = self.core.rank
@@ -178,6 +181,7 @@ class VCollectives:
         if sendbuf is None:  # in place: nothing to move to itself
             sends[me] = recvs[me] = (me, 0, 0)
         self._v_issue(sends, recvs, dt, lanes, s, (sendbuf, recvbuf))
+        return after(self.core, s) if async_op else None
 
     def all_to_all_v(
         self,
@@ -190,7 +194,8 @@ class VCollectives:
         recv_displs: Sequence[int] | None = None,
         dtype: DTypeLike = None,
         stream: StreamLike = None,
-    ) -> None:
+        async_op: bool = False,
+    ) -> Work | None:
         """Send ``send_counts[j]`` elements at ``send_displs[j]`` of ``sendbuf`` to rank
         ``j`` and receive ``recv_counts[j]`` elements from rank ``j`` into ``recvbuf`` at
         ``recv_displs[j]`` (displacements default to the prefix sums of the counts).
@@ -199,6 +204,7 @@ class VCollectives:
         Grouped ``ncclSend``/``ncclRecv``.
         """
         s = self._v_stream(stream)
+        self._v_refuse(s, async_op)
         scounts = self._v_counts(send_counts, "send_counts")
         rcounts = self._v_counts(recv_counts, "recv_counts")
         sdispls = self._v_displs(send_displs, "send_displs", scounts)
@@ -214,6 +220,7 @@ class VCollectives:
         sends = [(j, send[0] + sdispls[j] * size, scounts[j]) for j in range(n)]
         recvs = [(j, recv[0] + rdispls[j] * size, rcounts[j]) for j in range(n)]
         self._v_issue(sends, recvs, dt, lanes, s, (sendbuf, recvbuf))
+        return after(self.core, s) if async_op else None
 
     def reduce_scatter_v(
         self,
@@ -225,7 +232,8 @@ class VCollectives:
         displs: Sequence[int] | None = None,
         dtype: DTypeLike = None,
         stream: StreamLike = None,
-    ) -> None:
+        async_op: bool = False,
+    ) -> Work | None:
         """Reduce block ``j`` (``counts[j]`` elements at ``displs[j]`` of every rank's
         ``sendbuf``; displacements default to the prefix sums) with ``op`` into rank
         ``j``'s ``recvbuf``, which holds ``counts[rank]`` elements.
@@ -234,6 +242,7 @@ class VCollectives:
         one ``ncclReduce`` per non-empty block, rooted at its owner, in one group.
         """
         s = self._v_stream(stream)
+        self._v_refuse(s, async_op)
         counts = self._v_counts(counts, "counts")
         displs = self._v_displs(displs, "displs", counts)
         me = self.core.rank
@@ -251,13 +260,21 @@ class VCollectives:
         # Inside an outer group the buffers live until its work has run on s (the
         # reduces below are issued with raw pointers, which keep nothing).
         _groups.keep_alive((sendbuf, recvbuf), self.core, s)
-        with _groups.group():
+        with _groups.inner_group():
             for root, sp, n in blocks:
                 if n:  # NCCL writes recvbuff on the root only: elsewhere pass sp (unused)
                     rp = recv[0] if root == me else sp
                     reduce(sp, rp, op, root=root, count=n, dtype=dt, stream=s)
         # A Graph capturing them keeps the buffers (raw pointers above).
         self.core.note_capture(s, (sendbuf, recvbuf))
+        return after(self.core, s) if async_op else None
+
+    def _v_refuse(self, s: int, async_op: object) -> None:
+        """``async_op=True`` checked before anything is issued (:mod:`._work`)."""
+        if async_op is not False:
+            if async_op is not True:
+                raise TypeError(f"async_op must be True or False, got {async_op!r}")
+            refuse(self.core, s, _groups.group_depth())
 
     def _v_issue(
         self,
@@ -273,7 +290,7 @@ class VCollectives:
         send = self.core.send
         recv = self.core.recv
         _groups.keep_alive(keep, self.core, s)
-        with _groups.group():
+        with _groups.inner_group():
             for (peer, rp, rn), (_, sp, sn) in zip(recvs, sends):
                 if rn:
                     recv(rp, peer, count=rn * lanes, dtype=dt, stream=s)
@@ -284,7 +301,7 @@ class VCollectives:
 
     # -- barrier ------------------------------------------------------------------------------
 
-    def barrier(self, stream: StreamLike = None) -> None:
+    def barrier(self, stream: StreamLike = None, *, async_op: bool = False) -> Work | None:
         """A stream-ordered barrier: work queued on ``stream`` after it starts only once
         every rank has queued its barrier and reached it (a 1-element ``ncclAllReduce``
         on a buffer of the communicator's, allocated by the first call and freed with the
@@ -302,7 +319,8 @@ class VCollectives:
             buf.fill_zero()
             self.barrier_buf.append(buf)
         ptr = self.barrier_buf[0].ptr
-        self.core.all_reduce(ptr, ptr, RedOp.SUM, count=1, dtype=DataType.INT32, stream=s)
+        return self.core.all_reduce(ptr, ptr, RedOp.SUM, count=1, dtype=DataType.INT32, stream=s,
+                                    async_op=async_op)  # fmt: skip
 
     def _free_barrier(self, kind: str) -> None:
         """The core's retire hook: the barrier's buffer goes once the handle is retired

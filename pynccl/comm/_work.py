@@ -36,7 +36,16 @@ from ..enums import Result
 from ..errors import NcclInvalidUsage, NcclTimeoutError
 from . import _recorder
 
-__all__ = ["POOL_LIMIT", "Work", "after", "issue", "pooled_events", "record", "refuse"]
+__all__ = [
+    "POOL_LIMIT",
+    "Work",
+    "after",
+    "group_work",
+    "issue",
+    "pooled_events",
+    "record",
+    "refuse",
+]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -257,6 +266,9 @@ class Work:
         return f"<pynccl.Work {state}, {len(self._parts)} stream(s) {list(self.streams)}>"
 
 
+_EMPTY = Work([])
+
+
 def issue(comm: Communicator, call: Callable[[], object], stream: StreamLike,
           async_op: object) -> Work:  # fmt: skip
     """``call()`` (one operation of ``comm`` on ``stream``, as its caller passed it) with
@@ -278,6 +290,28 @@ def after(comm: Communicator, stream: int) -> Work:
     if comm.state == "initializing":
         comm.wait_ready()
     return Work.after(comm, stream)
+
+
+def group_work(comms: list[tuple[Any, Any]], keep: list[tuple[Any, ...]]) -> Work:
+    """The Work of an ended group (:attr:`pynccl.Group.work`): one event per distinct
+    (device, stream) among the calls it issued — ``comms`` entries ``(communicator,
+    stream)``, ``keep`` entries ``(communicator, stream, *objects)`` — on the first
+    communicator seen there (whose operation a timeout names)."""
+    if not comms and not keep:
+        return _EMPTY
+    seen: dict[tuple[int, int], Part] = {}
+    for entry in (*comms, *keep):
+        comm, s = entry[0], entry[1]
+        if comm is None or s is None:
+            continue
+        s = s if type(s) is int else (s.value or 0)
+        device = comm.device
+        if (device, s) not in seen:
+            seen[device, s] = [comm, comm.flight_seq, s, device, 0]
+    parts = list(seen.values())
+    for part in parts:
+        part[4] = record(part[3], part[2])
+    return Work(parts)
 
 
 def refuse(comm: Communicator, stream: int, depth: int) -> None:
