@@ -11,7 +11,9 @@ program that annotates); it loads no library.
 * ``BufferLike`` — what a collective takes as ``sendbuf`` / ``recvbuf``: either protocol, a
   :class:`pynccl.cuda.DeviceBuffer`, or a raw device pointer (``int``).
 * ``StreamLike`` — what ``stream=`` takes: None (the default stream), an ``int`` handle,
-  a :class:`pynccl.cuda.Stream`, or any object speaking a stream protocol.
+  a :class:`pynccl.cuda.Stream`, or any object speaking a stream protocol; the
+  collectives, send/recv and v-collectives also take ``"current"`` (the array library's
+  current stream, see the README).
 * ``DTypeLike``, ``OpLike`` and ``IndexLike`` — what ``dtype=``, ``op=`` and counts or
   indices (``count=``, ``root=``) take; ``DeviceLike`` — what ``device=`` takes (an index,
   or :class:`HasDeviceId`: a cuda.core ``Device``).
@@ -22,6 +24,7 @@ from __future__ import annotations
 from typing import (
     TYPE_CHECKING,
     Any,
+    Literal,
     Protocol,
     SupportsIndex,
     SupportsInt,
@@ -106,7 +109,9 @@ BufferLike = Union[SupportsCAI, SupportsDLPack, int]
 #: of the protocols above; ``SupportsInt`` stands for cuda-python's ``cudaStream_t`` /
 #: ``CUstream``, whose ``int()`` is the handle (floats and other numbers are refused at run
 #: time).
-StreamLike = Union[None, int, SupportsCudaStream, HasCudaStreamAttr, HasStreamPtr, SupportsInt]
+StreamLike = Union[
+    None, int, SupportsCudaStream, HasCudaStreamAttr, HasStreamPtr, SupportsInt, Literal["current"]
+]
 #: A data type: a DataType, a name ("float32", "complex64"), a numpy/CuPy/ml_dtypes dtype or
 #: scalar type, or a torch dtype (which no Protocol describes, hence ``object``).
 DTypeLike = Union["DataType", str, int, type, object]

@@ -24,6 +24,7 @@ from .._limits import (
     is_pointer_object,
     pointer_int,
 )
+from ..cuda._streamlike import CURRENT, current_stream
 from ..dtypes import as_datatype, canonical_name
 from ..enums import DataType
 from ..errors import NotSupportedError
@@ -84,7 +85,9 @@ class Checked(Core):
         version = self._lib.version
         cfg = config_arg(version, spec, config)
         size = self._size
-        s = self._stream if stream is None else as_stream(stream)
+        s = self._stream if stream is None else (
+            current_stream((sendbuf, recvbuf), self._stream)
+            if type(stream) is str and stream == CURRENT else as_stream(stream))  # fmt: skip
         w = -1
         if spec.where is not Where.NONE:
             w = check_index(where, spec.where.value, size, f"for a communicator of size {size}")

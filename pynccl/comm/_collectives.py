@@ -70,7 +70,7 @@ _NO = 1 << 62  # an index no list has: IndexError, the checked path
 def _issue(comm: Collectives, row: CollSpec, async_op: object, *args: Any) -> Work:
     """A call with ``async_op=True``: through the one path, then its handle (:mod:`._work`;
     ``args`` as :meth:`Collectives._call` takes them, the stream seventh)."""
-    return issue(comm._me(), lambda: comm._call(row, *args), args[6], async_op)
+    return issue(comm._me(), lambda: comm._call(row, *args), args[6], async_op, args[:2])
 
 
 class Collectives(Checked):

@@ -15,12 +15,12 @@ required for it.
 from __future__ import annotations
 
 from .. import groups as _groups
-from .._adapt import as_buffer, as_stream, check_device, is_complex
+from .._adapt import as_buffer, check_device, is_complex
 from .._limits import check_count, check_extent, check_pointer, is_pointer_object
 from ..dtypes import as_element_type, canonical_name, complex_name
 from ..enums import DataType, RedOp
 from ._args import resolve_op
-from ._work import Work, after, refuse
+from ._work import Work, after, refuse, stream_of
 
 __all__ = ["VCollectives"]
 
@@ -136,9 +136,9 @@ class VCollectives:
                 f"recvbuf is {rname}"
             )
 
-    def _v_stream(self, stream: StreamLike) -> int:
+    def _v_stream(self, stream: StreamLike, *arrays: object) -> int:
         self.core.live()
-        return self.core.stream if stream is None else as_stream(stream)
+        return stream_of(self.core, stream, arrays)
 
     # -- the v-collectives ------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class VCollectives:
         place (this rank's block is already at ``displs[rank]`` in ``recvbuf``). Every rank
         passes the same ``counts`` and ``displs``. Grouped ``ncclSend``/``ncclRecv``.
         """
-        s = self._v_stream(stream)
+        s = self._v_stream(stream, sendbuf, recvbuf)
         self._v_refuse(s, async_op)
         counts = self._v_counts(counts, "counts")
         displs = self._v_displs(displs, "displs", counts)
@@ -203,7 +203,7 @@ class VCollectives:
         ``send_counts[j]`` on this rank must equal ``recv_counts[rank]`` on rank ``j``.
         Grouped ``ncclSend``/``ncclRecv``.
         """
-        s = self._v_stream(stream)
+        s = self._v_stream(stream, sendbuf, recvbuf)
         self._v_refuse(s, async_op)
         scounts = self._v_counts(send_counts, "send_counts")
         rcounts = self._v_counts(recv_counts, "recv_counts")
@@ -241,7 +241,7 @@ class VCollectives:
         Every rank passes the same ``counts`` and ``displs``. NCCL has no native call:
         one ``ncclReduce`` per non-empty block, rooted at its owner, in one group.
         """
-        s = self._v_stream(stream)
+        s = self._v_stream(stream, sendbuf, recvbuf)
         self._v_refuse(s, async_op)
         counts = self._v_counts(counts, "counts")
         displs = self._v_displs(displs, "displs", counts)

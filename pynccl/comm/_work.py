@@ -32,6 +32,7 @@ from ctypes import byref, c_int, c_void_p
 
 from .._adapt import as_stream
 from .._limits import check_timeout
+from ..cuda._streamlike import CURRENT, current_stream
 from ..enums import Result
 from ..errors import NcclInvalidUsage, NcclTimeoutError
 from . import _recorder
@@ -45,6 +46,7 @@ __all__ = [
     "pooled_events",
     "record",
     "refuse",
+    "stream_of",
 ]
 
 TYPE_CHECKING = False
@@ -270,17 +272,29 @@ _EMPTY = Work([])
 
 
 def issue(comm: Communicator, call: Callable[[], object], stream: StreamLike,
-          async_op: object) -> Work:  # fmt: skip
-    """``call()`` (one operation of ``comm`` on ``stream``, as its caller passed it) with
-    ``async_op=True``, and its handle: refused first where no handle can follow it."""
+          async_op: object, arrays: tuple[object, ...] = ()) -> Work:  # fmt: skip
+    """``call()`` (one operation of ``comm`` on ``stream``, as its caller passed it, over
+    ``arrays``) with ``async_op=True``, and its handle: refused first where no handle can
+    follow it."""
     if async_op is not True:
         raise TypeError(f"async_op must be True or False, got {async_op!r}")
-    s = comm.stream if stream is None else as_stream(stream)
+    s = stream_of(comm, stream, arrays)
     from ..groups import group_depth
 
     refuse(comm, s, group_depth())
     call()
     return after(comm, s)
+
+
+def stream_of(comm: Communicator, stream: StreamLike, arrays: tuple[object, ...]) -> int:
+    """The handle a call of ``comm`` over ``arrays`` runs on: ``stream=None`` is
+    ``comm.stream``, ``"current"`` the arrays' library's current stream
+    (:func:`pynccl.cuda._streamlike.current_stream`), anything else its handle."""
+    if stream is None:
+        return comm.stream
+    if type(stream) is str and stream == CURRENT:
+        return current_stream(arrays, comm.stream)
+    return as_stream(stream)
 
 
 def after(comm: Communicator, stream: int) -> Work:

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     StreamHandler = Callable[[Any], int]
 
-__all__ = ["as_stream"]
+__all__ = ["CURRENT", "as_stream", "current_stream"]
 
 _PTR_LIMIT = 1 << 64
 _CACHE_LIMIT = 512
@@ -173,3 +173,30 @@ def as_stream(obj: StreamLike) -> int:
     except KeyError:
         handler = _stream_handler(type(obj), obj)
     return handler(obj)
+
+
+#: ``stream="current"``: the array library's current stream (:func:`current_stream`).
+CURRENT = "current"
+
+
+def current_stream(arrays: tuple[object, ...], default: int) -> int:
+    """``stream="current"``: the current stream of the library the first array of
+    ``arrays`` comes from, found by its type's module and never imported here — torch
+    (``torch.cuda.current_stream(tensor.device).cuda_stream``, for a CUDA tensor) or CuPy
+    (``cupy.cuda.get_current_stream().ptr``); ``default`` (the communicator's stream) for
+    raw pointers, ``DeviceBuffer`` and other arrays, or when no array is given."""
+    for obj in arrays:
+        if obj is None or type(obj) is int:
+            continue
+        lib = type(obj).__module__.partition(".")[0]
+        module = sys.modules.get(lib) if lib in ("torch", "cupy") else None
+        if module is None:
+            continue
+        if lib == "cupy":
+            return _checked_handle(module.cuda.get_current_stream().ptr, obj, "of cupy")
+        device = getattr(obj, "device", None)
+        if getattr(device, "type", None) != "cuda":
+            return default  # a host tensor: refused as on the host where it is read
+        stream = module.cuda.current_stream(device)
+        return _checked_handle(stream.cuda_stream, obj, "of torch")
+    return default

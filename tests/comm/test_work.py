@@ -253,3 +253,82 @@ def test_test_and_done_flip_once_the_peer_joins() -> None:
     assert out[0][0] == [False, True]
     np.testing.assert_array_equal(out[0][1], np.full(N, 3, np.float32))
     np.testing.assert_array_equal(out[1], np.full(N, 3, np.float32))
+
+
+# -- stream="current": the array library's current stream ------------------------------------
+
+
+class _Dev:
+    def __init__(self, kind: str, index: int) -> None:
+        self.type, self.index = kind, index
+
+
+def _stand_in(lib: str, stream: int, device: str = "cuda") -> tuple[Any, Any]:
+    """A module named ``lib`` (torch or cupy) whose current stream is ``stream``, and an
+    array type of that module exposing ``__cuda_array_interface__``."""
+    import types
+
+    mod: Any = types.ModuleType(lib)
+    handle = types.SimpleNamespace(cuda_stream=stream, ptr=stream)
+    mod.cuda = types.SimpleNamespace(
+        current_stream=lambda dev: handle if dev.type == "cuda" else None,
+        get_current_stream=lambda: handle,
+    )
+
+    class Tensor:
+        def __init__(self, buf: DeviceBuffer) -> None:
+            self.buf, self.device = buf, _Dev(device, 0)
+
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return self.buf.__cuda_array_interface__
+
+    Tensor.__module__ = lib
+    return mod, Tensor
+
+
+@pytest.mark.parametrize("lib", ["torch", "cupy"])
+def test_stream_current_follows_the_array_librarys_current_stream(
+    lib: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=0)
+    current = Stream()
+    mod, tensor = _stand_in(lib, current.handle)
+    buf = DeviceBuffer.from_numpy(np.full(N, 2, np.float32))
+    monkeypatch.setitem(__import__("sys").modules, lib, mod)
+    with Hold(current.handle) as hold:
+        work = comm.all_reduce(tensor(buf), stream="current", async_op=True)
+        assert work.streams == (current.handle,)
+        assert comm.flight_record()[-1][3][-1] == current.handle
+        hold.release()
+        work.wait(timeout=20)
+    comm.all_reduce(buf.ptr, count=N, dtype="float32", stream="current")  # raw: comm.stream
+    assert comm.flight_record()[-1][3][-1] == comm.stream == 0
+    comm.synchronize()
+    np.testing.assert_array_equal(_read(buf.ptr, N), np.full(N, 2, np.float32))
+    buf.close()
+    current.close()
+    comm.destroy()
+
+
+def test_stream_current_without_the_library_loaded_uses_the_comms_stream() -> None:
+    comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=0)
+    _, tensor = _stand_in("cupy", 12345)  # its module is not in sys.modules
+    buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    comm.all_reduce(tensor(buf), stream="current")
+    assert comm.flight_record()[-1][3][-1] == 0
+    comm.synchronize()
+    buf.close()
+    comm.destroy()
+
+
+def test_stream_current_with_a_torch_cpu_tensor_is_refused_as_on_the_host() -> None:
+    torch = pytest.importorskip("torch")
+    comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=0)
+    t = torch.ones(N)
+    with pytest.raises(Exception) as plain:
+        comm.all_reduce(t)
+    with pytest.raises(type(plain.value)) as current:
+        comm.all_reduce(t, stream="current")
+    assert str(current.value) == str(plain.value)
+    comm.destroy()
