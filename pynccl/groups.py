@@ -273,15 +273,16 @@ class Group:
 
     #: A plain group makes no estimate (see :class:`SimulatedGroup`).
     estimated_time: float | None = None
-    #: Whether the end records :attr:`work` (pynccl's own inner groups do not).
-    records = True
+    #: Whether the end records :attr:`work` (``group(async_op=True)`` only).
+    records = False
 
     @property
     def work(self) -> Work | None:
-        """The :class:`pynccl.Work` of this group once it has ended: one event per
-        distinct stream its operations were issued on, recorded after the launch (done at
-        once for a group that issued nothing). None before the end, for a nested group
-        (the outermost one launches its operations), a simulated one (nothing runs), or
+        """The :class:`pynccl.Work` of a ``group(async_op=True)`` once it has ended: one
+        event per distinct stream its operations were issued on, recorded after the launch
+        (done at once for a group that issued nothing). None for a plain group, before the
+        end, for a nested group (the outermost one launches its operations), a simulated
+        one (nothing runs), or
         a non-blocking one whose end returned ncclInProgress (its operations reach their
         streams only once the communicators are ready: ``comm.wait_ready()``, then
         ``comm.synchronize()``)."""
@@ -419,7 +420,13 @@ class _Inner(Group):
     own; their caller makes the handle if one was asked for."""
 
     __slots__ = ()
-    records = False
+
+
+class _Recording(Group):
+    """``group(async_op=True)``: its end records :attr:`Group.work`."""
+
+    __slots__ = ()
+    records = True
 
 
 _PLAIN = Group()
@@ -432,7 +439,7 @@ def inner_group() -> Group:
     return _INNER
 
 
-def group(*, simulate: bool = False) -> Group:
+def group(*, simulate: bool = False, async_op: bool = False) -> Group:
     """A group as a context manager: ``with pynccl.group(): comm.send(...); comm.recv(...)``.
 
     The group is ended even if the body raises (NCCL requires it); the body's
@@ -448,6 +455,18 @@ def group(*, simulate: bool = False) -> Group:
             comm.all_reduce(x)
         print(g.estimated_time)
 
+    ``group(async_op=True)``: once the group has ended, ``g.work`` is its
+    :class:`pynccl.Work` (one event per distinct stream its operations used, recorded
+    after the launch)::
+
+        with pynccl.group(async_op=True) as g:
+            comm.send(x, 1)
+            comm.recv(y, 1)
+        g.work.wait(timeout=30)
+
+    A plain group records nothing (an event record per group end would cost a send/recv
+    exchange several times its host time).
+
     A simulated group must be the outermost one (NCCL ignores the simulation of a
     nested group, whose operations the outer group would launch): opening one inside
     another raises :class:`~pynccl.NcclInvalidUsage`, and on an older library
@@ -455,7 +474,11 @@ def group(*, simulate: bool = False) -> Group:
     kept alive until the end (nothing runs) and errors raised as in a normal group.
     """
     if simulate is False:
-        return Group()
+        if async_op is False:
+            return _PLAIN
+        if async_op is not True:
+            raise TypeError(f"group(async_op=...) takes True or False, not {async_op!r}")
+        return _Recording()
     if simulate is not True:
         raise TypeError(f"group(simulate=...) takes True or False, not {simulate!r}")
     return SimulatedGroup()

@@ -1,9 +1,9 @@
 """Completion handles (:class:`pynccl.Work`): ``async_op=True`` on every collective and
-send/recv, ``with pynccl.group() as g: ... g.work``, ``wait(timeout)`` on a hung operation
-(the communicator left as the watchdog leaves it), ``test()``/``done``, ``wait_stream`` and
-the events' lifetimes. Results are checked against numpy (``support.reference``); the
-order against a stream held busy (``support.cudart.Hold``), so that a handle that did not
-wait shows as wrong data."""
+send/recv, ``with pynccl.group(async_op=True) as g: ... g.work``, ``wait(timeout)`` on a
+hung operation (the communicator left as the watchdog leaves it), ``test()``/``done``,
+``wait_stream`` and the events' lifetimes. Results are checked against numpy
+(``support.reference``); the order against a stream held busy (``support.cudart.Hold``),
+so that a handle that did not wait shows as wrong data."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def test_group_work_covers_send_and_recv_on_every_stream(world: Any) -> None:
         b = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
         s1, s2 = Stream(), Stream()
         with Hold(s1.handle) as h1, Hold(s2.handle) as h2:
-            with pynccl.group() as g:
+            with pynccl.group(async_op=True) as g:
                 assert g.work is None  # not ended yet
                 comm.send(a.ptr, 1 - r, count=N, dtype="float32", stream=s1)
                 comm.recv(b, 1 - r, stream=s2)
@@ -122,7 +122,7 @@ def test_group_work_covers_send_and_recv_on_every_stream(world: Any) -> None:
 
 def test_an_empty_group_is_done_and_async_op_inside_a_group_is_refused(world: Any) -> None:
     def one(r: int, comm: Any) -> None:
-        with pynccl.group() as g:
+        with pynccl.group(async_op=True) as g:
             pass
         assert g.work is not None and g.work.done and g.work.streams == ()
         buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
