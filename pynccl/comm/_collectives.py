@@ -114,7 +114,7 @@ class Collectives(Checked):
                 keep = False
             else:  # arrays: each read by its type's handler
                 cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, where, s, count, dtype,
-                                         on_complex)
+                                                on_complex)
                 keep = True
             if (cs is None) is not no_send or (cr is None) is not no_recv or code is None:
                 raise KeyError(i)  # a raw call with a None (or array) buffer, a type too new
@@ -175,7 +175,7 @@ class Collectives(Checked):
         if in_place or no_send or no_recv:  # one buffer
             one, name = (recvbuf, "recvbuf") if no_send else (sendbuf, "sendbuf")
             ptr, n, dt, dev = _BUFFER_HANDLERS[type(one)](one, None, None, name,
-                                                   in_place or no_send, s)  # fmt: skip
+                                                          in_place or no_send, s)  # fmt: skip
             sp = rp = ptr
         else:
             if rooted and where != self._rank:
@@ -236,7 +236,7 @@ class Collectives(Checked):
                async_op: bool = False) -> Work | None:  # fmt: skip
         if async_op is not False:
             return _issue(self, REDUCE, async_op, sendbuf, recvbuf, op, root, count, dtype, stream,
-                   config)  # fmt: skip
+                          config)  # fmt: skip
         self._call(REDUCE, sendbuf, recvbuf, op, root, count, dtype, stream, config)
         return None
 
@@ -298,7 +298,7 @@ class Collectives(Checked):
              async_op: bool = False) -> Work | None:  # fmt: skip
         if async_op is not False:
             return _issue(self, SEND, async_op, sendbuf, None, None, peer, count, dtype, stream,
-                   config)  # fmt: skip
+                          config)  # fmt: skip
         self._call(SEND, sendbuf, None, None, peer, count, dtype, stream, config)
         return None
 
@@ -308,7 +308,7 @@ class Collectives(Checked):
              async_op: bool = False) -> Work | None:  # fmt: skip
         if async_op is not False:
             return _issue(self, RECV, async_op, None, recvbuf, None, peer, count, dtype, stream,
-                   config)  # fmt: skip
+                          config)  # fmt: skip
         self._call(RECV, None, recvbuf, None, peer, count, dtype, stream, config)
         return None
 
