@@ -280,12 +280,18 @@ class Group:
     def work(self) -> Work | None:
         """The :class:`pynccl.Work` of a ``group(async_op=True)`` once it has ended: one
         event per distinct stream its operations were issued on, recorded after the launch
-        (done at once for a group that issued nothing). None for a plain group, before the
-        end, for a nested group (the outermost one launches its operations), a simulated
-        one (nothing runs), or
-        a non-blocking one whose end returned ncclInProgress (its operations reach their
-        streams only once the communicators are ready: ``comm.wait_ready()``, then
-        ``comm.synchronize()``)."""
+        (done at once for a group that issued nothing). None before the end, for a nested
+        group (the outermost one launches its operations), or a non-blocking one whose end
+        returned ncclInProgress (its operations reach their streams only once the
+        communicators are ready: ``comm.wait_ready()``, then ``comm.synchronize()``).
+
+        Raises ValueError on a group that records none (``pynccl.group()`` without
+        ``async_op=True``, a simulated one): reading it there is a mistake, not a wait."""
+        if not self.records:
+            raise ValueError(
+                f"{self!r} records no completion handle; open the group with "
+                "pynccl.group(async_op=True) to get g.work"
+            )
         try:
             return self._work  # type: ignore[no-any-return]
         except AttributeError:

@@ -131,6 +131,14 @@ def test_an_empty_group_is_done_and_async_op_inside_a_group_is_refused(world: An
             with pynccl.group():
                 comm.all_reduce(buf, async_op=True)
         assert comm.flight_seq == before  # refused before anything was issued
+        with pynccl.group() as plain:
+            pass
+        with pytest.raises(
+            ValueError,
+            match=r"pynccl.group\(\) records no completion handle; "
+            r"open the group with pynccl.group\(async_op=True\)",
+        ):
+            plain.work  # noqa: B018
         buf.close()
 
     world.run(one)
