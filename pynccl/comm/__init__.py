@@ -22,6 +22,7 @@ from ._collconfig import CollConfig
 from ._communicator import Communicator
 from ._config import Config
 from ._memory import Registration
+from ._peerview import PeerArray
 from ._signals import SignalWait
 from ._state import State
 from ._uid import UniqueId
@@ -34,6 +35,7 @@ __all__ = [
     "Communicator",
     "Config",
     "Params",
+    "PeerArray",
     "PersistentOp",
     "Registration",
     "SignalWait",

@@ -44,10 +44,11 @@ def can_agree(core: Communicator) -> bool:
 
 def agree(
     core: Communicator, scratch: list[DeviceBuffer], ptr: int, size: int, bits: int, known: bool
-) -> None:
+) -> tuple[int, ...]:
     """Exchange (size, misaligned, flags, known) with every rank (one all_gather of
     4 int64 each, on the communicator's stream, through ``scratch``: see
-    :func:`scratch_buffer`) and raise the same ValueError on every rank if they disagree."""
+    :func:`scratch_buffer`) and raise the same ValueError on every rank if they disagree;
+    else return every rank's size in bytes (what bounds a view of a peer's window)."""
     from .. import library
     from ..cuda._device import _DeviceScope
 
@@ -74,6 +75,7 @@ def agree(
             _exchange_mode(previous)
     rows = [tuple(everyone[4 * r : 4 * r + 4]) for r in range(n)]
     _check_agreement(rows, bits, core.library.version)
+    return tuple(int(row[0]) for row in rows)
 
 
 def scratch_buffer(core: Communicator, scratch: list[DeviceBuffer], n: int) -> int:

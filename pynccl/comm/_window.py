@@ -24,10 +24,11 @@ from ctypes import byref, c_void_p
 
 from .. import groups as _groups
 from .._closable import Closable
-from .._limits import U64, check_count, check_index
+from .._limits import U64, check_count
 from ..enums import WIN_REQUIRED_ALIGNMENT, DataType, Result, WinFlag
 from ..errors import NcclInvalidUsage
 from ._memory import buffer_range
+from ._peerview import PeerPointers
 from ._state import HANDLE, TERMINAL
 
 __all__ = ["Window", "Windows"]
@@ -42,7 +43,7 @@ _WINDOWS = (2, 27, 3)  # ncclCommWindowRegister
 _PEER_POINTER = (2, 29, 2)  # ncclGetPeerDevicePointer, ncclWinGetUserPtr
 
 
-class Window(Closable):
+class Window(PeerPointers, Closable):
     """A registered memory window (``ncclWindow_t``), from :meth:`Communicator.register_window`.
 
     ``handle`` is the ``ncclWindow_t`` as an int, ``user_ptr`` / ``nbytes`` the range it
@@ -63,6 +64,7 @@ class Window(Closable):
         "_out",
         "_ptr",
         "_refs",
+        "_sizes",
         "_streams",
         "_windows",
     )
@@ -82,6 +84,7 @@ class Window(Closable):
         self._key = (ptr, nbytes, flags)
         # Streams one-sided calls on this window were issued on: close() waits for them.
         self._streams: set[int] = set()
+        self._sizes: tuple[int, ...] = ()  # every rank's size, where the agreement ran
 
     @property
     def handle(self) -> int:
@@ -158,45 +161,6 @@ class Window(Closable):
             )
         return start
 
-    def peer_pointer(self, peer: int, offset: int = 0) -> int | None:
-        """``ncclGetPeerDevicePointer`` (NCCL >= 2.29): a device address of ``peer``'s
-        window, ``offset`` elements of :attr:`dtype` in, that this device can load from and
-        store to; ``None`` where ``peer`` is not reachable that way (another node)."""
-        core = self._windows.core
-        p = check_index(peer, "peer", core.size, f"for a communicator of size {core.size}")
-        off = self._byte_offset(offset)
-        h = self.handle
-        core.library.require("ncclGetPeerDevicePointer", _PEER_POINTER)
-        out = c_void_p()
-        core.call_locked("ncclGetPeerDevicePointer", h, off, p, byref(out))
-        return int(out.value) if out.value else None
-
-    def lsa_pointer(self, lsa_rank: int, offset: int = 0) -> int:
-        """``ncclGetLsaDevicePointer`` (NCCL >= 2.29): the address of rank ``lsa_rank`` *of
-        this rank's load/store-accessible team* (``ncclTeamLsa``: the ranks whose memory
-        this device can reach, numbered from 0), ``offset`` elements of :attr:`dtype` in."""
-        core = self._windows.core
-        off = self._byte_offset(offset)
-        h = self.handle
-        core.library.require("ncclGetLsaDevicePointer", _PEER_POINTER)
-        core.live()
-        size = int(core.under_gate(core.library.raw("ncclTeamLsa")).nRanks)
-        r = check_index(lsa_rank, "lsa_rank", size, f"for an LSA team of size {size}")
-        out = c_void_p()
-        core.call_locked("ncclGetLsaDevicePointer", h, off, r, byref(out))
-        return int(out.value or 0)
-
-    def multimem_pointer(self, offset: int = 0) -> int | None:
-        """``ncclGetLsaMultimemDevicePointer`` (NCCL >= 2.29): the multicast (NVLS) address
-        of the window's LSA team, ``offset`` elements in; ``None`` without multicast."""
-        core = self._windows.core
-        off = self._byte_offset(offset)
-        h = self.handle
-        core.library.require("ncclGetLsaMultimemDevicePointer", _PEER_POINTER)
-        out = c_void_p()
-        core.call_locked("ncclGetLsaMultimemDevicePointer", h, off, byref(out))
-        return int(out.value) if out.value else None
-
     def close(self) -> None:
         """Drop one reference; the last deregisters (``ncclCommWindowDeregister``, NCCL >=
         2.27; local to the rank), once the work this rank queued that may use the window
@@ -269,14 +233,16 @@ class Windows:
         known = self.wins.get(key)
         if known is not None and known.closed:
             known = None
+        sizes: tuple[int, ...] = ()
         if core.size > 1 and can_agree(core):
-            agree(core, self.scratch, ptr, size, bits, known is not None)
+            sizes = agree(core, self.scratch, ptr, size, bits, known is not None)
         elif ptr % WIN_REQUIRED_ALIGNMENT:
             raise ValueError(misaligned(core.rank, ptr))
         if known is not None:
             known._refs += 1
             return known
         win = Window(self, ptr, size, bits, dt, buf)
+        win._sizes = sizes
         rc = core.call_locked("ncclCommWindowRegister", HANDLE, ptr, size, byref(win._out), bits)
         # Inside a group NCCL registers at the end: the communicator is one of the group's.
         _groups.keep_alive((win, buf), core)

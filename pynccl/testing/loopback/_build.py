@@ -269,7 +269,7 @@ def _compile(
             output = (proc.stdout + proc.stderr).strip()
             if proc.returncode != 0:
                 raise LoopbackBuildError(
-                    f"compiling the loopback {what} failed (exit {proc.returncode}):\n"
+                    f"compiling the {what} failed (exit {proc.returncode}):\n"
                     f"$ {shlex.join(cmd)}\n{output}"
                 )
             info = {"command": cmd, "compiler": cc.version, "output": output, **key}
@@ -298,7 +298,7 @@ def build_cudart(sanitize: bool = False, *, source_dir: Path | None = None) -> s
         flags += _SANITIZE_FLAGS
     return _compile(
         "cudart",
-        "libcudart",
+        "loopback libcudart",
         CUDART_SONAME,
         sources,
         headers,
@@ -358,7 +358,8 @@ def _build_nccl(
         "sanitize": sanitize,
         "cudart": cudart,
     }
-    return _compile("nccl", "libnccl", NCCL_SONAME, sources, headers, flags, link, key, src)
+    what = "loopback libnccl"
+    return _compile("nccl", what, NCCL_SONAME, sources, headers, flags, link, key, src)
 
 
 def build(version: VersionLike = None, null: bool = False, sanitize: bool = False) -> LoopbackBuild:

@@ -221,6 +221,21 @@ int pynccl_lb_malloc(void **ptr, size_t size, int device) {
 
 int pynccl_lb_free(void *ptr) { return lb_free("pynccl_lb_free", ptr, false); }
 
+long pynccl_lb_live_allocations(int device, size_t *bytes) {
+    long n = 0;
+    size_t total = 0;
+    pthread_rwlock_rdlock(&g_allocs_lock);
+    for (size_t i = 0; i < g_nallocs; i++) {
+        const lb_alloc *a = &g_allocs[i];
+        if (a->foreign || (device >= 0 && a->device != device)) continue;
+        n++;
+        total += a->size;
+    }
+    pthread_rwlock_unlock(&g_allocs_lock);
+    if (bytes != NULL) *bytes = total;
+    return n;
+}
+
 int pynccl_lb_register_foreign_range(void *ptr, size_t size, int device) {
     const char *fn = "pynccl_lb_register_foreign_range";
     cudaError_t err = lb_check_usable(fn);

@@ -105,6 +105,12 @@ LB_EXPORT int pynccl_lb_device_physical(int device);
 LB_EXPORT int pynccl_lb_malloc(void **ptr, size_t size, int device);
 LB_EXPORT int pynccl_lb_free(void *ptr);
 
+/* Leak counter (a test hook, not in CUDA): the number of live allocations (cudaMalloc and
+ * ncclMemAlloc, not peer mappings) of `device` (-1: every device), and their bytes in
+ * *bytes (may be NULL). An allocation stops counting when cudaFree / ncclMemFree takes it
+ * out of the registry, as its address stops being valid on a GPU. */
+LB_EXPORT long pynccl_lb_live_allocations(int device, size_t *bytes);
+
 /* Peer mappings. On a GPU a peer's window, mapped into this process (a "peer
  * pointer"), is an ordinary UVA device address: copies, memsets and collectives take
  * it. The loopback libnccl maps another process's window memory at an address the

@@ -1,0 +1,153 @@
+"""Window.peer_array on the loopback: a view of a peer's window with
+``__cuda_array_interface__`` and DLPack, read through numpy over the pointer (loopback memory
+is host memory) and through pynccl's own adapters as a collective's buffer, bounded by the
+peer's own window size, refusing bad peers, shapes and dtypes with the common wording."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from typing import Any
+
+import numpy as np
+import pytest
+
+import pynccl
+from pynccl import Communicator, DataType
+from pynccl._adapt import _export, as_buffer
+from pynccl.comm import PeerArray
+
+N = 1024
+
+
+@pytest.fixture(scope="module")
+def get(thread_worlds: Any) -> Any:
+    return thread_worlds
+
+
+def _host(ptr: int, n: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr)).copy()
+
+
+class OnlyDLPack:
+    """A buffer seen through DLPack only (pynccl prefers the array interface)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self.inner.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.inner.__dlpack_device__()  # type: ignore[no-any-return]
+
+
+def test_rank_1_reads_rank_0s_window(get: Any) -> None:
+    world = get(2)
+    ref = np.arange(N, dtype=np.float32) * 3 + 1
+
+    def body(r: int, comm: Communicator) -> dict[str, Any]:
+        buf = comm.mem_alloc(N, "float32")
+        buf.copy_from(ref if r == 0 else np.zeros(N, np.float32))
+        win = comm.register_window(buf)
+        out = comm.mem_alloc(2 * N, "float32")
+        got: dict[str, Any] = {}
+        try:
+            comm.barrier()
+            comm.synchronize()
+            view = win.peer_array(1 - r, (N,), "float32")
+            assert isinstance(view, PeerArray) and view.owner is win
+            cai = view.__cuda_array_interface__
+            assert cai["shape"] == (N,) and cai["typestr"] == "<f4" and cai["version"] == 3
+            assert cai["data"] == (win.peer_pointer(1 - r), False) and cai["stream"] is None
+            assert view.__dlpack_device__() == (2, comm.device)
+            got["numpy"] = _host(view.ptr, N)
+            # pynccl's adapters read the view (array interface, and DLPack alone) ...
+            assert as_buffer(view)[:3] == (view.ptr, N, DataType.FLOAT32)
+            half = win.peer_array(1 - r, (2, N // 2))
+            assert as_buffer(OnlyDLPack(half))[:3] == (half.ptr, N, DataType.FLOAT32)
+            # ... and a collective takes what they read, copied to this device first: NCCL
+            # refuses a peer's address as a collective's buffer (it lies on the peer's
+            # device; the loopback does the same).
+            mine = comm.mem_alloc(N, "float32")
+            ptr, n, dt, _ = as_buffer(OnlyDLPack(half))
+            pynccl.cudart().cudaMemcpy(mine.ptr, ptr, n * dt.itemsize, 3)
+            comm.all_gather(mine, out)
+            comm.synchronize()
+            got["gathered"] = out.to_numpy()
+            with pytest.raises(pynccl.NcclInvalidArgument, match="mismatch"):
+                comm.all_reduce(view, mine)  # the loopback refuses it as NCCL does
+            mine.close()
+            comm.barrier()
+            comm.synchronize()
+            return got
+        finally:
+            win.close()
+            buf.close()
+            out.close()
+
+    res = world.run(body)
+    zeros = np.zeros(N, np.float32)
+    np.testing.assert_array_equal(res[1]["numpy"], ref)
+    np.testing.assert_array_equal(res[0]["numpy"], zeros)
+    for r in (0, 1):  # rank 0 sent (a copy of) rank 1's zeros, rank 1 rank 0's ref
+        np.testing.assert_array_equal(res[r]["gathered"], np.concatenate([zeros, ref]))
+    gc.collect()
+    assert not _export._LIVE  # every exported capsule was released
+
+
+def test_bounded_by_the_peers_own_size_and_bad_arguments(get: Any) -> None:
+    # From NCCL 2.30.7 (the loopback emulates 2.32.3) symmetric windows may differ in size.
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> bool:
+        n = N * (r + 1)  # rank 0: N floats, rank 1: 2N
+        buf = comm.mem_alloc(n, "float32")
+        with comm.register_window(buf) as win:
+            assert win.peer_array(1, (2 * N,)).nbytes == 8 * N  # rank 1's is 2N floats
+            assert win.peer_array(0, (N,), "int32").dtype.name == "INT32"
+            with pytest.raises(ValueError, match=r"shape=\(2048,\) of float32 is 8192 bytes, "
+                               "more than rank 0's window of 4096 bytes"):
+                win.peer_array(0, 2 * N)
+            with pytest.raises(ValueError, match="peer=2 is out of range; expected 0 <= peer < 2"):
+                win.peer_array(2, (1,))
+            with pytest.raises(ValueError, match="shape=.* is out of range"):
+                win.peer_array(0, (-1,))
+            with pytest.raises(TypeError, match="shape must be an int or a tuple of ints"):
+                win.peer_array(0, 1.5)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="data type 'float7'"):
+                win.peer_array(0, (1,), "float7")
+            view = win.peer_array(1 - r, (4,))
+            with pytest.raises(BufferError, match="never copied"):
+                view.__dlpack__(copy=True)
+            with pytest.raises(BufferError, match="dl_device"):
+                view.__dlpack__(dl_device=(1, 0))
+            with pytest.raises(ValueError, match="stream=0"):
+                view.__dlpack__(stream=0)
+            comm.barrier()
+            comm.synchronize()
+        buf.close()
+        return True
+
+    assert world.run(body) == {0: True, 1: True}
+
+
+def test_a_window_registered_in_a_group_has_unknown_peer_sizes(get: Any) -> None:
+    world = get(2)
+
+    def body(r: int, comm: Communicator) -> bool:
+        buf = comm.mem_alloc(N, "float32")
+        with pynccl.group():
+            win = comm.register_window(buf)
+        try:
+            assert win.peer_array(r, (N,)).nbytes == 4 * N  # its own size is known
+            with pytest.raises(ValueError, match=f"the size of rank {1 - r}'s window is not known"):
+                win.peer_array(1 - r, (1,))
+            comm.barrier()
+            comm.synchronize()
+        finally:
+            win.close()
+            buf.close()
+        return True
+
+    assert world.run(body) == {0: True, 1: True}
