@@ -111,7 +111,7 @@ def test_bounded_by_the_peers_own_size_and_bad_arguments(get: Any) -> None:
                 win.peer_array(0, 2 * N)
             with pytest.raises(ValueError, match="peer=2 is out of range; expected 0 <= peer < 2"):
                 win.peer_array(2, (1,))
-            with pytest.raises(ValueError, match="shape=.* is out of range"):
+            with pytest.raises(ValueError, match=r"shape=.* is out of range"):
                 win.peer_array(0, (-1,))
             with pytest.raises(TypeError, match="shape must be an int or a tuple of ints"):
                 win.peer_array(0, 1.5)  # type: ignore[arg-type]
