@@ -22,7 +22,6 @@ from ._collconfig import CollConfig
 from ._communicator import Communicator
 from ._config import Config
 from ._memory import Registration
-from ._peerview import PeerArray
 from ._signals import SignalWait
 from ._state import State
 from ._uid import UniqueId
@@ -50,6 +49,7 @@ __all__ = [
 
 # Loaded on first access: `_properties` imports dataclasses, `_params` builds a mapping.
 _LAZY = {
+    "PeerArray": "_peerview",
     "from_env": "_from_env",
     "CommProperties": "_properties",
     "Params": "_params",

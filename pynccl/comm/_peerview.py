@@ -9,17 +9,25 @@ from __future__ import annotations
 
 from ctypes import byref, c_void_p
 
-from .._adapt._export import PeerArray
 from .._limits import check_index
 from ..dtypes import canonical_name
 from ._agreement import _SIZES_MAY_DIFFER
 
 __all__ = ["PeerArray", "PeerPointers"]
 
+
+def __getattr__(name: str) -> type:
+    if name == "PeerArray":  # loaded on first use: `from pynccl import Communicator` stays light
+        from .._adapt._export import PeerArray
+
+        return PeerArray
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from .._adapt._export import PeerArray
     from ..enums import DataType
     from ..typing import DTypeLike, IndexLike
     from ._window import Windows
@@ -76,6 +84,8 @@ class PeerPointers:
         requires it), and otherwise the peer's size is unknown: refused. ``ValueError``
         for a peer out of range, a view larger than the peer's window, or a peer this
         device cannot reach (another node); ``TypeError`` for a bad shape or dtype."""
+        from .._adapt._export import PeerArray
+
         core = self._windows.core
         p = check_index(peer, "peer", core.size, f"for a communicator of size {core.size}")
         dt = self.dtype if dtype is None else dtype
