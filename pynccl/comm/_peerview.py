@@ -1,19 +1,21 @@
 """Reaching a peer's window from this rank: the pointer queries of ``nccl_device/host.h``
 (``ncclGetPeerDevicePointer``, ``ncclGetLsaDevicePointer``,
 ``ncclGetLsaMultimemDevicePointer``; NCCL >= 2.29) and :meth:`PeerPointers.peer_array`,
-a view of a peer's window as an array. A base of :class:`~pynccl.Window`: its methods use
-the window's own fields.
+a view of a peer's window as an array. A part of :class:`~pynccl.Window` (its methods
+delegate here), over the window's public surface and its registry's
+(:class:`._window.Windows`).
 """
 
 from __future__ import annotations
 
+from _weakref import ref  # weakref.ref, without importing the weakref module
 from ctypes import byref, c_void_p
 
 from .._limits import check_index
 from ..dtypes import canonical_name
 from ._agreement import _SIZES_MAY_DIFFER
 
-__all__ = ["PeerArray", "PeerPointers"]
+__all__ = ["PeerArray", "PeerViews"]
 
 
 def __getattr__(name: str) -> type:
@@ -23,45 +25,44 @@ def __getattr__(name: str) -> type:
         return PeerArray
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from .._adapt._export import PeerArray
-    from ..enums import DataType
     from ..typing import DTypeLike, IndexLike
-    from ._window import Windows
+    from ._window import Window, Windows
 
 _PEER_POINTER = (2, 29, 2)  # ncclGetPeerDevicePointer
 
 
-class PeerPointers:
-    """The peer-pointer methods of :class:`~pynccl.Window`."""
+class PeerViews:
+    """The peer-pointer methods of one :class:`~pynccl.Window` (``Window.peer_pointer``
+    and the others delegate here)."""
 
-    __slots__ = ()
+    __slots__ = ("_win", "windows")
 
-    if TYPE_CHECKING:
-        _windows: Windows
-        _sizes: tuple[int, ...]
+    def __init__(self, windows: Windows, win: Window) -> None:
+        #: The window's registry: its ``core`` and the checked offsets and sizes.
+        self.windows = windows
+        self._win = ref(win)  # the window holds this part: no cycle
 
-        @property
-        def handle(self) -> int: ...
-        @property
-        def dtype(self) -> DataType: ...
-        @property
-        def nbytes(self) -> int: ...
-        @property
-        def symmetric(self) -> bool: ...
-        def _byte_offset(self, offset: object, count: int = 0, itemsize: int = 0) -> int: ...
+    @property
+    def win(self) -> Window:
+        """The window (alive: it is the caller of every method here)."""
+        win = self._win()
+        assert win is not None
+        return win
 
     def peer_pointer(self, peer: int, offset: int = 0) -> int | None:
         """``ncclGetPeerDevicePointer`` (NCCL >= 2.29): a device address of ``peer``'s
         window, ``offset`` elements of :attr:`dtype` in, that this device can load from and
         store to; ``None`` where ``peer`` is not reachable that way (another node)."""
-        core = self._windows.core
+        core = self.windows.core
         p = check_index(peer, "peer", core.size, f"for a communicator of size {core.size}")
-        off = self._byte_offset(offset)
-        h = self.handle
+        off = self.windows.byte_offset(self.win, offset, 0, 0)
+        h = self.win.handle
         core.library.require("ncclGetPeerDevicePointer", _PEER_POINTER)
         out = c_void_p()
         core.call_locked("ncclGetPeerDevicePointer", h, off, p, byref(out))
@@ -86,10 +87,11 @@ class PeerPointers:
         device cannot reach (another node); ``TypeError`` for a bad shape or dtype."""
         from .._adapt._export import PeerArray
 
-        core = self._windows.core
+        core = self.windows.core
         p = check_index(peer, "peer", core.size, f"for a communicator of size {core.size}")
-        dt = self.dtype if dtype is None else dtype
-        view = PeerArray(0, shape, dt, core.device, self)  # checks shape and dtype
+        win = self.win
+        dt = win.dtype if dtype is None else dtype
+        view = PeerArray(0, shape, dt, core.device, win)  # checks shape and dtype
         limit = self._peer_nbytes(p, core.rank, core.library.version)
         if view.nbytes > limit:
             raise ValueError(
@@ -102,14 +104,16 @@ class PeerPointers:
                 f"rank {p}'s window is not reachable by load/store from this device "
                 "(another node): it has no peer view"
             )
-        return PeerArray(ptr, view.shape, dt, core.device, self)
+        return PeerArray(ptr, view.shape, dt, core.device, win)
 
     def _peer_nbytes(self, peer: int, rank: int, version: tuple[int, ...]) -> int:
         """The size of ``peer``'s window, where it is known (see :meth:`peer_array`)."""
-        if self._sizes:
-            return self._sizes[peer]
-        if peer == rank or (self.symmetric and version < _SIZES_MAY_DIFFER):
-            return self.nbytes
+        win = self.win
+        sizes = self.windows.sizes(win)
+        if sizes:
+            return sizes[peer]
+        if peer == rank or (win.symmetric and version < _SIZES_MAY_DIFFER):
+            return win.nbytes
         raise ValueError(
             f"the size of rank {peer}'s window is not known here: it was registered inside "
             "a group or a CUDA-graph capture, where the ranks do not exchange sizes, and "
@@ -121,9 +125,9 @@ class PeerPointers:
         """``ncclGetLsaDevicePointer`` (NCCL >= 2.29): the address of rank ``lsa_rank`` *of
         this rank's load/store-accessible team* (``ncclTeamLsa``: the ranks whose memory
         this device can reach, numbered from 0), ``offset`` elements of :attr:`dtype` in."""
-        core = self._windows.core
-        off = self._byte_offset(offset)
-        h = self.handle
+        core = self.windows.core
+        off = self.windows.byte_offset(self.win, offset, 0, 0)
+        h = self.win.handle
         core.library.require("ncclGetLsaDevicePointer", _PEER_POINTER)
         core.live()
         size = int(core.under_gate(core.library.raw("ncclTeamLsa")).nRanks)
@@ -135,9 +139,9 @@ class PeerPointers:
     def multimem_pointer(self, offset: int = 0) -> int | None:
         """``ncclGetLsaMultimemDevicePointer`` (NCCL >= 2.29): the multicast (NVLS) address
         of the window's LSA team, ``offset`` elements in; ``None`` without multicast."""
-        core = self._windows.core
-        off = self._byte_offset(offset)
-        h = self.handle
+        core = self.windows.core
+        off = self.windows.byte_offset(self.win, offset, 0, 0)
+        h = self.win.handle
         core.library.require("ncclGetLsaMultimemDevicePointer", _PEER_POINTER)
         out = c_void_p()
         core.call_locked("ncclGetLsaMultimemDevicePointer", h, off, byref(out))

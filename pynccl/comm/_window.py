@@ -27,8 +27,9 @@ from .._closable import Closable
 from .._limits import U64, check_count
 from ..enums import WIN_REQUIRED_ALIGNMENT, DataType, Result, WinFlag
 from ..errors import NcclInvalidUsage
+from ._delegate import delegate
 from ._memory import buffer_range
-from ._peerview import PeerPointers
+from ._peerview import PeerViews
 from ._state import HANDLE, TERMINAL
 
 __all__ = ["Window", "Windows"]
@@ -43,7 +44,7 @@ _WINDOWS = (2, 27, 3)  # ncclCommWindowRegister
 _PEER_POINTER = (2, 29, 2)  # ncclGetPeerDevicePointer, ncclWinGetUserPtr
 
 
-class Window(PeerPointers, Closable):
+class Window(Closable):
     """A registered memory window (``ncclWindow_t``), from :meth:`Communicator.register_window`.
 
     ``handle`` is the ``ncclWindow_t`` as an int, ``user_ptr`` / ``nbytes`` the range it
@@ -62,6 +63,7 @@ class Window(PeerPointers, Closable):
         "_key",
         "_nbytes",
         "_out",
+        "_peers",
         "_ptr",
         "_refs",
         "_sizes",
@@ -85,6 +87,7 @@ class Window(PeerPointers, Closable):
         # Streams one-sided calls on this window were issued on: close() waits for them.
         self._streams: set[int] = set()
         self._sizes: tuple[int, ...] = ()  # every rank's size, where the agreement ran
+        self._peers = PeerViews(windows, self)
 
     @property
     def handle(self) -> int:
@@ -156,10 +159,14 @@ class Window(PeerPointers, Closable):
         if start + max(count * item, 1) > limit:
             what = f"offset={off}" + (f" + count={count}" if count else "")
             raise ValueError(
-                f"{what} elements of {item} bytes do not fit in the window of "
-                f"{limit} bytes"
+                f"{what} elements of {item} bytes do not fit in the window of {limit} bytes"
             )
         return start
+
+    peer_pointer = delegate("_peers", PeerViews.peer_pointer)
+    peer_array = delegate("_peers", PeerViews.peer_array)
+    lsa_pointer = delegate("_peers", PeerViews.lsa_pointer)
+    multimem_pointer = delegate("_peers", PeerViews.multimem_pointer)
 
     def close(self) -> None:
         """Drop one reference; the last deregisters (``ncclCommWindowDeregister``, NCCL >=
@@ -349,6 +356,11 @@ class Windows:
     def byte_offset(win: Window, offset: object, count: int, itemsize: int) -> int:
         """:meth:`Window._byte_offset`: ``offset`` elements as bytes, checked to fit."""
         return win._byte_offset(offset, count, itemsize)
+
+    @staticmethod
+    def sizes(win: Window) -> tuple[int, ...]:
+        """Every rank's size of ``win``, where its registration exchanged them, else ()."""
+        return win._sizes
 
     @staticmethod
     def use(win: Window, handle: int, function: str, s: int) -> None:
