@@ -192,15 +192,21 @@ class BoundLibrary:
         if cfunc is not None:
             return cfunc
         proto = self.PROTOTYPES[name]
-        try:
-            cfunc = getattr(self._cdll, name)
-        except AttributeError:
-            raise NotSupportedError(
-                name, proto.first, self.version, f"{self.path} does not export it"
-            ) from None
-        cfunc.restype = proto.restype
-        cfunc.argtypes = [ctype for _, ctype in proto.args]
-        self._raw[name] = cfunc
+        # Bound once, under the lock: CDLL caches one function object per name, and two
+        # threads setting its argtypes at once race inside ctypes without the GIL.
+        with self._lock:
+            cfunc = self._raw.get(name)
+            if cfunc is not None:
+                return cfunc
+            try:
+                cfunc = getattr(self._cdll, name)
+            except AttributeError:
+                raise NotSupportedError(
+                    name, proto.first, self.version, f"{self.path} does not export it"
+                ) from None
+            cfunc.restype = proto.restype
+            cfunc.argtypes = [ctype for _, ctype in proto.args]
+            self._raw[name] = cfunc
         return cfunc
 
     def extension(self, name: str) -> Any | None:

@@ -11,6 +11,7 @@ the same order and words each mistake the same way.
 from __future__ import annotations
 
 import sys
+from _thread import allocate_lock
 from ctypes import c_int
 
 from .. import _adapt
@@ -74,7 +75,7 @@ def op_table(version: Release) -> dict[object, OpEntry]:
             table[op] = (RedOp, *entry)
             table[op.name.lower()] = (str, *entry)
             table[op.c_name] = (str, *entry)
-        _OP_TABLES[version] = table
+        table = _OP_TABLES.setdefault(version, table)  # threads racing here share one
     return table
 
 
@@ -103,7 +104,7 @@ def dtype_table(version: Release) -> dict[object, c_int]:
                     except TypeError:  # bfloat16 / float8 without ml_dtypes
                         continue
                     table[nd] = table[nd.type] = C_DATATYPE[dt]
-        _DTYPE_TABLES[version] = table
+        table = _DTYPE_TABLES.setdefault(version, table)  # threads racing here share one
     return table
 
 
@@ -172,6 +173,7 @@ def resolve_op(
 #: root/peer at or above it to the checked path.
 RANK_ARGS_LIMIT = 1 << 15
 _RANK_ARGS: list[c_int] = []
+_RANK_ARGS_LOCK = allocate_lock()  # two threads growing it at once would append twice
 
 
 def rank_args(size: int) -> list[c_int]:
@@ -180,7 +182,8 @@ def rank_args(size: int) -> list[c_int]:
     an ``int`` parameter much faster than it converts a Python int (root, peer)."""
     need = min(size, RANK_ARGS_LIMIT)
     if len(_RANK_ARGS) < need:
-        _RANK_ARGS.extend(c_int(r) for r in range(len(_RANK_ARGS), need))
+        with _RANK_ARGS_LOCK:
+            _RANK_ARGS.extend([c_int(r) for r in range(len(_RANK_ARGS), need)])
     return _RANK_ARGS
 
 

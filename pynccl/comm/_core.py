@@ -279,9 +279,11 @@ class Core(Watched):
         else:
             self.abort()
 
-    def __del__(self) -> None:
+    def __del__(self, _warn: Callable[..., None] = _warn) -> None:
         # Never tear down from __del__ (it may run on any thread, at exit, or inside a
-        # group): only tell the user.
+        # group): only tell the user. ``_warn`` is bound here, not looked up: at exit this
+        # may run after the module's globals were cleared (free-threaded 3.13 keeps
+        # objects alive that late), where the global is None.
         if getattr(self, "_owner", False) and getattr(self, "_handle", None) is not None:
             _warn(
                 f"pynccl.Communicator rank {self._rank}/{self._size} was never destroyed; "

@@ -4,6 +4,7 @@ communicators (walked when a CUDA-graph capture begins or ends)."""
 
 from __future__ import annotations
 
+from _weakref import ref as _ref
 from enum import Enum
 
 __all__ = ["GONE_TAILS", "HANDLE", "TERMINAL", "State", "live_handles", "track"]
@@ -37,20 +38,20 @@ GONE_TAILS = {
     State.SUSPENDED: "call resume() first",
     State.REVOKED: "only split(), shrink(), destroy() or abort() are possible",
 }
-#: Every communicator that adopted a handle and still exists: a WeakSet, made at the
-#: first adoption (``weakref`` is not imported with the object API).
-_LIVE: list[Any] = []
+#: Every communicator that adopted a handle and still exists, as weak references (each
+#: drops itself when its communicator goes). A set of references rather than a WeakSet:
+#: listing a WeakSet iterates it in Python, and a communicator made or collected on
+#: another thread meanwhile (any time without the GIL, at a switch with it) ends that
+#: with "Set changed size during iteration"; ``set.copy()`` is one C call, atomic under
+#: the GIL and under the set's own lock in a free-threaded build.
+_LIVE: set[Any] = set()
 
 
 def track(comm: object) -> None:
     """Remember ``comm`` (weakly) as a communicator that adopted a handle."""
-    if not _LIVE:
-        import weakref
-
-        _LIVE.append(weakref.WeakSet())
-    _LIVE[0].add(comm)
+    _LIVE.add(_ref(comm, _LIVE.discard))
 
 
 def live_handles() -> list[Any]:
     """The communicators alive now that adopted a handle."""
-    return list(_LIVE[0]) if _LIVE else []
+    return [comm for comm in map(_ref.__call__, _LIVE.copy()) if comm is not None]

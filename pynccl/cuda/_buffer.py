@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import sys
 import time
 from ctypes import byref, c_int, c_void_p
 
@@ -17,7 +18,7 @@ from ._streamlike import as_stream as stream_handle
 
 TYPE_CHECKING = False  # not imported from typing: keeps import cheap; mypy reads it as true
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from typing import Any
 
     import numpy as np
@@ -420,13 +421,20 @@ class DeviceBuffer(Closable):
     def _held(self) -> bool:
         return bool(getattr(self, "_ptr", 0))
 
-    def __del__(self) -> None:
-        # Never wait for a device here (see _DROPPED): the free happens on the reaper.
+    def __del__(
+        self,
+        _drop: Callable[[int, bool], None] = _drop,
+        _exiting: Callable[[], bool] = sys.is_finalizing,
+    ) -> None:
+        # Never wait for a device here (see _DROPPED): the free happens on the reaper. At
+        # interpreter exit (a buffer outlives the modules' globals, as on free-threaded 3.13,
+        # so both helpers are bound here) no thread can start: the process's end frees it.
         ptr = getattr(self, "_ptr", 0)
         if ptr:
             self._ptr = 0
             self._arg = None
-            _drop(ptr, self._nccl)
+            if not _exiting():
+                _drop(ptr, self._nccl)
 
     def __repr__(self) -> str:
         state = "freed" if self.closed else f"ptr={self._ptr:#x}"
