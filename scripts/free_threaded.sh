@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Free-threaded CPython: build (or reuse) CPython 3.13 with --disable-gil from Debian trixie's
 # source package, install this checkout of pynccl (and numpy's free-threaded cp313t wheel) into
-# a venv of it, run the thread-world tests with the GIL checked off throughout, and print a
-# throughput figure (calls/s with 1 thread and with 2 threads on one process).
+# a venv of it, run the thread-world tests (tests/comm and tests/groups, on the checkout in place
+# as CI does; FT_TESTS to change) with the GIL checked off throughout (tests/support/gil_off.py),
+# and print a throughput figure (scripts/threads_throughput.py: calls/s with 1 thread and with
+# 2 threads in one process, on this interpreter and on one with the GIL).
 #
 #   scripts/free_threaded.sh              # build or reuse, install, test, measure
 #   scripts/free_threaded.sh --build-only # only build (or reuse) the interpreter; print its path
@@ -176,35 +178,33 @@ pip_quiet install -q --only-binary=:all: numpy ml_dtypes pytest hypothesis
 log "installing pynccl from $ROOT"
 pip_quiet install -q --no-deps --force-reinstall "$ROOT"
 VPY="$VENV/bin/python"
-"$VPY" - <<'PY'
+(cd /tmp && "$VPY" - <<'PY'
 import sys
 import numpy
 import pynccl
 assert not sys._is_gil_enabled(), "importing pynccl and numpy turned the GIL on"
 print(f"[free_threaded] {sys.version.split()[0]}t, GIL off; pynccl {pynccl.__version__} "
-      f"from {pynccl.__file__}, numpy {numpy.__version__}")
+      f"installed at {pynccl.__file__}, numpy {numpy.__version__}")
 PY
+)
 
 # -- the thread-world tests, with the GIL checked off throughout -------------------------------
-# Run from a copy of tests/ (and pyproject's pytest settings) outside the checkout, so that
-# `import pynccl` is the installed copy; support.gil_off fails the run if the GIL comes on.
-# The thread-world tests (ThreadWorld, GroupWorld and one-process tests of the object API and
-# groups; nothing there needs torch), the quick run's selection, and the exit-time test:
+# On this checkout in place, as CI runs them (pyproject puts the checkout first on the path;
+# the installed copy above is what the import check and the figure use). support.gil_off
+# fails the run if the GIL is ever on. The thread-world tests: ThreadWorld, GroupWorld and
+# one-process tests of the object API and of groups (nothing there needs torch), the quick
+# run's selection, then the exit-time test (marked slow):
 FT_TESTS="${FT_TESTS:-tests/comm tests/groups}"
 status=0
 if [ "$SKIP_TESTS" = 0 ]; then
-    run_dir=$(mktemp -d)
-    cp -r "$ROOT/tests" "$ROOT/pyproject.toml" "$run_dir/"
-    find "$run_dir/tests" -name __pycache__ -prune -exec rm -rf {} +
     log "pytest (GIL checked off before, during and after every test): $(echo $FT_TESTS)"
     t0=$SECONDS
     # shellcheck disable=SC2086
-    (cd "$run_dir" && PYTHONPATH="$run_dir/tests" \
-        timeout 1800 "$VPY" -m pytest -q -p no:cacheprovider -p support.gil_off $FT_TESTS \
+    (cd "$ROOT" && export PYTHONPATH="$ROOT/tests" \
+        && timeout 1800 "$VPY" -m pytest -q -p no:cacheprovider -p support.gil_off $FT_TESTS \
         && timeout 600 "$VPY" -m pytest -q -p no:cacheprovider -p support.gil_off -m slow \
             tests/comm/test_free_threading.py) || status=1
     log "tests took $((SECONDS - t0)) s"
-    rm -rf "$run_dir"
 fi
 
 # -- the figure: calls/s with 1 and 2 threads, GIL off here, and on an interpreter with it ------

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
 from typing import Any
 
 
-def _round(comms: list[Any], ptrs: list[tuple[int, int]], calls: int) -> float:
+def _round(comms: list[Any], ptrs: list[tuple[int, int]], calls: int) -> tuple[float, float]:
     """One timed round: each of ``len(comms)`` threads makes ``calls`` all_reduce calls on
-    its own communicator; returns the calls/s of all threads together."""
+    its own communicator; returns the calls/s of all threads together and the process's CPU
+    seconds per wall second meanwhile (at most 1 with the GIL; up to the thread count
+    without it, where that many cores are free)."""
     start = threading.Barrier(len(comms) + 1)
     errors: list[BaseException] = []
 
@@ -44,17 +47,40 @@ def _round(comms: list[Any], ptrs: list[tuple[int, int]], calls: int) -> float:
     for t in threads:
         t.start()
     start.wait()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     if errors:
         raise errors[0]
-    return len(comms) * calls / elapsed
+    return len(comms) * calls / elapsed, cpu / elapsed
+
+
+def control(n: int = 2, loops: int = 2_000_000) -> float:
+    """CPU seconds per wall second of ``n`` threads each running a pure-Python loop: the most
+    this interpreter and machine give ``n`` threads right now (about 1 with the GIL, or when
+    other processes hold the other cores), the ceiling for the figure's CPU/wall."""
+
+    def spin() -> None:
+        x = 0
+        for i in range(loops):
+            x += i
+
+    threads = [threading.Thread(target=spin) for _ in range(n)]
+    t0, c0 = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return (time.process_time() - c0) / (time.perf_counter() - t0)
 
 
 def measure(calls: int, rounds: int, counts: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
-    """The figure: ``{"python", "gil", "calls", "rounds", "calls_per_s": {threads: best}}``."""
+    """The figure: ``{"python", "gil", "calls", "rounds", "calls_per_s": {threads: best},
+    "cpu_per_wall": {threads: that round's CPU/wall}, "control", "loadavg"}``: ``control`` is
+    :func:`control` for the largest thread count, ``loadavg`` the machine's 1-minute load
+    average before the run (on a loaded machine two threads find no second core)."""
+    load = os.getloadavg()[0]
     from pynccl.testing import loopback
 
     loopback.use(null=True)
@@ -80,7 +106,10 @@ def measure(calls: int, rounds: int, counts: tuple[int, ...] = (1, 2)) -> dict[s
         "gil": True if probe is None else bool(probe()),
         "calls": calls,
         "rounds": rounds,
-        "calls_per_s": {str(k): round(v) for k, v in best.items()},
+        "calls_per_s": {str(k): round(v[0]) for k, v in best.items()},
+        "cpu_per_wall": {str(k): round(v[1], 2) for k, v in best.items()},
+        "control": round(control(max(counts)), 2),
+        "loadavg": round(load, 2),
     }  # fmt: skip
 
 
@@ -98,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     one, two = result["calls_per_s"]["1"], result["calls_per_s"]["2"]
     print(f"python {result['python']} (GIL {'on' if result['gil'] else 'off'}): "
-          f"1 thread {one:,} calls/s, 2 threads {two:,} calls/s ({two / one:.2f}x)")  # fmt: skip
+          f"1 thread {one:,} calls/s, 2 threads {two:,} calls/s ({two / one:.2f}x; "
+          f"CPU/wall with 2 threads {result['cpu_per_wall']['2']}, pure-Python control "
+          f"{result['control']}, "
+          f"load average {result['loadavg']} on {os.cpu_count()} cores)")  # fmt: skip
     return 0
 
 
