@@ -13,10 +13,12 @@ import heapq
 import hmac
 import logging
 import os
+import resource
 import selectors
 import socket
 import threading
 import time
+from collections import deque
 
 from ._common import check_share_args, ranks_phrase
 from ._net import open_listener
@@ -52,9 +54,22 @@ logger = logging.getLogger("pynccl.bootstrap")
 _LINGER = 2.0  # seconds to wait for a client's FIN after our last frame
 _MAX_DISCARD = 1 << 16  # bytes a closing connection may still send us
 _RECV_CHUNK = 4096
+_GRACE = 0.5  # seconds a handshake keeps its slot before a waiting connection may displace it
+_BACKLOG = 65535  # the kernel caps it at net.core.somaxconn
+_ACCEPT_BATCH = 512  # accepts per round, so that reads interleave with a flood of arrivals
 
 
 _READ_HELLO, _READ_AUTH, _SENDING, _CLOSING, _DRAINING = range(5)
+
+
+class _Waiting:
+    """An accepted connection in the lobby: not read from, watched only for its first bytes."""
+
+    __slots__ = ("peer", "sock")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
 
 
 class _Conn:
@@ -69,6 +84,7 @@ class _Conn:
         "peer",
         "pool",
         "rank",
+        "since",
         "sock",
         "state",
         "writing",
@@ -78,6 +94,7 @@ class _Conn:
         self.sock = sock
         self.peer = peer
         self.deadline = deadline
+        self.since = time.monotonic()  # when it got its slot
         self.state = _READ_HELLO
         self.inbuf = bytearray()
         self.outbuf = bytearray()
@@ -104,10 +121,16 @@ class TcpRendezvousServer:
     not stop the server. ``port=0`` picks a free port (see :attr:`address`).
 
     Rightful ranks are served whatever other connections do: a handshake must
-    finish within ``connection_timeout`` (capped at ``timeout``), and when all
-    ``max_connections`` slots are taken, each new connection displaces the oldest
-    unauthenticated one (refused ones first, then those that sent nothing, then
-    those challenged); only ranks that proved the key keep their slot.
+    finish within ``connection_timeout`` (capped at ``timeout``), and at most
+    ``max_connections`` handshakes hold a slot at once. Connections beyond them are
+    accepted at once (a full listen queue would drop their SYNs and cost seconds of
+    retries) and wait unread, in arrival order, in a lobby bounded by the file
+    descriptor limit. Each takes the next free slot, or displaces the oldest
+    unauthenticated handshake that has held its slot for 0.5 s (at most
+    ``connection_timeout``): refused ones first (at once), then those that sent
+    nothing, then those challenged; only ranks that proved the key keep their slot.
+    So ranks arriving together never displace each other's handshakes, and idle or
+    hostile connections hold a slot for half a second at a time.
 
     While it waits, every ``report_interval`` seconds (default
     ``$PYNCCL_RENDEZVOUS_REPORT``, else 30; 0: never) and at the timeout it writes one
@@ -156,6 +179,15 @@ class TcpRendezvousServer:
         self._fresh: dict[_Conn, None] = {}
         self._challenged: dict[_Conn, None] = {}
         self._evicted = 0
+        self._grace = min(_GRACE, self._conn_timeout)
+        # Accepted connections waiting for a slot, oldest first, unread: those that sent
+        # something (a rank's HELLO comes with its connection) go before silent ones.
+        self._silent: dict[_Waiting, None] = {}
+        self._spoken: deque[_Waiting] = deque()
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        fds = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+        self._lobby_cap = max(64, min(1 << 16, fds // 2 - max_connections))
+        self._admit_at = float("inf")  # when the oldest handshake may be displaced
         self._served: set[int] = set()
         self._hosts: dict[int, str] = {}  # rank -> the address it connected from
         self._report = _report_interval(report_interval)
@@ -174,7 +206,7 @@ class TcpRendezvousServer:
         self._thread: threading.Thread | None = None
         self._deadline = 0.0
 
-        sock = open_listener(host, port, bind, backlog=min(max(world_size, 128), 4096))
+        sock = open_listener(host, port, bind, backlog=_BACKLOG)
         sock.setblocking(False)
         self._listener = sock
         self._listening = False
@@ -323,6 +355,10 @@ class TcpRendezvousServer:
             conns = list(self._conns.values())
         for conn in conns:
             self._drop(conn)
+        for waiting in [*self._silent, *self._spoken]:
+            waiting.sock.close()
+        self._silent.clear()
+        self._spoken.clear()
         self._listener.close()
         self._sel.close()
         with self._lock:  # close() may be writing to the wake socket
@@ -351,10 +387,11 @@ class TcpRendezvousServer:
                 self._outcome = "timeout"
                 return
             self._expire(now)
+            self._admit(now)
             if now >= self._next_report:
                 self._say_missing(now, "")
                 self._next_report = now + self._report
-            wake = min(self._deadline, self._next_report)
+            wake = min(self._deadline, self._next_report, self._admit_at)
             if self._heap:
                 wake = min(wake, self._heap[0][0])
             accept = False
@@ -367,13 +404,17 @@ class TcpRendezvousServer:
                         pass
                 elif data is self._listener:
                     accept = True
+                elif isinstance(data, _Waiting):  # it spoke: ahead of the silent ones
+                    self._sel.unregister(data.sock)
+                    del self._silent[data]
+                    self._spoken.append(data)
                 else:
                     assert isinstance(data, _Conn)
                     if mask & selectors.EVENT_READ and not data.closed:
                         self._on_readable(data)
                     if mask & selectors.EVENT_WRITE and not data.closed:
                         self._flush(data)
-            if accept:  # after the reads: a rank's HELLO already here moves it out of _fresh
+            if accept:
                 self._accept()
 
     def _expire(self, now: float) -> None:
@@ -396,32 +437,62 @@ class TcpRendezvousServer:
         self._seq += 1
         heapq.heappush(self._heap, (deadline, self._seq, conn))
 
+    def _lobby_size(self) -> int:
+        return len(self._silent) + len(self._spoken)
+
     def _accept(self) -> None:
-        # At most half the bound per round, so that a connection accepted now is read (and a
-        # rank's HELLO moves it on) before the ones after it can evict it.
-        for _ in range(max(1, self._max_conns // 2)):
-            full = len(self._conns) >= self._max_conns
-            if full and not (self._doomed or self._fresh or self._challenged):
-                # every slot is an authenticated rank being served: they leave soon
-                self._set_listening(False)
-                return
+        """Take what the listen queue holds into the lobby (bounded): the kernel's queue
+        never overflows while the lobby has room."""
+        for _ in range(_ACCEPT_BATCH):
+            if self._lobby_size() >= self._lobby_cap:
+                self._set_listening(False)  # _admit listens again once the lobby moves
+                break
             try:
                 sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
-                return
+                break
             except OSError as e:  # EMFILE and friends: keep serving those already connected
                 logger.warning("rendezvous: accept failed on port %d: %s", self._port, e)
-                return
-            if full:
-                self._evict()
+                break
             sock.setblocking(False)
-            peer = f"{addr[0]}:{addr[1]}"
-            conn = _Conn(sock, peer, 0.0)
-            self._push_deadline(conn, min(time.monotonic() + self._conn_timeout, self._deadline))
-            with self._lock:
-                self._conns[sock.fileno()] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn)
-            self._move(conn, self._fresh)
+            waiting = _Waiting(sock, f"{addr[0]}:{addr[1]}")
+            if len(self._conns) < self._max_conns and not self._lobby_size():
+                self._take(waiting, time.monotonic())
+            else:
+                self._silent[waiting] = None
+                self._sel.register(sock, selectors.EVENT_READ, waiting)
+        self._admit(time.monotonic())
+
+    def _admit(self, now: float) -> None:
+        """Give waiting connections a slot, those that spoke first: a free slot, or (for one
+        that spoke) one whose handshake may be displaced (see the class docstring)."""
+        self._admit_at = float("inf")
+        while self._spoken or self._silent:
+            if len(self._conns) < self._max_conns:
+                if self._spoken:
+                    self._take(self._spoken.popleft(), now)
+                else:
+                    waiting = next(iter(self._silent))
+                    del self._silent[waiting]
+                    self._take(waiting, now, watched=True)
+            elif self._spoken and self._evict(now):
+                self._take(self._spoken.popleft(), now)
+            else:
+                break
+        if not self._listening and not self._releasing and self._lobby_size() < self._lobby_cap:
+            self._set_listening(True)
+
+    def _take(self, waiting: _Waiting, now: float, *, watched: bool = False) -> None:
+        """Give ``waiting`` a slot: its handshake starts (``watched``: still registered)."""
+        conn = _Conn(waiting.sock, waiting.peer, min(now + self._conn_timeout, self._deadline))
+        self._push_deadline(conn, conn.deadline)
+        with self._lock:
+            self._conns[conn.sock.fileno()] = conn
+        if watched:
+            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        else:
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+        self._move(conn, self._fresh)
 
     def _move(self, conn: _Conn, pool: dict[_Conn, None] | None) -> None:
         """Put ``conn`` at the young end of the eviction ``pool`` (None: not evictable)."""
@@ -431,23 +502,28 @@ class TcpRendezvousServer:
         if pool is not None:
             pool[conn] = None
 
-    def _evict(self) -> None:
-        """Drop the oldest unauthenticated connection to make room for a new one: whatever
-        idle or hostile clients do, a rank that answers its challenge is served. A client
+    def _evict(self, now: float) -> bool:
+        """Drop the oldest unauthenticated connection that may be displaced to make room for
+        one waiting in the lobby; False (and when to ask again) if none may be yet. A client
         dropped before it was answered reconnects (see :meth:`TcpRendezvous.fetch`)."""
-        for pool in (self._doomed, self._fresh, self._challenged):
-            if pool:
-                conn = next(iter(pool))
-                self._evicted += 1
-                logger.info(
-                    "rendezvous on port %d: all %d connection slots taken; dropped %s, the "
-                    "oldest unauthenticated one",
-                    self._port,
-                    self._max_conns,
-                    conn.peer,
-                )
-                self._drop(conn)
-                return
+        victim = next(iter(self._doomed), None)  # refused: no grace
+        if victim is None:
+            oldest = [next(iter(p)) for p in (self._fresh, self._challenged) if p]
+            victim = next((c for c in oldest if now - c.since >= self._grace), None)
+            if victim is None:
+                if oldest:
+                    self._admit_at = min(c.since for c in oldest) + self._grace
+                return False
+        self._evicted += 1
+        logger.info(
+            "rendezvous on port %d: all %d connection slots taken; dropped %s, the oldest "
+            "unauthenticated one",
+            self._port,
+            self._max_conns,
+            victim.peer,
+        )
+        self._drop(victim)
+        return True
 
     def _drop(self, conn: _Conn) -> None:
         if conn.closed:
@@ -461,8 +537,6 @@ class TcpRendezvousServer:
         with self._lock:
             self._conns.pop(conn.sock.fileno(), None)
         conn.sock.close()
-        if not self._releasing and not self._listening and len(self._conns) < self._max_conns:
-            self._set_listening(True)
 
     def _note(self, conn: _Conn, reason: str) -> None:
         who = conn.peer if conn.rank is None else f"{conn.peer} (rank {conn.rank})"
