@@ -106,9 +106,11 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     if (!c) return NULL;
     c->srcs = calloc((size_t)nranks, sizeof *c->srcs);
     c->scalars = calloc((size_t)nranks, sizeof *c->scalars);
-    if (!c->srcs || !c->scalars) {
+    c->p2p_conn = calloc((size_t)nranks, 1);
+    if (!c->srcs || !c->scalars || !c->p2p_conn) {
         free(c->srcs);
         free(c->scalars);
+        free(c->p2p_conn);
         free(c);
         return NULL;
     }
@@ -116,6 +118,7 @@ static struct lb_comm *comm_alloc(int nranks, int rank, int dev) {
     if (!c->mm_refs) {
         free(c->srcs);
         free(c->scalars);
+        free(c->p2p_conn);
         free(c);
         return NULL;
     }
@@ -162,6 +165,7 @@ static void comm_free(struct lb_comm *c) {
     free(c->uops);
     free(c->srcs);
     free(c->scalars);
+    free(c->p2p_conn);
     pthread_cond_destroy(&c->cv);
     pthread_mutex_destroy(&c->mu);
     free(c);

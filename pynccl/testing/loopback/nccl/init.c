@@ -7,28 +7,53 @@
 #include <stdlib.h>
 #include <string.h>
 
-static ncclResult_t init_rank(ncclComm_t *newcomm, int nranks, const unsigned char *uid, int rank,
-                              const ncclConfig_t *config, const char *opname) {
+/* The world of a ncclCommInitRankScalable with nId > 1 ids: NCCL splits the ranks into nId
+ * groups, each bootstrapped by the root that made its id, the roots linked in a ring; the
+ * loopback's one world is named from every id in order, so that a rank passing other ids
+ * (or another nId) meets no one, as it would reach a root of its own in NCCL, and waits
+ * (PYNCCL_LOOPBACK_INIT_TIMEOUT names who never came). One id names the world itself. */
+static void world_uid(const unsigned char *ids, int nid, unsigned char *out) {
+    memcpy(out, ids, NCCL_UNIQUE_ID_BYTES);
+    if (nid == 1) return;
+    uint64_t h = 0xcbf29ce484222325ULL ^ (uint64_t)(uint32_t)nid;
+    for (size_t i = 0; i < (size_t)nid * NCCL_UNIQUE_ID_BYTES; i++) h = (h ^ ids[i]) * 0x100000001b3ULL;
+    lb_derive_uid(ids, h, out);
+}
+
+static ncclResult_t init_rank(ncclComm_t *newcomm, int nranks, const unsigned char *ids, int nid,
+                              int rank, const ncclConfig_t *config, const char *opname) {
     if (newcomm == NULL) return lb_err(ncclInvalidArgument, "%s : newcomm argument is NULL", opname);
     *newcomm = NULL;
     ncclResult_t r = lb_fail_init_injected(opname);
     if (r != ncclSuccess) return lb_group_error(r);
+    if (nid > 1 && nid > nranks) /* NCCL: up to one id per rank */
+        return lb_group_error(lb_err(ncclInvalidArgument,
+                                     "%s : improper usage of ncclCommInitRank: nId = %d, nranks=%d",
+                                     opname, nid, nranks));
     if (nranks < 1 || rank < 0 || rank >= nranks)
         return lb_group_error(
             lb_err(ncclInvalidArgument, "%s : Invalid rank requested : %d/%d", opname, rank, nranks));
-    if (!lb_uid_valid(uid))
+    for (int i = 0; i < nid; i++) {
+        if (lb_uid_valid(ids + (size_t)i * NCCL_UNIQUE_ID_BYTES)) continue;
+        if (nid == 1)
+            return lb_group_error(lb_err(
+                ncclInvalidArgument,
+                "%s : commId was not produced by the loopback's ncclGetUniqueId", opname));
         return lb_group_error(lb_err(ncclInvalidArgument,
-                                     "%s : commId was not produced by the loopback's "
+                                     "%s : commIds[%d] was not produced by the loopback's "
                                      "ncclGetUniqueId",
-                                     opname));
+                                     opname, i));
+    }
     ncclConfig_t cfg;
     r = lb_parse_config(config, &cfg, opname);
     if (r != ncclSuccess) return lb_group_error(r);
+    unsigned char uid[NCCL_UNIQUE_ID_BYTES];
+    world_uid(ids, nid, uid);
     return lb_comm_start(uid, nranks, rank, pynccl_lb_current_device(), &cfg, opname, newcomm);
 }
 
 ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
-    return init_rank(comm, nranks, (const unsigned char *)commId.internal, rank, NULL,
+    return init_rank(comm, nranks, (const unsigned char *)commId.internal, 1, rank, NULL,
                      "ncclCommInitRank");
 }
 LB_ALIAS(ncclCommInitRank)
@@ -36,7 +61,7 @@ LB_ALIAS(ncclCommInitRank)
 #if LB_AT_LEAST(2, 14, 3)
 ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank,
                                     ncclConfig_t *config) {
-    return init_rank(comm, nranks, (const unsigned char *)commId.internal, rank, config,
+    return init_rank(comm, nranks, (const unsigned char *)commId.internal, 1, rank, config,
                      "ncclCommInitRankConfig");
 }
 LB_ALIAS(ncclCommInitRankConfig)
@@ -51,9 +76,8 @@ ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myran
         return lb_err(ncclInvalidArgument, "%s : invalid nId %d or commIds %p", opname, nId,
                       (void *)commIds);
     }
-    /* every rank passes the same ids; the first one names the world */
-    return init_rank(newcomm, nranks, (const unsigned char *)commIds[0].internal, myrank, config,
-                     opname);
+    /* every rank passes the same ids in the same order: all of them name the world */
+    return init_rank(newcomm, nranks, (const unsigned char *)commIds, nId, myrank, config, opname);
 }
 LB_ALIAS(ncclCommInitRankScalable)
 #endif

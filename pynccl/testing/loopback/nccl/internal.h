@@ -198,6 +198,7 @@ struct lb_comm {
     struct lbw_rank *ranks;
     struct lbw_ring *rings;
     char *slots, *ringdata;
+    unsigned char *p2p_conn; /* per peer: this rank's ring to it is reserved (p2p.c) */
     size_t slot_bytes, ring_bytes;
     const void **srcs; /* nranks scratch pointers for the executor */
     uint64_t *scalars; /* nranks PreMulSum scalars, in rank order, for the executor */
@@ -394,6 +395,7 @@ ncclResult_t lbw_wait_until(struct lb_comm *c, int (*ready)(struct lb_comm *, vo
                             const char *what);
 /* Close the creator's rendezvous socket and memfd (once all joined, or on leave). */
 void lbw_rendezvous_close(struct lb_comm *c);
+int lbw_populate(char *p, size_t n);
 /* Executors, run on a stream worker. Return ncclSuccess, or an error already recorded
  * in the comm's async error (LB_ABORTED when the comm was aborted). */
 #define LB_ABORTED ((ncclResult_t)-1)

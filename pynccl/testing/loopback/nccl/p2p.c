@@ -62,6 +62,28 @@ static void ring_get(const char *data, size_t cap, uint64_t pos, char *dst, size
     if (len > first) memcpy(dst + first, data, len - first);
 }
 
+/* A sender's first send to `peer` reserves its ring's pages (create_world leaves them to
+ * this, as NCCL connects p2p peers at runtime): no room fails the send, like NCCL's
+ * connection setup, instead of a SIGBUS on the copy. */
+static ncclResult_t p2p_connect(struct lb_comm *c, int peer) {
+    if (c->p2p_conn[peer]) return ncclSuccess;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = (uintptr_t)ringdata_of(c, c->rank, peer);
+    uintptr_t hi = lo + c->ring_bytes;
+    lo &= ~(page - 1);
+    hi = (hi + page - 1) & ~(page - 1);
+    int e = lbw_populate((char *)lo, (size_t)(hi - lo));
+    if (e != 0) {
+        lbw_break(c, ncclSystemError, 1,
+                  "ncclSend : rank %d cannot reserve %zu bytes of shared memory for its ring "
+                  "to rank %d: %s (is the memory limit reached?)",
+                  c->rank, (size_t)c->ring_bytes, peer, strerror(e));
+        return ncclSystemError;
+    }
+    c->p2p_conn[peer] = 1;
+    return ncclSuccess;
+}
+
 /* Move what can be moved now for one op; returns 1 on progress, or an error code
  * through *err. */
 static int p2p_step(struct lb_comm *c, const struct lb_op *op, struct p2p_state *st,
@@ -71,6 +93,7 @@ static int p2p_step(struct lb_comm *c, const struct lb_op *op, struct p2p_state 
     const size_t nbytes = op->count * E;
     int moved = 0;
     if (op->kind == LB_K_SEND) {
+        if ((*err = p2p_connect(c, op->root)) != ncclSuccess) return 0;
         struct lbw_ring *rg = ring_of(c, c->rank, op->root);
         char *data = ringdata_of(c, c->rank, op->root);
         uint64_t head = __atomic_load_n(&rg->head, __ATOMIC_RELAXED);

@@ -54,15 +54,6 @@ static void released_range(const struct lb_comm *c, uint32_t mask, size_t *from,
     *to = mask & LB_REL_RINGS ? w->size : w->ringdata_off;
 }
 
-/* Reserve [p, p + n) again without changing its bytes (a peer may already be using it). */
-static int populate(char *p, size_t n) {
-    if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return 0;
-    if (errno != EINVAL) return errno; /* ENOMEM, EFAULT: no room */
-    long page = sysconf(_SC_PAGESIZE);
-    for (size_t off = 0; off < n; off += (size_t)page) __atomic_fetch_or(p + off, 0, __ATOMIC_RELAXED);
-    return 0;
-}
-
 static ncclResult_t get_ready(ncclComm_t comm, const char *opname, struct lb_comm **out) {
     ncclResult_t r = lb_comm_get(comm, opname, out);
     if (r != ncclSuccess) return r;
@@ -125,7 +116,7 @@ ncclResult_t ncclCommResume(ncclComm_t comm) {
     if (mask) {
         size_t from, to;
         released_range(c, mask, &from, &to);
-        int e = populate((char *)w + from, to - from);
+        int e = lbw_populate((char *)w + from, to - from);
         if (e != 0) {
             __atomic_store_n(&w->released, mask, __ATOMIC_RELEASE);
             return lb_err(ncclSystemError,

@@ -169,7 +169,20 @@ static int open_creator_memfd(const struct lb_comm *c, pid_t pid) {
     return fd;
 }
 
-/* Create the world as its creator: size and fill a fresh memfd, map it. */
+/* Reserve [p, p + n) of a shared mapping without changing its bytes (a peer may already be
+ * using it); 0 or the errno (ENOMEM, EFAULT: no room) instead of a later SIGBUS. */
+int lbw_populate(char *p, size_t n) {
+    if (madvise(p, n, MADV_POPULATE_WRITE) == 0) return 0;
+    if (errno != EINVAL) return errno;
+    long page = sysconf(_SC_PAGESIZE);
+    for (size_t off = 0; off < n; off += (size_t)page) __atomic_fetch_or(p + off, 0, __ATOMIC_RELAXED);
+    return 0;
+}
+
+/* Create the world as its creator: size and fill a fresh memfd, map it. The p2p ring data
+ * (nranks^2 rings) is reserved pair by pair at a sender's first send to a peer (p2p.c), as
+ * NCCL connects p2p at runtime (NCCL_RUNTIME_CONNECT): reserving it all here made init
+ * quadratic in the ranks (1 GiB of pages zeroed at 256 ranks). */
 static ncclResult_t create_world(struct lb_comm *c, const char *opname, int *fd_out,
                                  struct lbw_hdr **w_out, size_t *size_out) {
     int fd = memfd_create(c->shm_name + 1, MFD_CLOEXEC);
@@ -182,7 +195,9 @@ static ncclResult_t create_world(struct lb_comm *c, const char *opname, int *fd_
     size_t size = h.size;
     /* Reserve the pages now: exhausted shared memory then fails init cleanly instead of
      * raising SIGBUS in the middle of a collective. */
-    int e = ftruncate(fd, (off_t)size) == 0 ? posix_fallocate(fd, 0, (off_t)size) : errno;
+    int e = ftruncate(fd, (off_t)size) == 0 ? posix_fallocate(fd, 0, (off_t)h.ringdata_off) : errno;
+    if (e == 0 && size > h.sig_off)
+        e = posix_fallocate(fd, (off_t)h.sig_off, (off_t)(size - h.sig_off));
     if (e != 0) {
         close(fd);
         return lb_err(ncclSystemError,
@@ -328,8 +343,10 @@ ncclResult_t lbw_join(struct lb_comm *c, const char *opname) {
     me->enc_hash = lb_encryption_hash();
     __atomic_store_n(&me->state, LBR_JOINED, __ATOMIC_RELEASE);
     uint32_t n = __atomic_add_fetch(&w->joined, 1, __ATOMIC_SEQ_CST);
-    if ((int)n == c->nranks) lbw_rendezvous_close(c); /* a 1-rank world, or the last */
-    lbw_notify(c);
+    if ((int)n == c->nranks) { /* a 1-rank world, or the last: the waiters' condition holds */
+        lbw_rendezvous_close(c);
+        lbw_notify(c);
+    } /* earlier joins wake no one: n arrivals waking n waiters each was a futex storm */
     return ncclSuccess;
 }
 
@@ -363,6 +380,32 @@ int lbw_all_joined(struct lb_comm *c) {
     return all;
 }
 
+/* NCCL compares the busId: one device is one GPU whatever the process and whatever
+ * CUDA_VISIBLE_DEVICES renumbered it to. Reports the pair (a, b) with the lowest a, then
+ * the lowest b, in one pass over the ranks (first[] holds a device's lowest rank). */
+static ncclResult_t duplicate_gpu_check(struct lb_comm *c, const char *opname) {
+    int ndev = 0;
+    for (int s = 0; s < c->nranks; s++)
+        if (c->ranks[s].phys >= ndev) ndev = c->ranks[s].phys + 1;
+    int *first = malloc(((size_t)ndev + 1) * sizeof *first);
+    if (!first) return lb_err(ncclSystemError, "%s : out of memory", opname);
+    for (int d = 0; d < ndev; d++) first[d] = -1;
+    int a = c->nranks, b = -1;
+    for (int s = 0; s < c->nranks; s++) {
+        int d = c->ranks[s].phys;
+        if (d < 0) continue; /* not a loopback device: nothing to compare */
+        if (first[d] < 0) first[d] = s;
+        else if (first[d] < a) a = first[d], b = s;
+    }
+    free(first);
+    if (b < 0) return ncclSuccess;
+    return lb_err(ncclInvalidUsage,
+                  "%s : Duplicate GPU detected : rank %d and rank %d both on loopback "
+                  "physical device %d (processes %d and %d; call cudaSetDevice with a "
+                  "distinct device per rank, or set PYNCCL_LOOPBACK_STRICT=0)",
+                  opname, a, b, c->ranks[a].phys, (int)c->ranks[a].pid, (int)c->ranks[b].pid);
+}
+
 /* Once everyone joined: the checks NCCL makes after its bootstrap all-gather. */
 static ncclResult_t joined_checks(struct lb_comm *c, const char *opname) {
     for (int a = 1; a < c->nranks; a++) {
@@ -373,21 +416,7 @@ static ncclResult_t joined_checks(struct lb_comm *c, const char *opname) {
                           opname, 0, a);
     }
     if (!c->strict) return ncclSuccess;
-    for (int a = 0; a < c->nranks; a++) {
-        for (int b = a + 1; b < c->nranks; b++) {
-            /* NCCL compares the busId: one device is one GPU whatever the process and
-             * whatever CUDA_VISIBLE_DEVICES renumbered it to */
-            if (c->ranks[a].phys == c->ranks[b].phys) {
-                return lb_err(ncclInvalidUsage,
-                              "%s : Duplicate GPU detected : rank %d and rank %d both on loopback "
-                              "physical device %d (processes %d and %d; call cudaSetDevice with a "
-                              "distinct device per rank, or set PYNCCL_LOOPBACK_STRICT=0)",
-                              opname, a, b, c->ranks[a].phys, (int)c->ranks[a].pid,
-                              (int)c->ranks[b].pid);
-            }
-        }
-    }
-    return ncclSuccess;
+    return duplicate_gpu_check(c, opname);
 }
 
 static int first_missing(struct lb_comm *c) {
