@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 
 from pynccl._capi.structs import ncclUniqueId
-from support.clib_fixtures import build, lib  # noqa: F401
 
 INVALID_ARGUMENT, REMOTE_ERROR = 4, 6
 
@@ -40,7 +39,7 @@ def _init_scalable(lib: Any, nranks: int, ids_per_rank: dict[int, list[Any]]) ->
 
 
 def _destroy(lib: Any, results: dict[int, Any]) -> None:
-    for code, comm, _ in results.values():
+    for _code, comm, _ in results.values():
         if comm:
             assert lib.ncclCommDestroy(comm) == 0, lib.last_error()
 
@@ -181,7 +180,7 @@ def test_p2p_after_lazy_reservation(lib):
             want = np.arange(count, dtype=np.float32) + 1000 * ((r - 1) % n)
             np.testing.assert_array_equal(got, want)
     finally:
-        for r, (s, d, st) in bufs.items():
+        for s, d, st in bufs.values():
             lib.free(s)
             lib.free(d)
             lib.destroy_stream(st)
