@@ -72,9 +72,9 @@ class TcpRendezvous:
     exponential backoff until ``timeout``.
 
     ``connection_timeout`` bounds each client's handshake on the server (never
-    beyond ``timeout``); ``max_connections`` bounds concurrent connections (when
-    all are taken, the oldest unauthenticated one makes room; a rank dropped that
-    way reconnects); ``bind`` overrides the
+    beyond ``timeout``); ``max_connections`` bounds concurrent handshakes (later
+    connections wait for a slot, or displace the oldest unauthenticated handshake
+    after 0.5 s; a rank dropped that way reconnects); ``bind`` overrides the
     address rank 0 listens on (default: ``host`` if it is a loopback address,
     else all interfaces after checking that ``host`` is local).
     """
