@@ -1,0 +1,216 @@
+"""The watchdog watches operations issued inside a group (issue 24).
+
+Inside ``pynccl.group()`` NCCL enqueues nothing on the stream until the outermost
+``ncclGroupEnd``: an event recorded at the call itself completes at once (on a GPU and on
+the loopback alike), so a grouped operation that then hangs — a send whose peer never
+posts the matching recv, the commonest hang there is — went unseen. Here a 2-rank
+:class:`ThreadWorld` with the watchdog on: rank 0 sends inside a group (nested or not, a
+non-blocking communicator's group too), rank 1 never posts the recv, and the watchdog must
+trip within its timeout (plus slack), naming the grouped send from the flight record; a
+group that completes is watched while it runs (``started`` in the dump, ``analyze`` says
+who is waiting) and leaves nothing pending and no warning; a simulated group launches
+nothing and leaves nothing to watch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from support.wait import wait_for
+from support.worlds import ThreadWorld
+
+from pynccl import analyze, library
+from pynccl.comm import Communicator, Config, _flight
+from pynccl.cuda import DeviceBuffer
+from pynccl.errors import NcclTimeoutError
+from pynccl.groups import group
+
+pytestmark = pytest.mark.usefixtures("lb")
+
+N = 16
+#: The watchdog's timeout where an operation is meant to hang, and the slack a loaded
+#: machine may add before the trip is seen.
+HANG_T = 0.5
+SLACK = 5.0
+
+
+@contextlib.contextmanager
+def _world(timeout: float, config: Config | None = None) -> Iterator[ThreadWorld]:
+    """Two ranks, each with its watchdog (polling every 20 ms); aborted at the end if any
+    rank was aborted (the peer of a hung send is left with work that never ends)."""
+    world = ThreadWorld(2, config=config)
+    try:
+        world.run(lambda r, c: c.start_watchdog(timeout, interval=0.02))
+        yield world
+    finally:
+        world.broken = world.broken or any(c.state != "ready" for c in world.comms.values())
+        world.close()
+
+
+def _send(comm: Communicator, buf: DeviceBuffer, form: str) -> None:
+    if form == "raw":
+        comm.send(buf.ptr, 1, count=N, dtype="float32")
+    else:
+        comm.send(buf, 1)
+
+
+def _groups(depth: int) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for _ in range(depth):
+        stack.enter_context(group())
+    return stack
+
+
+def _dumps(world: ThreadWorld) -> list[dict[str, Any]]:
+    """One dump per rank, as each rank's process would write it (one communicator each)."""
+    now = time.time()
+    return [{"rank": r, "size": 2, "time": now, "comms": [{**_flight._comm_record(c), "index": 0}]}
+            for r, c in world.comms.items()]  # fmt: skip
+
+
+def _hang_in_a_group(world: ThreadWorld, depth: int, form: str) -> dict[str, Any]:
+    """Rank 0 sends to rank 1 inside ``depth`` nested groups; rank 1 never posts the recv.
+    What rank 0 saw: the send's number, whether and how fast its watchdog tripped."""
+    comm = world.comms[0]
+    buf = DeviceBuffer(N, "float32", device=0)
+    try:
+        seq = comm.flight_seq + 1
+        with _groups(depth):
+            _send(comm, buf, form)
+        ended = time.monotonic()
+        tripped = wait_for(lambda: comm.state == "aborted", HANG_T + SLACK)
+        return {"seq": seq, "tripped": tripped, "after": time.monotonic() - ended,
+                "error": comm.error, "dump": _dumps(world)}  # fmt: skip
+    finally:
+        if comm.state != "aborted":
+            comm.abort()  # the old behaviour: nothing tripped, the send would wait for ever
+        buf.close()
+
+
+def _names_the_grouped_send(seen: dict[str, Any]) -> None:
+    assert seen["tripped"], "the watchdog never saw the grouped send hang"
+    assert seen["after"] < HANG_T + SLACK
+    error, seq = seen["error"], seen["seq"]
+    assert isinstance(error, NcclTimeoutError), repr(error)
+    assert error.function == "ncclSend"
+    assert f"operation #{seq} did not complete within {HANG_T:g} s" in str(error)
+    record = {item[0]: item for item in error.flight_record}
+    assert record[seq][1] == "ncclSend"
+    line = next(ln for ln in str(error).splitlines() if f"#{seq} ncclSend" in ln)
+    assert "peer=1" in line and "[group " in line, line
+
+
+@pytest.mark.parametrize("form", ["buffer", "raw"])
+@pytest.mark.parametrize("depth", [1, 2], ids=["group", "nested"])
+def test_a_grouped_send_never_received_trips_the_watchdog(depth: int, form: str) -> None:
+    with _world(HANG_T) as world:
+        seen = _hang_in_a_group(world, depth, form)
+    _names_the_grouped_send(seen)
+    # The dump and analyze label it: issued in a group, started (its stream is in it), and
+    # the rank that never issued its recv is the culprit.
+    dumps = seen["dump"]
+    op = next(o for o in dumps[0]["comms"][0]["ops"] if o["seq"] == seen["seq"])
+    assert op["function"] == "ncclSend" and op["group"] > 0 and op["state"] == "started"
+    verdict = analyze.analyze(dumps)
+    assert verdict["culprits"] == [1], verdict
+    assert verdict["verdict"].startswith(
+        f"rank 1 never issued operation #{seen['seq']} (ncclSend {N} x float32, peer 1, "
+        f"group {op['group']}); rank 0 is waiting in it"
+    ), verdict
+
+
+def test_a_group_that_completes_is_watched_while_it_runs_and_leaves_nothing() -> None:
+    data = np.arange(N, dtype=np.float32) * 3 - 7
+    posted = threading.Event()
+    seen: dict[str, Any] = {}
+
+    def one(r: int, comm: Communicator) -> np.ndarray | None:
+        buf = DeviceBuffer.from_numpy(data, device=0) if r == 0 else DeviceBuffer(
+            N, "float32", device=1)  # fmt: skip
+        try:
+            if r == 0:
+                seq = comm.flight_seq + 1
+                with group():
+                    comm.send(buf, 1)
+                seen["seq"], seen["while"] = seq, _dumps(world)
+                posted.set()
+            else:
+                assert posted.wait(60)
+                with group():
+                    comm.recv(buf, 0)
+            comm.synchronize(timeout=60)
+            return None if r == 0 else buf.to_numpy()
+        finally:
+            buf.close()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with _world(30.0) as world:
+            got = world.run(one)
+            # While rank 1 had not posted its recv, the send was on rank 0's stream, and
+            # not done: analyze says who it waits for.
+            ops = seen["while"][0]["comms"][0]["ops"]
+            op = next(o for o in ops if o["seq"] == seen["seq"])
+            assert (op["state"], op["group"] > 0) == ("started", True), op
+            verdict = analyze.analyze(seen["while"])
+            assert verdict["culprits"] == [1] and "rank 0 is waiting in it" in verdict["verdict"]
+            # Once it ran: every operation completed, nothing pending, no fault.
+            after = _dumps(world)
+            for d, comm in zip(after, world.comms.values()):
+                record = d["comms"][0]
+                assert record["watchdog"]["completed"] == comm.flight_seq, record
+                assert {o["state"] for o in record["ops"]} == {"completed"}, record
+            assert analyze.analyze(after)["culprits"] == []
+            states = {r: c.state for r, c in world.comms.items()}
+    np.testing.assert_array_equal(got[1], data)
+    assert states == {0: "ready", 1: "ready"}
+    assert [str(w.message) for w in caught if "watchdog" in str(w.message)] == []
+
+
+def test_a_non_blocking_groups_send_is_watched_once_launched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The group end returns ncclInProgress; NCCL launches from its own thread once ready
+    # (here after 5 polls of the asynchronous error): the send hangs after that.
+    with _world(HANG_T, Config(blocking=False)) as world:
+        world.run(lambda r, c: c.wait_ready(timeout=60))
+        monkeypatch.setenv("PYNCCL_LOOPBACK_NONBLOCKING_DELAY", "5")
+        seen = _hang_in_a_group(world, 1, "buffer")
+    _names_the_grouped_send(seen)
+
+
+def test_a_non_blocking_group_still_in_progress_past_the_timeout_is_aborted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Never ready: the "in progress past the timeout" rule, not an event, aborts it.
+    with _world(HANG_T, Config(blocking=False)) as world:
+        world.run(lambda r, c: c.wait_ready(timeout=60))
+        monkeypatch.setenv("PYNCCL_LOOPBACK_NONBLOCKING_DELAY", str(10**9))
+        seen = _hang_in_a_group(world, 1, "buffer")
+    assert seen["tripped"] and seen["after"] < HANG_T + SLACK
+    assert isinstance(seen["error"], NcclTimeoutError)
+    assert "was not ready within" in str(seen["error"])
+
+
+def test_a_simulated_group_leaves_nothing_to_watch(lb: Any) -> None:
+    if library.lib().version < (2, 22, 3):
+        pytest.skip("ncclGroupSimulateEnd needs NCCL >= 2.22.3")
+    with _world(HANG_T) as world:
+        comm = world.comms[0]
+        buf = DeviceBuffer(N, "float32", device=0)
+        try:
+            with group(simulate=True):
+                comm.send(buf, 1)  # planned, never launched: rank 1 posts nothing
+            time.sleep(HANG_T * 4)
+            assert comm.state == "ready", comm.error
+            record = _flight._comm_record(comm)
+            assert record["watchdog"]["verdict"] is None
+        finally:
+            buf.close()
