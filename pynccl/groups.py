@@ -62,6 +62,7 @@ __all__ = [
     "STATE",
     "Group",
     "SimulatedGroup",
+    "after_launch",
     "group",
     "group_depth",
     "group_end",
@@ -103,6 +104,7 @@ class _GroupState:
         # The thread is gone: what it still holds waits in any other thread's release.
         if self.held:
             _ORPHANS.extend(self.held)
+        _AT_END.pop(self.ident, None)  # a group left open: its end never comes
 
 
 class _Local(_ThreadLocal):
@@ -173,6 +175,42 @@ def in_progress_later(comm: GroupMember, stream: int | None = None) -> None:
         st.comms.append((comm, stream))
 
 
+def after_launch(comm: GroupMember, stream: int, told: Callable[[bool, bool], None]) -> bool:
+    """Inside a group of the calling thread: call ``told(now, later)`` once the outermost
+    end has returned (before it raises for an error) — ``now``: that end launched the
+    group's work; ``later``: a non-blocking end returned ncclInProgress (NCCL launches once
+    the group's communicators are ready); both False: nothing was launched (the end failed,
+    or the group was simulated). ``comm``, issued on ``stream`` (a handle), counts among the
+    group's communicators. Returns False outside a group (nothing is remembered).
+
+    For what must follow the launch, not the call: an event recorded at the call completes
+    at once, since NCCL enqueues nothing on the stream before the outermost end (the
+    watchdog's events, :mod:`pynccl.comm._watchdog`). Costs nothing to groups that use it not.
+    """
+    st = _local.s
+    if not st.gid:
+        return False
+    waiting = _AT_END.get(st.ident)
+    if waiting is None:
+        _AT_END[st.ident] = [told]
+    else:
+        waiting.append(told)
+    # An entry that names a stream and keeps nothing: the end comes back to _ended, where
+    # `told` is called, even for a group of raw pointers (whose calls keep nothing).
+    st.keep.append((comm, stream))
+    return True
+
+
+def _launched(st: _GroupState, rc: int, launched: bool) -> None:
+    """The outermost end returned ``rc``: tell what :func:`after_launch` registered."""
+    told = _AT_END.pop(st.ident, None)
+    if told is not None:
+        now = launched and not rc
+        later = launched and rc == _IN_PROGRESS
+        for fn in told:
+            fn(now, later)
+
+
 def group_start() -> None:
     """``ncclGroupStart``: open a group on the calling thread (groups nest)."""
     _PLAIN.__enter__()
@@ -207,6 +245,8 @@ def _ended(st: _GroupState, depth: int, rc: int, function: str, launched: bool =
     the streams it used (nothing ran if not ``launched``: let it go) and release what
     earlier groups kept whose streams have passed; then raise for an error."""
     if depth == 0:
+        if _AT_END:  # only where after_launch was called (a watched communicator)
+            _launched(st, rc, launched)
         # Earlier groups first: this group's own events, recorded below, have hardly
         # begun (asking for them now would be one more query per end, nearly always
         # answered "not yet"); a later end or release_done() asks.
@@ -494,6 +534,9 @@ def group(*, simulate: bool = False, async_op: bool = False) -> Group:
 
 #: What threads that ended left held (any thread's release lets it go once done).
 _ORPHANS: list[Any] = []
+#: What the outermost end of each thread's open group tells (thread ident -> the
+#: ``told`` of :func:`after_launch`): empty unless a watched communicator issued in a group.
+_AT_END: dict[int, list[Callable[[bool, bool], None]]] = {}
 _HELD: Any = None
 
 

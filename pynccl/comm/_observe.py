@@ -316,9 +316,12 @@ def _on_capture(begins: bool) -> None:
 
 
 def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
-    """``fn`` (a row's bare ctypes function) recording a completion event per operation."""
+    """``fn`` (a row's bare ctypes function) recording a completion event per operation
+    (inside a group: once the group's outermost end launched it, see ``enqueued``)."""
 
     def call(*args: object) -> int:
+        if watch.later:  # a non-blocking group launched (this call waited until ready):
+            watch.launch_later()  # its events go before this operation's
         rc = int(fn(*args))
         if rc == 0 or rc == _IN_PROGRESS:
             stream = args[-1]  # an int (the checked path), or the fast path's c_void_p

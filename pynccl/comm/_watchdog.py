@@ -2,7 +2,8 @@
 
 After each operation it has a CUDA event recorded on the operation's stream (with the
 communicator's device current: an event belongs to the device it was made on, and
-stream 0 means that device's default stream); when the oldest event stays incomplete
+stream 0 means that device's default stream; inside a group, once the outermost end has
+launched it: :mod:`._watchevents`); when the oldest event stays incomplete
 past the timeout, when the communicator reports an asynchronous error, or when a
 non-blocking call stays in progress past the timeout, it aborts the communicator
 (``ncclCommAbort`` releases work blocked on the GPU) through the communicator's one
@@ -31,16 +32,15 @@ An unexpected exception in its thread is reported (a :class:`RuntimeWarning`, an
 from __future__ import annotations
 
 import atexit
-import collections
 import threading
 import time
 import weakref
 from _warnings import warn as _warn
-from ctypes import byref, c_int, c_void_p
 
 from .._limits import ON_HANG, check_on_hang, check_timeout
 from ..enums import Result
 from ..errors import NcclTimeoutError
+from ._watchevents import WatchEvents
 
 __all__ = ["ON_HANG", "Watchdog", "Watched", "check_on_hang", "trip"]
 
@@ -48,8 +48,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Protocol
 
-    class Watched(Protocol):
-        """What the watchdog needs from a communicator."""
+    from ..groups import GroupMember
+
+    class Watched(GroupMember, Protocol):
+        """What the watchdog needs from a communicator (inside a group, it joins it)."""
 
         @property
         def rank(self) -> int: ...
@@ -73,7 +75,6 @@ else:
 #: The last watchdog started on each communicator (weakly): read by flight-record dumps.
 WATCHED: weakref.WeakKeyDictionary[Any, Watchdog] = weakref.WeakKeyDictionary()
 
-_EVENT_DISABLE_TIMING = 0x2
 _NOT_READY = 600
 
 
@@ -82,7 +83,7 @@ def default_interval(timeout: float) -> float:
     return min(max(timeout / 20, 0.005), 1.0)
 
 
-class Watchdog:
+class Watchdog(WatchEvents):
     """Watches one communicator's enqueued work and asynchronous errors (see module doc)."""
 
     def __init__(
@@ -102,23 +103,10 @@ class Watchdog:
         self.on_hang = check_on_hang(on_hang)
         from ..library import cudart
 
-        self._rt = cudart()
-        self._is_capturing = self._rt.raw("cudaStreamIsCapturing")
-        self._get_device = self._rt.raw("cudaGetDevice")
-        self._set_device = self._rt.raw("cudaSetDevice")
-        self._comm = weakref.ref(comm)
+        self._init_events(comm, cudart())
         self.timeout = seconds
         self.interval = default_interval(seconds) if every is None else every
-        #: Guards the pending events between the issuing thread and the watchdog thread.
-        self.lock = threading.Lock()
-        self._pending: collections.deque[tuple[int, int, float]] = collections.deque()
-        self._pool: list[int] = []
-        self._stop = threading.Event()
         self.reason: BaseException | None = None
-        #: Operations known complete: every one up to ``done`` (its event completed, and
-        #: those before it); ``first``: the first operation watched (0: none yet).
-        self.done = 0
-        self.first = 0
         #: The last unexpected exception of the thread (reported, never fatal), if any.
         self.failure: BaseException | None = None
         self._unready_since: float | None = time.monotonic()
@@ -129,64 +117,6 @@ class Watchdog:
         atexit.register(self._stop.set)
         WATCHED[comm] = self  # what a flight-record dump reads, also after a trip
         self._thread.start()
-
-    # -- called by the communicator (the issuing thread) --------------------------------
-
-    def enqueued(self, seq: int, stream: int) -> None:
-        """Record a completion event for operation ``seq`` on ``stream``, with the
-        communicator's device current (the caller's is restored).
-
-        Not while ``stream`` is being captured into a CUDA graph: the operation then
-        runs only when the graph is replayed, and an event recorded now would
-        become part of the graph. Never raises: the operation is already issued (an
-        exception would invite issuing it again); an event that cannot be recorded
-        leaves the operation unwatched, with a :class:`RuntimeWarning` saying so.
-        """
-        comm = self._comm()
-        device = None if comm is None else comm.watch_device()
-        if device is None:
-            return
-        rt = self._rt
-        current = c_int(-1)
-        self._get_device(byref(current))
-        switch = current.value != device
-        if switch and self._set_device(device):
-            rt.raw("cudaGetLastError")()
-            return self._unwatched(seq, "cudaSetDevice", device)
-        try:
-            capturing = c_int(0)
-            if self._is_capturing(stream, byref(capturing)):
-                # cudaErrorStreamCaptureImplicit (the legacy stream while a blocking
-                # stream captures): recording there would invalidate the capture. The
-                # error stays the thread's last CUDA error unless read: clear it.
-                rt.raw("cudaGetLastError")()
-                return None
-            if capturing.value:
-                return None
-            with self.lock:
-                if self._pool:
-                    event = self._pool.pop()
-                else:
-                    handle = c_void_p()
-                    if rt.raw("cudaEventCreateWithFlags")(byref(handle), _EVENT_DISABLE_TIMING):
-                        rt.raw("cudaGetLastError")()
-                        return self._unwatched(seq, "cudaEventCreateWithFlags", device)
-                    event = int(handle.value or 0)
-                if rt.raw("cudaEventRecord")(event, stream):
-                    rt.raw("cudaGetLastError")()
-                    self._pool.append(event)
-                    return self._unwatched(seq, "cudaEventRecord", device)
-                self._pending.append((seq, event, time.monotonic()))
-                if not self.first:
-                    self.first = seq
-        finally:
-            if switch and current.value >= 0:
-                self._set_device(current.value)
-        return None
-
-    def _unwatched(self, seq: int, function: str, device: int) -> None:
-        what = f"operation #{seq} was issued but is not watched: {function} failed"
-        _warn(f"pynccl watchdog: {what} on device {device}", RuntimeWarning, stacklevel=3)
 
     def stop(self) -> None:
         """Stop the thread (joins it unless called from it) and free its events."""
@@ -204,6 +134,8 @@ class Watchdog:
             events = [ev for _, ev, _ in self._pending] + self._pool
             self._pending.clear()
             self._pool = []
+            self._grouped.clear()
+            self.later = []
         destroy = self._rt.raw("cudaEventDestroy")
         for event in events:
             destroy(event)
@@ -307,6 +239,8 @@ class Watchdog:
 
             if _unsafe_calls_prohibited():  # a query now would break that capture
                 return False
+        if self.later:  # ready: a non-blocking group's end has launched its operations
+            self.launch_later()
         hung = self._oldest_hung(comm, query, now)
         if hung is not None:
             trip(comm, hung, self)

@@ -30,6 +30,8 @@ class Watched(Observed):
 
         def _teardown(self, kind: str, reason: BaseException | None = None) -> None: ...
 
+        def group_in_progress(self) -> None: ...  # Core's
+
     def start_watchdog(
         self, timeout: float, interval: float | None = None, *, on_hang: str = "abort"
     ) -> None:

@@ -34,7 +34,10 @@ from pynccl.groups import group
 
 pytestmark = pytest.mark.usefixtures("lb")
 
-N = 16
+#: Elements of each send: 512 KiB, more than the loopback's p2p ring between two ranks
+#: holds (256 KiB), so a send completes only once its recv is posted — as in NCCL, whose
+#: sender waits for the receiver's buffer credits.
+N = 1 << 17
 #: The watchdog's timeout where an operation is meant to hang, and the slack a loaded
 #: machine may add before the trip is seen.
 HANG_T = 0.5
@@ -86,8 +89,13 @@ def _hang_in_a_group(world: ThreadWorld, depth: int, form: str) -> dict[str, Any
             _send(comm, buf, form)
         ended = time.monotonic()
         tripped = wait_for(lambda: comm.state == "aborted", HANG_T + SLACK)
-        return {"seq": seq, "tripped": tripped, "after": time.monotonic() - ended,
-                "error": comm.error, "dump": _dumps(world)}  # fmt: skip
+        after = time.monotonic() - ended
+        # The dump as the trip left it: once the watchdog's thread has stopped (the abort
+        # ends the hung work, and a running watchdog would see its event complete).
+        wait_for(lambda: not any(t.name == "pynccl-watchdog-rank0" for t in threading.enumerate()),
+                 SLACK)  # fmt: skip
+        return {"seq": seq, "tripped": tripped, "after": after, "error": comm.error,
+                "dump": _dumps(world)}  # fmt: skip
     finally:
         if comm.state != "aborted":
             comm.abort()  # the old behaviour: nothing tripped, the send would wait for ever
@@ -167,7 +175,7 @@ def test_a_group_that_completes_is_watched_while_it_runs_and_leaves_nothing() ->
                 record = d["comms"][0]
                 assert record["watchdog"]["completed"] == comm.flight_seq, record
                 assert {o["state"] for o in record["ops"]} == {"completed"}, record
-            assert analyze.analyze(after)["culprits"] == []
+            assert analyze.analyze(after)["culprits"] == []  # a matched send/recv: no fault
             states = {r: c.state for r, c in world.comms.items()}
     np.testing.assert_array_equal(got[1], data)
     assert states == {0: "ready", 1: "ready"}
