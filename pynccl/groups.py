@@ -104,7 +104,9 @@ class _GroupState:
         # The thread is gone: what it still holds waits in any other thread's release.
         if self.held:
             _ORPHANS.extend(self.held)
-        _AT_END.pop(self.ident, None)  # a group left open: its end never comes
+        at_end = _AT_END  # None at interpreter exit, when module globals are cleared
+        if at_end:
+            at_end.pop(self.ident, None)  # a group left open: its end never comes
 
 
 class _Local(_ThreadLocal):

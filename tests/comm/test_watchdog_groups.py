@@ -222,3 +222,27 @@ def test_a_simulated_group_leaves_nothing_to_watch(lb: Any) -> None:
             assert record["watchdog"]["verdict"] is None
         finally:
             buf.close()
+
+
+def _op(seq: int, function: str, peer: int, group_no: int) -> dict[str, Any]:
+    return {"seq": seq, "function": function, "count": N, "dtype": "ncclFloat32", "peer": peer,
+            "stream": 0, "group": group_no, "state": "completed"}  # fmt: skip
+
+
+def test_analyze_takes_a_matched_grouped_exchange_for_no_fault() -> None:
+    # Written by hand as two ranks' dumps: a grouped send on rank 0 and its recv on rank 1
+    # (NCCL pairs them by peer, not by function), then one all_reduce that rank 1 sized
+    # differently. Only the all_reduce is a disagreement.
+    reduce_ = {"function": "ncclAllReduce", "dtype": "ncclFloat32", "op": "sum", "stream": 0,
+               "group": 0, "state": "completed"}  # fmt: skip
+    dumps = [
+        {"rank": r, "size": 2, "time": 0.0, "comms": [{"index": 0, "rank": r, "size": 2,
+         "state": "ready", "ops": [_op(1, fn, 1 - r, 3 + r), {**reduce_, "seq": 2, "count": n}]}]}
+        for r, fn, n in ((0, "ncclSend", 8), (1, "ncclRecv", 9))
+    ]  # fmt: skip
+    verdict = analyze.analyze(dumps)
+    assert verdict["operation"] == 2 and verdict["culprits"] == [1], verdict
+    assert verdict["verdict"].startswith("ranks disagree at operation #2: rank 0 ncclAllReduce 8")
+    dumps[0]["comms"][0]["ops"].pop()
+    dumps[1]["comms"][0]["ops"].pop()
+    assert analyze.analyze(dumps)["culprits"] == []
