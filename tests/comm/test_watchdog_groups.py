@@ -27,7 +27,7 @@ from support.wait import wait_for
 from support.worlds import ThreadWorld
 
 from pynccl import analyze, library
-from pynccl.comm import Communicator, Config, _flight
+from pynccl.comm import CollConfig, Communicator, Config, PersistentOp, _flight
 from pynccl.cuda import DeviceBuffer
 from pynccl.errors import NcclTimeoutError
 from pynccl.groups import group
@@ -57,11 +57,23 @@ def _world(timeout: float, config: Config | None = None) -> Iterator[ThreadWorld
         world.close()
 
 
-def _send(comm: Communicator, buf: DeviceBuffer, form: str) -> None:
+def _send(comm: Communicator, buf: DeviceBuffer, form: str) -> PersistentOp | None:
+    """The send in one of the forms that reach the watchdog by different ways: the fast
+    path (raw pointers keep nothing for the group; a buffer is kept), a persistent
+    operation (its own prebuilt call, returned for closing), and — NCCL has per-call
+    configs for collectives only — an all_reduce with a config (ncclAllReduceConfig,
+    recorded by the checked path itself), which rank 1 never joins."""
+    if form == "persistent":
+        op = comm.send_init(buf, 1)
+        op()
+        return op
     if form == "raw":
         comm.send(buf.ptr, 1, count=N, dtype="float32")
+    elif form == "config":
+        comm.all_reduce(buf, config=CollConfig(max_ctas=2))
     else:
         comm.send(buf, 1)
+    return None
 
 
 def _groups(depth: int) -> contextlib.ExitStack:
@@ -83,10 +95,11 @@ def _hang_in_a_group(world: ThreadWorld, depth: int, form: str) -> dict[str, Any
     What rank 0 saw: the send's number, whether and how fast its watchdog tripped."""
     comm = world.comms[0]
     buf = DeviceBuffer(N, "float32", device=0)
+    op = None
     try:
         seq = comm.flight_seq + 1
         with _groups(depth):
-            _send(comm, buf, form)
+            op = _send(comm, buf, form)
         ended = time.monotonic()
         tripped = wait_for(lambda: comm.state == "aborted", HANG_T + SLACK)
         after = time.monotonic() - ended
@@ -99,37 +112,42 @@ def _hang_in_a_group(world: ThreadWorld, depth: int, form: str) -> dict[str, Any
     finally:
         if comm.state != "aborted":
             comm.abort()  # the old behaviour: nothing tripped, the send would wait for ever
+        if op is not None:
+            op.close()
         buf.close()
 
 
-def _names_the_grouped_send(seen: dict[str, Any]) -> None:
+def _names_the_grouped_send(seen: dict[str, Any], function: str = "ncclSend") -> None:
     assert seen["tripped"], "the watchdog never saw the grouped send hang"
     assert seen["after"] < HANG_T + SLACK
     error, seq = seen["error"], seen["seq"]
     assert isinstance(error, NcclTimeoutError), repr(error)
-    assert error.function == "ncclSend"
+    assert error.function == function
     assert f"operation #{seq} did not complete within {HANG_T:g} s" in str(error)
     record = {item[0]: item for item in error.flight_record}
-    assert record[seq][1] == "ncclSend"
-    line = next(ln for ln in str(error).splitlines() if f"#{seq} ncclSend" in ln)
-    assert "peer=1" in line and "[group " in line, line
+    assert record[seq][1] == function
+    line = next(ln for ln in str(error).splitlines() if f"#{seq} {function}" in ln)
+    assert "[group " in line and ("peer=1" in line or function != "ncclSend"), line
 
 
-@pytest.mark.parametrize("form", ["buffer", "raw"])
+@pytest.mark.parametrize("form", ["buffer", "raw", "config", "persistent"])
 @pytest.mark.parametrize("depth", [1, 2], ids=["group", "nested"])
-def test_a_grouped_send_never_received_trips_the_watchdog(depth: int, form: str) -> None:
+def test_a_grouped_operation_never_matched_trips_the_watchdog(depth: int, form: str) -> None:
+    # The record names a config call by its C function (ncclAllReduceConfig).
+    config = form == "config"
+    function, what = ("ncclAllReduceConfig", "op sum") if config else ("ncclSend", "peer 1")
     with _world(HANG_T) as world:
         seen = _hang_in_a_group(world, depth, form)
-    _names_the_grouped_send(seen)
+    _names_the_grouped_send(seen, function)
     # The dump and analyze label it: issued in a group, started (its stream is in it), and
     # the rank that never issued its recv is the culprit.
     dumps = seen["dump"]
     op = next(o for o in dumps[0]["comms"][0]["ops"] if o["seq"] == seen["seq"])
-    assert op["function"] == "ncclSend" and op["group"] > 0 and op["state"] == "started"
+    assert op["function"] == function and op["group"] > 0 and op["state"] == "started"
     verdict = analyze.analyze(dumps)
     assert verdict["culprits"] == [1], verdict
     assert verdict["verdict"].startswith(
-        f"rank 1 never issued operation #{seen['seq']} (ncclSend {N} x float32, peer 1, "
+        f"rank 1 never issued operation #{seen['seq']} ({function} {N} x float32, {what}, "
         f"group {op['group']}); rank 0 is waiting in it"
     ), verdict
 
