@@ -320,8 +320,8 @@ def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
     (inside a group: once the group's outermost end launched it, see ``enqueued``)."""
 
     def call(*args: object) -> int:
-        if watch.later:  # a non-blocking group launched (this call waited until ready):
-            watch.launch_later()  # its events go before this operation's
+        if watch.events.later:  # a non-blocking group launched (this call waited until ready):
+            watch.events.launch_later()  # its events go before this operation's
         rc = int(fn(*args))
         if rc == 0 or rc == _IN_PROGRESS:
             stream = args[-1]  # an int (the checked path), or the fast path's c_void_p

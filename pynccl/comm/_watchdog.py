@@ -83,7 +83,7 @@ def default_interval(timeout: float) -> float:
     return min(max(timeout / 20, 0.005), 1.0)
 
 
-class Watchdog(WatchEvents):
+class Watchdog:
     """Watches one communicator's enqueued work and asynchronous errors (see module doc)."""
 
     def __init__(
@@ -103,7 +103,14 @@ class Watchdog(WatchEvents):
         self.on_hang = check_on_hang(on_hang)
         from ..library import cudart
 
-        self._init_events(comm, cudart())
+        rt = cudart()
+        self._rt = rt
+        self._comm = weakref.ref(comm)
+        #: The events of the operations it watches, and their ledger.
+        self.events = events = WatchEvents(comm, rt)
+        self._stop = events.stopped
+        #: Called after each operation is issued (see :meth:`WatchEvents.enqueued`).
+        self.enqueued = events.enqueued
         self.timeout = seconds
         self.interval = default_interval(seconds) if every is None else every
         self.reason: BaseException | None = None
@@ -121,24 +128,18 @@ class Watchdog(WatchEvents):
     def stop(self) -> None:
         """Stop the thread (joins it unless called from it) and free its events."""
         self._halt()
-        self._free_events()
+        self.events.free()
+
+    @property
+    def done(self) -> int:
+        """Every operation up to this one is known complete."""
+        return self.events.done
 
     def _halt(self) -> None:
         self._stop.set()
         atexit.unregister(self._stop.set)
         if threading.current_thread() is not self._thread:
             self._thread.join()
-
-    def _free_events(self) -> None:
-        with self.lock:
-            events = [ev for _, ev, _ in self._pending] + self._pool
-            self._pending.clear()
-            self._pool = []
-            self._grouped.clear()
-            self.later = []
-        destroy = self._rt.raw("cudaEventDestroy")
-        for event in events:
-            destroy(event)
 
     def drain(self) -> tuple[int, float] | None:
         """Stop the thread, then wait for the operations it watches to complete, each at
@@ -151,19 +152,17 @@ class Watchdog(WatchEvents):
         previous = exchange_capture_mode(CaptureMode.RELAXED)
         try:
             query = self._rt.raw("cudaEventQuery")
+            events = self.events
             delay = 1e-4
             while True:
-                with self.lock:
-                    if not self._pending:
+                with events.lock:
+                    head = events.head(query)
+                    if head is None:
                         return None
-                    seq, event, issued = self._pending[0]
-                    rc = query(event)
-                    if rc == 0 or rc != _NOT_READY:  # done, or not knowable: not hung
-                        if rc:
-                            self._rt.raw("cudaGetLastError")()
-                        self._pending.popleft()
-                        self._pool.append(event)
-                        self.done = max(self.done, seq)
+                    seq, _, issued, rc = head
+                    if rc != _NOT_READY:  # not knowable: not hung
+                        self._rt.raw("cudaGetLastError")()
+                        events.complete()
                         continue
                 now = time.monotonic()
                 if now - issued > self.timeout:
@@ -173,7 +172,7 @@ class Watchdog(WatchEvents):
         finally:
             if previous is not None:
                 exchange_capture_mode(previous)
-            self._free_events()
+            self.events.free()
 
     @property
     def running(self) -> bool:
@@ -239,8 +238,8 @@ class Watchdog(WatchEvents):
 
             if _unsafe_calls_prohibited():  # a query now would break that capture
                 return False
-        if self.later:  # ready: a non-blocking group's end has launched its operations
-            self.launch_later()
+        if self.events.later:  # ready: a non-blocking group's end has launched its operations
+            self.events.launch_later()
         hung = self._oldest_hung(comm, query, now)
         if hung is not None:
             trip(comm, hung, self)
@@ -250,28 +249,23 @@ class Watchdog(WatchEvents):
     def _oldest_hung(self, comm: Watched, query: Any, now: float) -> BaseException | None:
         from ..cuda._graph import is_capture_error
 
-        with self.lock:
-            while self._pending:
-                seq, event, issued = self._pending[0]
-                rc = query(event)
-                if rc == 0:
-                    self._pending.popleft()
-                    self._pool.append(event)
-                    self.done = max(self.done, seq)
-                    continue
-                if rc != _NOT_READY:
-                    self._rt.raw("cudaGetLastError")()
-                    if is_capture_error(rc):  # about a capture, not about this work
-                        return None
-                    return self._rt.make_error(rc, "cudaEventQuery")
-                if now - issued > self.timeout:
-                    return NcclTimeoutError(
-                        Result.TIMEOUT,
-                        comm.describe(seq),
-                        f"operation #{seq} did not complete within {self.timeout:g} s; "
-                        f"{self.verdict}. ",  # + the record (watch_trip)
-                    )
+        with self.events.lock:
+            head = self.events.head(query)
+        if head is None:
+            return None
+        seq, _, issued, rc = head
+        if rc != _NOT_READY:
+            self._rt.raw("cudaGetLastError")()
+            if is_capture_error(rc):  # about a capture, not about this work
                 return None
+            return self._rt.make_error(rc, "cudaEventQuery")
+        if now - issued > self.timeout:
+            return NcclTimeoutError(
+                Result.TIMEOUT,
+                comm.describe(seq),
+                f"operation #{seq} did not complete within {self.timeout:g} s; "
+                f"{self.verdict}. ",  # + the record (watch_trip)
+            )
         return None
 
     @property
@@ -292,17 +286,10 @@ class Watchdog(WatchEvents):
         previous = exchange_capture_mode(CaptureMode.RELAXED)
         try:
             query = self._rt.raw("cudaEventQuery")
-            with self.lock:
-                while self._pending:
-                    seq, event, _ = self._pending[0]
-                    rc = query(event)
-                    if rc:
-                        if rc != _NOT_READY:
-                            self._rt.raw("cudaGetLastError")()
-                        return
-                    self._pending.popleft()
-                    self._pool.append(event)
-                    self.done = max(self.done, seq)
+            with self.events.lock:
+                head = self.events.head(query)
+                if head is not None and head[3] != _NOT_READY:
+                    self._rt.raw("cudaGetLastError")()
         finally:
             if previous is not None:
                 exchange_capture_mode(previous)
@@ -311,11 +298,12 @@ class Watchdog(WatchEvents):
         """Operation ``seq`` as the events tell: ``"completed"`` (its event, and every
         earlier one, completed), ``"started"`` (every earlier watched operation completed:
         its stream is in it), else ``"issued"`` (also when not watched)."""
-        if not self.first or seq < self.first:
+        first, done = self.events.first, self.events.done
+        if not first or seq < first:
             return "issued"
-        if seq <= self.done:
+        if seq <= done:
             return "completed"
-        return "started" if seq == max(self.done + 1, self.first) else "issued"
+        return "started" if seq == max(done + 1, first) else "issued"
 
 
 def trip(comm: Watched, reason: BaseException, watch: Watchdog | None,

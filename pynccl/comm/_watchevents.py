@@ -1,5 +1,6 @@
-"""The watchdog's events (a base of :class:`~._watchdog.Watchdog`): one CUDA event
-recorded after each operation on its stream, with the communicator's device current.
+"""The watchdog's events (a part of :class:`~._watchdog.Watchdog`, its ``events``): one
+CUDA event recorded after each operation on its stream, with the communicator's device
+current, and the ledger of those still pending.
 
 An operation issued inside a group is recorded once the outermost group end has launched
 it, not at its call: NCCL enqueues nothing on the stream before that end, so an event
@@ -31,6 +32,8 @@ __all__ = ["WatchEvents"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from .._capi.cudart import CudartLibrary
     from ._watchdog import Watched
 
@@ -40,22 +43,21 @@ _EVENT_DISABLE_TIMING = 0x2
 class WatchEvents:
     """The events of the operations a watchdog watches (see the module's docstring)."""
 
-    _comm: weakref.ref[Watched]
-    _rt: CudartLibrary
-    _stop: threading.Event
-
-    def _init_events(self, comm: Watched, rt: CudartLibrary) -> None:
+    def __init__(self, comm: Watched, rt: CudartLibrary) -> None:
         self._rt = rt
         self._is_capturing = rt.raw("cudaStreamIsCapturing")
         self._get_device = rt.raw("cudaGetDevice")
         self._set_device = rt.raw("cudaSetDevice")
         self._comm = weakref.ref(comm)
-        self._stop = threading.Event()
+        #: Set once the watchdog stops: nothing more is recorded.
+        self.stopped = threading.Event()
         #: Guards the pending events between the issuing thread and the watchdog thread
         #: (reentrant: :meth:`launch_later` records under it, so nothing comes between).
         self.lock = threading.RLock()
-        self._pending: collections.deque[tuple[int, int, float]] = collections.deque()
-        self._pool: list[int] = []
+        #: ``(seq, event, issued at)`` of the operations not known complete, oldest first.
+        self.pending: collections.deque[tuple[int, int, float]] = collections.deque()
+        #: Free events, for the next records.
+        self.pool: list[int] = []
         #: Operations known complete: every one up to ``done`` (its event completed, and
         #: those before it); ``first``: the first operation watched (0: none yet).
         self.done = 0
@@ -66,6 +68,38 @@ class WatchEvents:
         #: ``(seq, stream)`` of a non-blocking group whose end returned ncclInProgress:
         #: recorded once the communicator is ready (:meth:`launch_later`).
         self.later: list[tuple[int, int]] = []
+
+    def head(self, query: Any) -> tuple[int, int, float, int] | None:
+        """Take in the events that completed, oldest first (``query``: cudaEventQuery);
+        then the oldest one that did not, as ``(seq, event, issued at, query's result)``,
+        or None when none is pending. Call it holding :attr:`lock`."""
+        pending = self.pending
+        while pending:
+            seq, event, issued = pending[0]
+            rc = query(event)
+            if rc:
+                return seq, event, issued, rc
+            self.complete()
+        return None
+
+    def complete(self) -> None:
+        """The oldest pending operation is over (completed, or past knowing): its event
+        goes back to the pool. Call it holding :attr:`lock`."""
+        seq, event, _ = self.pending.popleft()
+        self.pool.append(event)
+        self.done = max(self.done, seq)
+
+    def free(self) -> None:
+        """Destroy every event, pending or free, and forget what waits for a group."""
+        with self.lock:
+            events = [ev for _, ev, _ in self.pending] + self.pool
+            self.pending.clear()
+            self.pool = []
+            self._grouped.clear()
+            self.later = []
+        destroy = self._rt.raw("cudaEventDestroy")
+        for event in events:
+            destroy(event)
 
     def enqueued(self, seq: int, stream: int) -> None:
         """Record a completion event for operation ``seq`` on ``stream``, with the
@@ -107,7 +141,7 @@ class WatchEvents:
         launched: the end failed, or the group was simulated)."""
         with self.lock:
             issued = self._grouped.pop(ident, None)
-            if issued is None or self._stop.is_set():
+            if issued is None or self.stopped.is_set():
                 return
             if later:
                 self.later.extend(issued)
@@ -148,8 +182,8 @@ class WatchEvents:
             if capturing.value:
                 return None
             with self.lock:
-                if self._pool:
-                    event = self._pool.pop()
+                if self.pool:
+                    event = self.pool.pop()
                 else:
                     handle = c_void_p()
                     if rt.raw("cudaEventCreateWithFlags")(byref(handle), _EVENT_DISABLE_TIMING):
@@ -158,9 +192,9 @@ class WatchEvents:
                     event = int(handle.value or 0)
                 if rt.raw("cudaEventRecord")(event, stream):
                     rt.raw("cudaGetLastError")()
-                    self._pool.append(event)
+                    self.pool.append(event)
                     return self._unwatched(seq, "cudaEventRecord", device)
-                self._pending.append((seq, event, time.monotonic()))
+                self.pending.append((seq, event, time.monotonic()))
                 if not self.first:
                     self.first = seq
         finally:

@@ -242,13 +242,13 @@ def test_watchdog_records_nothing_under_capture(stream: Stream) -> None:
     g = Graph()
     with g.capture(stream, "global"):
         comm.all_reduce(x, y)
-        assert len(watch._pending) == 0  # an event recorded now would join the graph
+        assert len(watch.events.pending) == 0  # an event recorded now would join the graph
     for _ in range(3):
         g.replay()
     comm.synchronize(timeout=30)
     assert np.array_equal(y.to_numpy(), np.arange(N, dtype=np.float32))
     comm.all_reduce(x, y)  # outside the capture, the watchdog watches again
-    assert len(watch._pending) + len(watch._pool) >= 1
+    assert len(watch.events.pending) + len(watch.events.pool) >= 1
     comm.synchronize(timeout=30)
     assert comm.error is None
     g.close()
