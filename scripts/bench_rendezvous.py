@@ -190,7 +190,7 @@ def _serve(
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    pipe.send((wall, cpu, server._evicted))
+    pipe.send((wall, cpu, server.evicted))
 
 
 async def _fetch_async(

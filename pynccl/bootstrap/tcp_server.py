@@ -5,106 +5,62 @@ It is a network service reachable by anything on the network, so it is built as
 one: one selector thread, non-blocking sockets, a bounded number of concurrent
 connections, a deadline per connection (a client dripping bytes or sending
 nothing is cut off without stalling the others) and an overall deadline.
+
+Two parts do the work, each through the other's public surface: who holds a slot
+(:class:`~._admission.Admission`: the lobby, the slots, eviction, the listener) and what
+is said on each connection (:class:`~._handshake.Handshake`). This module runs the
+selector loop and keeps who was served.
 """
 
 from __future__ import annotations
 
-import heapq
-import hmac
 import logging
-import os
-import resource
 import selectors
 import socket
 import threading
 import time
-from collections import deque
 
+from ._admission import Admission, Waiting
 from ._common import check_share_args, ranks_phrase
+from ._handshake import Conn, Handshake
 from ._net import open_listener
 from ._progress import arrived_phrase, missing_report, say
 from ._progress import report_interval as _report_interval
-from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, seal
-from ._wire import (
-    AUTH,
-    CHALLENGE,
-    DEFAULT_MAX_PAYLOAD,
-    ERR_AUTH,
-    ERR_PROTOCOL,
-    ERR_TIMEOUT,
-    HEADER,
-    HELLO,
-    HELLO_BODY,
-    MAGIC,
-    PAYLOAD,
-    VERSION,
-    check_host_port,
-    check_positive,
-    error_frame,
-    frame,
-    hello_refusal,
-    transcript,
-)
+from ._seal import normalize_key
+from ._wire import DEFAULT_MAX_PAYLOAD, check_host_port, check_positive
 from .errors import RendezvousError, RendezvousTimeoutError
 
 __all__ = ["TcpRendezvousServer"]
 
 logger = logging.getLogger("pynccl.bootstrap")
 
-_LINGER = 2.0  # seconds to wait for a client's FIN after our last frame
-_MAX_DISCARD = 1 << 16  # bytes a closing connection may still send us
-_RECV_CHUNK = 4096
-_GRACE = 0.5  # seconds a handshake keeps its slot before a waiting connection may displace it
 _BACKLOG = 65535  # the kernel caps it at net.core.somaxconn
-_ACCEPT_BATCH = 512  # accepts per round, so that reads interleave with a flood of arrivals
 
 
-_READ_HELLO, _READ_AUTH, _SENDING, _CLOSING, _DRAINING = range(5)
+def _wake_pair() -> tuple[socket.socket, socket.socket]:
+    """A socket pair that close() writes to, to wake the selector thread."""
+    pair = socket.socketpair()
+    for sock in pair:
+        sock.setblocking(False)
+    return pair
 
 
-class _Waiting:
-    """An accepted connection in the lobby: not read from, watched only for its first bytes."""
-
-    __slots__ = ("peer", "sock")
-
-    def __init__(self, sock: socket.socket, peer: str) -> None:
-        self.sock = sock
-        self.peer = peer
-
-
-class _Conn:
-    __slots__ = (
-        "closed",
-        "deadline",
-        "discarded",
-        "inbuf",
-        "nonce_c",
-        "nonce_s",
-        "outbuf",
-        "peer",
-        "pool",
-        "rank",
-        "since",
-        "sock",
-        "state",
-        "writing",
-    )
-
-    def __init__(self, sock: socket.socket, peer: str, deadline: float) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.deadline = deadline
-        self.since = time.monotonic()  # when it got its slot
-        self.state = _READ_HELLO
-        self.inbuf = bytearray()
-        self.outbuf = bytearray()
-        self.rank: int | None = None
-        self.nonce_c = b""
-        self.nonce_s = b""
-        self.discarded = 0
-        self.closed = False
-        self.writing = False  # registered for EVENT_WRITE
-        self.pool: dict[_Conn, None] | None = None  # the eviction pool it sits in, if any
+def _checked_payload(
+    payload: bytes, world_size: int, timeout: float, max_payload: int, max_connections: int
+) -> bytes:
+    """``payload`` as bytes once the server's arguments are checked (``ValueError`` naming
+    the bad one otherwise)."""
+    data = check_share_args(payload, 0, world_size, timeout)
+    assert data is not None  # rank 0 always gets its payload back
+    if len(data) > max_payload:
+        raise ValueError(f"payload of {len(data)} bytes exceeds max_payload={max_payload}")
+    if (
+        isinstance(max_connections, bool)
+        or not isinstance(max_connections, int)
+        or max_connections < 1
+    ):
+        raise ValueError(f"max_connections={max_connections!r} is not a positive integer")
+    return data
 
 
 class TcpRendezvousServer:
@@ -153,50 +109,21 @@ class TcpRendezvousServer:
         bind: str | None = None,
     ) -> None:
         check_host_port(host, port, allow_zero=True)
-        data = check_share_args(payload, 0, world_size, timeout)
-        assert data is not None  # rank 0 always gets its payload back
-        if len(data) > max_payload:
-            raise ValueError(f"payload of {len(data)} bytes exceeds max_payload={max_payload}")
-        if (
-            isinstance(max_connections, bool)
-            or not isinstance(max_connections, int)
-            or (max_connections < 1)
-        ):
-            raise ValueError(f"max_connections={max_connections!r} is not a positive integer")
-        self._payload = data
+        data = _checked_payload(payload, world_size, timeout, max_payload, max_connections)
         self._host = host
         self._world_size = world_size
-        self._key = normalize_key(key)
+        key_bytes = normalize_key(key)
+        self._keyed = key_bytes is not None
         self._timeout = float(timeout)
         # a handshake may never outlast the rendezvous: slots must free up within it
-        self._conn_timeout = min(
-            check_positive("connection_timeout", connection_timeout), self._timeout
-        )
+        conn_timeout = min(check_positive("connection_timeout", connection_timeout), self._timeout)
         self._max_conns = max_connections
-        # Unauthenticated connections, oldest first, in the order they are evicted when every
-        # slot is taken: refused ones still closing, then silent ones, then those challenged.
-        self._doomed: dict[_Conn, None] = {}
-        self._fresh: dict[_Conn, None] = {}
-        self._challenged: dict[_Conn, None] = {}
-        self._evicted = 0
-        self._grace = min(_GRACE, self._conn_timeout)
-        # Accepted connections waiting for a slot, oldest first, unread: those that sent
-        # something (a rank's HELLO comes with its connection) go before silent ones.
-        self._silent: dict[_Waiting, None] = {}
-        self._spoken: deque[_Waiting] = deque()
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        fds = 1 << 20 if soft == resource.RLIM_INFINITY else soft
-        self._lobby_cap = max(64, min(1 << 16, fds // 2 - max_connections))
-        self._admit_at = float("inf")  # when the oldest handshake may be displaced
         self._served: set[int] = set()
         self._hosts: dict[int, str] = {}  # rank -> the address it connected from
         self._report = _report_interval(report_interval)
         self._started = 0.0
         self._next_report = float("inf")
         self._rejections: list[str] = []
-        self._conns: dict[int, _Conn] = {}
-        self._heap: list[tuple[float, int, _Conn]] = []
-        self._seq = 0
         self._lock = threading.Lock()
         self._stop = False
         self._releasing = False
@@ -206,15 +133,26 @@ class TcpRendezvousServer:
         self._thread: threading.Thread | None = None
         self._deadline = 0.0
 
-        sock = open_listener(host, port, bind, backlog=_BACKLOG)
-        sock.setblocking(False)
-        self._listener = sock
-        self._listening = False
-        self._port = int(sock.getsockname()[1])
+        listener = open_listener(host, port, bind, backlog=_BACKLOG)
+        self._port = int(listener.getsockname()[1])
         self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._admission = Admission(
+            listener,
+            self._sel,
+            max_connections=max_connections,
+            conn_timeout=conn_timeout,
+            port=self._port,
+        )
+        self._handshake = Handshake(
+            data,
+            world_size=world_size,
+            key=key_bytes,
+            conn_timeout=conn_timeout,
+            slots=self._admission,
+            served=self._on_served,
+            refused=self._on_refused,
+        )
+        self._wake_r, self._wake_w = _wake_pair()
 
     # -- public --------------------------------------------------------------------------
 
@@ -222,6 +160,11 @@ class TcpRendezvousServer:
     def address(self) -> tuple[str, int]:
         """``(host, port)`` clients should connect to (the real port when 0 was asked)."""
         return self._host, self._port
+
+    @property
+    def evicted(self) -> int:
+        """Unauthenticated connections dropped so far to make room for waiting ones."""
+        return self._admission.evicted
 
     @property
     def served_ranks(self) -> frozenset[int]:
@@ -269,9 +212,9 @@ class TcpRendezvousServer:
             return
         if self._outcome == "timeout":
             detail = ""
-            if self._evicted:
+            if self.evicted:
                 detail += (
-                    f"; {self._evicted} unauthenticated connection(s) were dropped at the "
+                    f"; {self.evicted} unauthenticated connection(s) were dropped at the "
                     f"bound of {self._max_conns}"
                 )
             if self._rejections:
@@ -310,7 +253,7 @@ class TcpRendezvousServer:
     def __repr__(self) -> str:
         return (
             f"TcpRendezvousServer(host={self._host!r}, port={self._port}, "
-            f"world_size={self._world_size}, keyed={self._key is not None}, "
+            f"world_size={self._world_size}, keyed={self._keyed}, "
             f"state={self._outcome!r})"
         )
 
@@ -326,10 +269,27 @@ class TcpRendezvousServer:
             line = missing_report(missing, self._world_size, self._hosts, now - self._started)
         say(f"rank 0 at {self._host}:{self._port}{why}: {line}")
 
+    def _on_served(self, conn: Conn) -> None:
+        assert conn.rank is not None
+        with self._lock:
+            if conn.rank in self._served:
+                logger.warning(
+                    "rendezvous: rank %d (%s) fetched the id again", conn.rank, conn.peer
+                )
+            self._served.add(conn.rank)
+            self._hosts[conn.rank] = conn.peer.rpartition(":")[0]
+
+    def _on_refused(self, conn: Conn, reason: str) -> None:
+        who = conn.peer if conn.rank is None else f"{conn.peer} (rank {conn.rank})"
+        logger.warning("rendezvous on port %d: refused %s: %s", self._port, who, reason)
+        with self._lock:
+            self._rejections.append(f"{who}: {reason}")
+            del self._rejections[:-20]
+
     def _run(self) -> None:
         try:
             self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-            self._set_listening(True)
+            self._admission.open(self._deadline)
             self._loop()
         except BaseException as e:  # reported by wait(); the thread must not die silently
             self._crash = e
@@ -352,28 +312,16 @@ class TcpRendezvousServer:
             if self._releasing:
                 return
             self._releasing = True
-            conns = list(self._conns.values())
-        for conn in conns:
-            self._drop(conn)
-        for waiting in [*self._silent, *self._spoken]:
-            waiting.sock.close()
-        self._silent.clear()
-        self._spoken.clear()
-        self._listener.close()
+        self._admission.release()
         self._sel.close()
         with self._lock:  # close() may be writing to the wake socket
             self._wake_r.close()
             self._wake_w.close()
 
-    def _set_listening(self, on: bool) -> None:
-        if on and not self._listening:
-            self._sel.register(self._listener, selectors.EVENT_READ, self._listener)
-        elif not on and self._listening:
-            self._sel.unregister(self._listener)
-        self._listening = on
-
     def _loop(self) -> None:
         need = self._world_size - 1
+        admission, handshake = self._admission, self._handshake
+        listener = admission.listener
         while True:
             with self._lock:
                 if self._stop:
@@ -386,14 +334,13 @@ class TcpRendezvousServer:
             if now >= self._deadline:
                 self._outcome = "timeout"
                 return
-            self._expire(now)
-            self._admit(now)
+            for conn in admission.due(now):
+                handshake.expire(conn)
+            admission.admit(now)
             if now >= self._next_report:
                 self._say_missing(now, "")
                 self._next_report = now + self._report
-            wake = min(self._deadline, self._next_report, self._admit_at)
-            if self._heap:
-                wake = min(wake, self._heap[0][0])
+            wake = min(self._deadline, self._next_report, admission.wake_at())
             accept = False
             for skey, mask in self._sel.select(max(0.0, wake - now)):
                 data = skey.data
@@ -402,295 +349,15 @@ class TcpRendezvousServer:
                         self._wake_r.recv(64)
                     except BlockingIOError:
                         pass
-                elif data is self._listener:
+                elif data is listener:
                     accept = True
-                elif isinstance(data, _Waiting):  # it spoke: ahead of the silent ones
-                    self._sel.unregister(data.sock)
-                    del self._silent[data]
-                    self._spoken.append(data)
+                elif isinstance(data, Waiting):  # it spoke: ahead of the silent ones
+                    admission.spoke(data)
                 else:
-                    assert isinstance(data, _Conn)
+                    assert isinstance(data, Conn)
                     if mask & selectors.EVENT_READ and not data.closed:
-                        self._on_readable(data)
+                        handshake.readable(data)
                     if mask & selectors.EVENT_WRITE and not data.closed:
-                        self._flush(data)
+                        handshake.flush(data)
             if accept:
-                self._accept()
-
-    def _expire(self, now: float) -> None:
-        while self._heap and self._heap[0][0] <= now:
-            deadline, _, conn = heapq.heappop(self._heap)
-            if conn.closed or deadline != conn.deadline:
-                continue
-            if conn.state in (_READ_HELLO, _READ_AUTH):
-                self._reject(
-                    conn,
-                    ERR_TIMEOUT,
-                    f"handshake not completed within {self._conn_timeout:g} s",
-                    linger=False,
-                )
-            else:
-                self._drop(conn)
-
-    def _push_deadline(self, conn: _Conn, deadline: float) -> None:
-        conn.deadline = deadline
-        self._seq += 1
-        heapq.heappush(self._heap, (deadline, self._seq, conn))
-
-    def _lobby_size(self) -> int:
-        return len(self._silent) + len(self._spoken)
-
-    def _accept(self) -> None:
-        """Take what the listen queue holds into the lobby (bounded): the kernel's queue
-        never overflows while the lobby has room."""
-        for _ in range(_ACCEPT_BATCH):
-            if self._lobby_size() >= self._lobby_cap:
-                self._set_listening(False)  # _admit listens again once the lobby moves
-                break
-            try:
-                sock, addr = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as e:  # EMFILE and friends: keep serving those already connected
-                logger.warning("rendezvous: accept failed on port %d: %s", self._port, e)
-                break
-            sock.setblocking(False)
-            waiting = _Waiting(sock, f"{addr[0]}:{addr[1]}")
-            if len(self._conns) < self._max_conns and not self._lobby_size():
-                self._take(waiting, time.monotonic())
-            else:
-                self._silent[waiting] = None
-                self._sel.register(sock, selectors.EVENT_READ, waiting)
-        self._admit(time.monotonic())
-
-    def _admit(self, now: float) -> None:
-        """Give waiting connections a slot, those that spoke first: a free slot, or (for one
-        that spoke) one whose handshake may be displaced (see the class docstring)."""
-        self._admit_at = float("inf")
-        while self._spoken or self._silent:
-            if len(self._conns) < self._max_conns:
-                if self._spoken:
-                    self._take(self._spoken.popleft(), now)
-                else:
-                    waiting = next(iter(self._silent))
-                    del self._silent[waiting]
-                    self._take(waiting, now, watched=True)
-            elif self._spoken and self._evict(now):
-                self._take(self._spoken.popleft(), now)
-            else:
-                break
-        if not self._listening and not self._releasing and self._lobby_size() < self._lobby_cap:
-            self._set_listening(True)
-
-    def _take(self, waiting: _Waiting, now: float, *, watched: bool = False) -> None:
-        """Give ``waiting`` a slot: its handshake starts (``watched``: still registered)."""
-        conn = _Conn(waiting.sock, waiting.peer, min(now + self._conn_timeout, self._deadline))
-        self._push_deadline(conn, conn.deadline)
-        with self._lock:
-            self._conns[conn.sock.fileno()] = conn
-        if watched:
-            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
-        else:
-            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
-        self._move(conn, self._fresh)
-
-    def _move(self, conn: _Conn, pool: dict[_Conn, None] | None) -> None:
-        """Put ``conn`` at the young end of the eviction ``pool`` (None: not evictable)."""
-        if conn.pool is not None:
-            conn.pool.pop(conn, None)
-        conn.pool = pool
-        if pool is not None:
-            pool[conn] = None
-
-    def _evict(self, now: float) -> bool:
-        """Drop the oldest unauthenticated connection that may be displaced to make room for
-        one waiting in the lobby; False (and when to ask again) if none may be yet. A client
-        dropped before it was answered reconnects (see :meth:`TcpRendezvous.fetch`)."""
-        victim = next(iter(self._doomed), None)  # refused: no grace
-        if victim is None:
-            oldest = [next(iter(p)) for p in (self._fresh, self._challenged) if p]
-            victim = next((c for c in oldest if now - c.since >= self._grace), None)
-            if victim is None:
-                if oldest:
-                    self._admit_at = min(c.since for c in oldest) + self._grace
-                return False
-        self._evicted += 1
-        logger.info(
-            "rendezvous on port %d: all %d connection slots taken; dropped %s, the oldest "
-            "unauthenticated one",
-            self._port,
-            self._max_conns,
-            victim.peer,
-        )
-        self._drop(victim)
-        return True
-
-    def _drop(self, conn: _Conn) -> None:
-        if conn.closed:
-            return
-        conn.closed = True
-        self._move(conn, None)
-        try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        with self._lock:
-            self._conns.pop(conn.sock.fileno(), None)
-        conn.sock.close()
-
-    def _note(self, conn: _Conn, reason: str) -> None:
-        who = conn.peer if conn.rank is None else f"{conn.peer} (rank {conn.rank})"
-        logger.warning("rendezvous on port %d: refused %s: %s", self._port, who, reason)
-        with self._lock:
-            self._rejections.append(f"{who}: {reason}")
-            del self._rejections[:-20]
-
-    def _reject(self, conn: _Conn, code: int, reason: str, *, linger: bool = True) -> None:
-        self._note(conn, reason)
-        conn.inbuf.clear()
-        conn.outbuf += error_frame(code, reason)
-        conn.state = _CLOSING
-        self._move(conn, self._doomed)
-        if not linger:
-            self._push_deadline(conn, time.monotonic() + 0.5)
-        self._flush(conn)
-
-    def _flush(self, conn: _Conn) -> None:
-        try:
-            while conn.outbuf:
-                n = conn.sock.send(conn.outbuf)
-                del conn.outbuf[:n]
-        except (BlockingIOError, InterruptedError):
-            if not conn.writing:
-                self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-                conn.writing = True
-            return
-        except OSError as e:
-            logger.info("rendezvous: lost %s while sending: %s", conn.peer, e)
-            self._drop(conn)
-            return
-        if conn.writing:
-            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
-            conn.writing = False
-        if conn.state == _SENDING:
-            assert conn.rank is not None
-            with self._lock:
-                if conn.rank in self._served:
-                    logger.warning(
-                        "rendezvous: rank %d (%s) fetched the id again", conn.rank, conn.peer
-                    )
-                self._served.add(conn.rank)
-                self._hosts[conn.rank] = conn.peer.rpartition(":")[0]
-        if conn.state in (_SENDING, _CLOSING):
-            conn.state = _DRAINING
-            try:
-                conn.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                self._drop(conn)
-                return
-            self._push_deadline(conn, min(conn.deadline, time.monotonic() + _LINGER))
-
-    def _on_readable(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(_RECV_CHUNK)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            logger.info("rendezvous: lost %s: %s", conn.peer, e)
-            self._drop(conn)
-            return
-        if conn.state == _DRAINING or conn.state == _CLOSING:
-            conn.discarded += len(data)
-            if not data or conn.discarded > _MAX_DISCARD:
-                self._drop(conn)
-            return
-        if not data:
-            if conn.inbuf:
-                self._note(
-                    conn,
-                    f"connection closed mid-message after {len(conn.inbuf)} "
-                    "bytes (truncated message)",
-                )
-            elif conn.state == _READ_AUTH:
-                self._note(conn, "connection closed during the handshake")
-            else:
-                logger.debug("rendezvous: %s connected and closed without a word", conn.peer)
-            self._drop(conn)
-            return
-        conn.inbuf += data
-        self._parse(conn)
-
-    def _parse(self, conn: _Conn) -> None:
-        buf = conn.inbuf
-        if len(buf) < HEADER.size:
-            if not MAGIC.startswith(bytes(buf[:4])):
-                self._reject(conn, ERR_PROTOCOL, "not a pynccl rendezvous message (bad magic)")
-            return
-        magic, version, kind, length = HEADER.unpack_from(buf)
-        if magic != MAGIC:
-            self._reject(conn, ERR_PROTOCOL, "not a pynccl rendezvous message (bad magic)")
-            return
-        if version != VERSION:
-            self._reject(
-                conn,
-                ERR_PROTOCOL,
-                f"protocol version {version} is not supported (rank 0 speaks {VERSION}): "
-                "mixed pynccl versions?",
-            )
-            return
-        expected, size = (HELLO, HELLO_BODY.size) if conn.state == _READ_HELLO else (AUTH, DIGEST)
-        if kind != expected:
-            self._reject(conn, ERR_PROTOCOL, f"message type {kind} where {expected} expected")
-            return
-        if length != size:
-            self._reject(
-                conn,
-                ERR_PROTOCOL,
-                f"message length {length} where exactly {size} bytes are expected"
-                + (" (oversized)" if length > size else ""),
-            )
-            return
-        end = HEADER.size + size
-        if len(buf) < end:
-            return
-        if len(buf) > end:
-            self._reject(conn, ERR_PROTOCOL, "unexpected bytes after a message")
-            return
-        body = bytes(buf[HEADER.size : end])
-        buf.clear()
-        if expected == HELLO:
-            self._on_hello(conn, body)
-        else:
-            self._on_auth(conn, body)
-
-    def _on_hello(self, conn: _Conn, body: bytes) -> None:
-        flags, nonce_c, rank, world_size = HELLO_BODY.unpack(body)
-        conn.rank = rank
-        refusal = hello_refusal(flags, rank, world_size, self._world_size, self._key is not None)
-        if refusal is not None:
-            self._reject(conn, *refusal)
-            return
-        conn.nonce_c = nonce_c
-        conn.nonce_s = os.urandom(NONCE)
-        conn.state = _READ_AUTH
-        self._move(conn, self._challenged)
-        conn.outbuf += frame(CHALLENGE, conn.nonce_s)
-        self._flush(conn)
-
-    def _on_auth(self, conn: _Conn, body: bytes) -> None:
-        assert conn.rank is not None
-        key = self._key or b""
-        tx = transcript(conn.nonce_c, conn.nonce_s, conn.rank, self._world_size)
-        if not hmac.compare_digest(body, mac(key, b"pynccl-rdzv client", tx)):
-            self._reject(
-                conn,
-                ERR_AUTH,
-                f"rendezvous key rejected: this rank's {KEY_ENV} differs from rank 0's",
-            )
-            return
-        session = mac(key, b"pynccl-rdzv session", tx)
-        proof = mac(key, b"pynccl-rdzv server", tx)
-        conn.state = _SENDING
-        self._move(conn, None)  # authenticated: never evicted
-        conn.outbuf += frame(PAYLOAD, proof + seal(session, self._payload))
-        self._flush(conn)
+                admission.accept()
