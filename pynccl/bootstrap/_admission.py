@@ -19,12 +19,23 @@ from collections.abc import Iterator
 
 from ._handshake import Conn, Standing
 
-__all__ = ["ACCEPT_BATCH", "GRACE", "Admission", "Waiting"]
+__all__ = ["ACCEPT_BATCH", "GRACE", "Admission", "Waiting", "check_slots"]
 
 logger = logging.getLogger("pynccl.bootstrap")
 
 GRACE = 0.5  # seconds a handshake keeps its slot before a waiting connection may displace it
 ACCEPT_BATCH = 512  # accepts per round, so that reads interleave with a flood of arrivals
+
+
+def check_slots(max_connections: object) -> int:
+    """``max_connections`` if it is a positive integer; ``ValueError`` naming it if not."""
+    if (
+        isinstance(max_connections, bool)
+        or not isinstance(max_connections, int)
+        or max_connections < 1
+    ):
+        raise ValueError(f"max_connections={max_connections!r} is not a positive integer")
+    return max_connections
 
 
 class Waiting:
@@ -79,7 +90,8 @@ class Admission:
         fds = 1 << 20 if soft == resource.RLIM_INFINITY else soft
         self._lobby_cap = max(64, min(1 << 16, fds // 2 - max_connections))
         self._admit_at = float("inf")  # when the oldest handshake may be displaced
-        self._conns: dict[int, Conn] = {}
+        self._conns: dict[int, Conn] = {}  # fd -> a connection holding a slot
+        self._parked: dict[int, Conn] = {}  # fd -> one that proved the key, waiting for ids
         self._heap: list[tuple[float, int, Conn]] = []
         self._seq = 0
         self._listening = False
@@ -199,6 +211,13 @@ class Admission:
         self.drop(victim)
         return True
 
+    def park(self, conn: Conn) -> None:
+        """``conn`` proved the key and waits for ids still to come: it frees its slot and
+        waits until the rendezvous's deadline (the handshake bounds it, one per rank)."""
+        if self._conns.pop(conn.sock.fileno(), None) is not None:
+            self._parked[conn.sock.fileno()] = conn
+        self.set_deadline(conn, self._deadline)
+
     def want_write(self, conn: Conn, on: bool) -> None:
         """Watch ``conn`` for room to write (``on``) or for reading only."""
         if on != conn.writing:
@@ -216,7 +235,9 @@ class Admission:
             self._sel.unregister(conn.sock)
         except (KeyError, ValueError):
             pass
-        self._conns.pop(conn.sock.fileno(), None)
+        fd = conn.sock.fileno()
+        if self._conns.pop(fd, None) is None:
+            self._parked.pop(fd, None)
         conn.sock.close()
 
     # -- deadlines -----------------------------------------------------------------------
@@ -243,7 +264,7 @@ class Admission:
         if self._released:
             return
         self._released = True
-        for conn in list(self._conns.values()):
+        for conn in [*self._conns.values(), *self._parked.values()]:
             self.drop(conn)
         for waiting in [*self._silent, *self._spoken]:
             waiting.sock.close()

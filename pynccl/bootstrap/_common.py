@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
 
 
@@ -56,3 +57,9 @@ def format_ranks(ranks: Iterable[int], limit: int = 20) -> str:
     if len(groups) > limit:
         return ", ".join(groups[:limit]) + f", ... ({len(groups) - limit} more ranges)"
     return ", ".join(groups)
+
+
+def backoff(delay: float, deadline: float, cap: float) -> float:
+    """Sleep ``delay`` (not past ``deadline``) and return the next, doubled, delay."""
+    time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+    return min(delay * 2, cap)

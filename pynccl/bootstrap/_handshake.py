@@ -15,16 +15,18 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ._seal import DIGEST, KEY_ENV, NONCE, mac, seal
+from ._seal import DIGEST, KEY_ENV, NONCE, mac, open_box, seal
 from ._wire import (
     AUTH,
     CHALLENGE,
     ERR_AUTH,
+    ERR_MISMATCH,
     ERR_PROTOCOL,
     ERR_TIMEOUT,
+    FLAG_UPLOAD,
     HEADER,
     HELLO,
     HELLO_BODY,
@@ -45,7 +47,7 @@ LINGER = 2.0  # seconds to wait for a client's FIN after our last frame
 MAX_DISCARD = 1 << 16  # bytes a closing connection may still send us
 RECV_CHUNK = 4096
 
-READ_HELLO, READ_AUTH, SENDING, CLOSING, DRAINING = range(5)
+READ_HELLO, READ_AUTH, SENDING, CLOSING, DRAINING, PARKED = range(6)
 
 
 class Standing(enum.Enum):
@@ -68,9 +70,11 @@ class Conn:
         "nonce_c",
         "nonce_s",
         "outbuf",
+        "part",
         "peer",
         "pool",
         "rank",
+        "reply",
         "since",
         "sock",
         "state",
@@ -92,6 +96,8 @@ class Conn:
         self.closed = False
         self.writing = False  # registered for EVENT_WRITE
         self.pool: dict[Conn, None] | None = None  # the eviction pool it sits in, if any
+        self.part: int | None = None  # the index of the id it uploads, if it makes one
+        self.reply = (b"", b"")  # (proof, session) while it waits for the ids (PARKED)
 
 
 class Slots(Protocol):
@@ -105,18 +111,26 @@ class Slots(Protocol):
 
     def want_write(self, conn: Conn, on: bool) -> None: ...
 
+    def park(self, conn: Conn) -> None: ...
+
 
 class Handshake:
     """The rendezvous exchange on each connection that holds a slot.
 
-    ``served(conn)`` is called once ``conn``'s payload left in full; ``refused(conn,
-    reason)`` for every refusal (what the server logs and keeps for its timeout error).
+    ``payload`` is rank 0's part; ``makers[i]`` (i >= 1) uploads part ``i``, of the same
+    length, in its AUTH. Ranks that proved the key before every part came wait parked
+    (out of the slots, one connection per rank); ``complete(payload)`` is called once
+    with all parts joined. ``served(conn)`` is called once ``conn``'s payload left in
+    full; ``refused(conn, reason)`` for every refusal (what the server logs and keeps for
+    its timeout error).
     """
 
     def __init__(
         self,
         payload: bytes,
         *,
+        makers: Sequence[int] = (0,),
+        complete: Callable[[bytes], None],
         world_size: int,
         key: bytes | None,
         conn_timeout: float,
@@ -124,7 +138,13 @@ class Handshake:
         served: Callable[[Conn], None],
         refused: Callable[[Conn, str], None],
     ) -> None:
-        self._payload = payload
+        self._parts: list[bytes | None] = [payload] + [None] * (len(makers) - 1)
+        self._part_of = {rank: i for i, rank in enumerate(makers) if i}
+        self._makers = list(makers)
+        self._upload_size = DIGEST + len(payload)  # a sealed part
+        self._payload = payload if len(makers) == 1 else None
+        self._complete = complete
+        self._parked: dict[int, Conn] = {}  # rank -> its connection waiting for the ids
         self._world_size = world_size
         self._key = key
         self._conn_timeout = conn_timeout
@@ -190,6 +210,10 @@ class Handshake:
             logger.info("rendezvous: lost %s: %s", conn.peer, e)
             self._slots.drop(conn)
             return
+        if conn.state == PARKED:  # it may only wait: gone (it reconnects) or speaking out of turn
+            logger.info("rendezvous: %s left or spoke while waiting for the ids", conn.peer)
+            self._slots.drop(conn)
+            return
         if conn.state == DRAINING or conn.state == CLOSING:
             conn.discarded += len(data)
             if not data or conn.discarded > MAX_DISCARD:
@@ -229,7 +253,10 @@ class Handshake:
                 "mixed pynccl versions?",
             )
             return
-        expected, size = (HELLO, HELLO_BODY.size) if conn.state == READ_HELLO else (AUTH, DIGEST)
+        if conn.state == READ_HELLO:
+            expected, size = HELLO, HELLO_BODY.size
+        else:
+            expected, size = AUTH, DIGEST + (0 if conn.part is None else self._upload_size)
         if kind != expected:
             self.reject(conn, ERR_PROTOCOL, f"message type {kind} where {expected} expected")
             return
@@ -261,6 +288,11 @@ class Handshake:
         if refusal is not None:
             self.reject(conn, *refusal)
             return
+        disagree = self._upload_refusal(rank, bool(flags & FLAG_UPLOAD))
+        if disagree is not None:
+            self.reject(conn, ERR_MISMATCH, disagree)
+            return
+        conn.part = self._part_of.get(rank)
         conn.nonce_c = nonce_c
         conn.nonce_s = os.urandom(NONCE)
         conn.state = READ_AUTH
@@ -268,10 +300,23 @@ class Handshake:
         conn.outbuf += frame(CHALLENGE, conn.nonce_s)
         self.flush(conn)
 
+    def _upload_refusal(self, rank: int, uploads: bool) -> str | None:
+        """Why a rank that does (not) offer an id is refused, or None when it agrees with
+        rank 0 on who makes the ids."""
+        if uploads == (rank in self._part_of):
+            return None
+        makers = ", ".join(map(str, self._makers[:8])) + (", ..." if len(self._makers) > 8 else "")
+        does = "offers an id" if uploads else "makes no id"
+        return (
+            f"rank {rank} {does} but rank 0 takes {len(self._makers)} id(s) made by ranks "
+            f"{makers}: the ranks disagree on the number of ids (nids)"
+        )
+
     def _on_auth(self, conn: Conn, body: bytes) -> None:
         assert conn.rank is not None
         key = self._key or b""
         tx = transcript(conn.nonce_c, conn.nonce_s, conn.rank, self._world_size)
+        body, upload = body[:DIGEST], body[DIGEST:]
         if not hmac.compare_digest(body, mac(key, b"pynccl-rdzv client", tx)):
             self.reject(
                 conn,
@@ -281,7 +326,50 @@ class Handshake:
             return
         session = mac(key, b"pynccl-rdzv session", tx)
         proof = mac(key, b"pynccl-rdzv server", tx)
-        conn.state = SENDING
+        if conn.part is not None and not self._take_part(conn, session, upload):
+            return
         self._slots.mark(conn, Standing.TRUSTED)  # authenticated: never evicted
+        if self._payload is None:  # wait for the other ids, out of the slots
+            conn.state = PARKED
+            conn.reply = (proof, session)
+            old = self._parked.pop(conn.rank, None)
+            if old is not None:  # a rank that reconnected: only its newest connection waits
+                self._slots.drop(old)
+            self._parked[conn.rank] = conn
+            self._slots.park(conn)
+            return
+        self._send(conn, proof, session)
+        if self._parked and self._payload is not None:
+            parked, self._parked = list(self._parked.values()), {}
+            for waiting in parked:
+                if not waiting.closed:
+                    self._send(waiting, *waiting.reply)
+
+    def _send(self, conn: Conn, proof: bytes, session: bytes) -> None:
+        assert self._payload is not None
+        conn.state = SENDING
         conn.outbuf += frame(PAYLOAD, proof + seal(session, self._payload))
         self.flush(conn)
+
+    def _take_part(self, conn: Conn, session: bytes, upload: bytes) -> bool:
+        """Keep the id ``conn`` uploaded (False: refused); the last one completes the ids."""
+        assert conn.part is not None
+        part = open_box(session, upload)
+        if part is None:
+            self.reject(conn, ERR_AUTH, "the id this rank uploaded failed its integrity check")
+            return False
+        known = self._parts[conn.part]
+        if known is not None and not hmac.compare_digest(known, part):
+            self.reject(
+                conn,
+                ERR_MISMATCH,
+                f"rank {conn.rank} uploaded id {conn.part} again, but a different one "
+                "(restarted? every rank must start over)",
+            )
+            return False
+        if known is None:
+            self._parts[conn.part] = part
+            if all(p is not None for p in self._parts):
+                self._payload = b"".join(p for p in self._parts if p is not None)
+                self._complete(self._payload)
+        return True

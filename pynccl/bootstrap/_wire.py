@@ -20,12 +20,15 @@ Exchange (C = rank k, S = rank 0)::
 
     C -> S  HELLO      flags(has key) | nonce_c[32] | rank u32 | world_size u32
     S -> C  CHALLENGE  nonce_s[32]                      (or ERROR code | text)
-    C -> S  AUTH       HMAC(key, "client" | transcript)
+    C -> S  AUTH       HMAC(key, "client" | transcript) [| seal(session, id)]
     S -> C  PAYLOAD    HMAC(key, "server" | transcript) | seal(session, ids)
                                                         (or ERROR code | text)
 
 where ``transcript = nonce_c | nonce_s | rank | world_size`` and
-``session = HMAC(key, "session" | transcript)``. Without a key the same exchange
+``session = HMAC(key, "session" | transcript)``. In a world of several ids, the rank that
+makes id ``i`` (:mod:`._roots`; HELLO flag ``FLAG_UPLOAD``) sends it sealed in its AUTH;
+rank 0 serves every rank the ids joined, once all have come (ranks that proved the key
+before then wait outside the handshake slots). Without a key the same exchange
 runs with an empty key: it still catches accidents (wrong port, another job)
 but not a hostile process; an :class:`InsecureRendezvousWarning` says so.
 
@@ -52,6 +55,7 @@ HELLO_BODY = struct.Struct("!B32sII")  # flags, client nonce, rank, world size
 
 HELLO, CHALLENGE, AUTH, PAYLOAD, ERROR = 1, 2, 3, 4, 5
 FLAG_KEY = 0x01
+FLAG_UPLOAD = 0x02  # this rank makes one of the ids: its AUTH carries it, sealed
 
 ERR_PROTOCOL, ERR_AUTH, ERR_MISMATCH, ERR_TIMEOUT = 1, 2, 3, 4
 ERROR_CLASSES: dict[int, type[RendezvousError]] = {
@@ -102,7 +106,7 @@ def hello_refusal(
     flags: int, rank: int, world_size: int, served_world: int, server_keyed: bool
 ) -> tuple[int, str] | None:
     """Why rank 0 refuses a HELLO (error code, text for the client), or None to go on."""
-    if flags & ~FLAG_KEY:
+    if flags & ~(FLAG_KEY | FLAG_UPLOAD):
         return ERR_PROTOCOL, f"unknown handshake flags {flags:#x}"
     if world_size != served_world:
         return ERR_MISMATCH, (

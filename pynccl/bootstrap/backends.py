@@ -9,21 +9,17 @@ a key-value store (:class:`StoreRendezvous`), an MPI communicator
 
 from __future__ import annotations
 
-import hmac
-import os
-import struct
-import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ._common import check_share_args, ranks_phrase
-from ._seal import DIGEST, KEY_ENV, mac, nonce, normalize_key, open_box, seal
-from ._wire import DEFAULT_MAX_PAYLOAD
+from ._common import backoff as _backoff
+from ._common import check_share_args
+from ._file import FileRendezvous
+from ._roots import check_parts_args
 from .errors import (
-    RendezvousError,
     RendezvousMismatchError,
     RendezvousProtocolError,
     RendezvousTimeoutError,
@@ -34,19 +30,20 @@ __all__ = ["FileRendezvous", "MpiRendezvous", "Rendezvous", "StoreRendezvous"]
 
 @runtime_checkable
 class Rendezvous(Protocol):
-    """Anything that can hand rank 0's bytes to the other ranks of a job."""
+    """Anything that can hand rank 0's bytes to the other ranks of a job.
+
+    pynccl's backends also have ``share_parts(part, *, rank, world_size, makers,
+    timeout)``: each rank of ``makers`` (increasing, from rank 0) passes its part, the
+    others ``None``, and every rank gets the parts joined in ``makers``' order. ``from_env``
+    uses it so that the rank that starts each bootstrap root makes its unique id (see
+    :mod:`pynccl.bootstrap._roots`); with a backend without it, rank 0 makes every id.
+    """
 
     def share(self, payload: bytes | None, *, rank: int, world_size: int, timeout: float) -> bytes:
         """Rank 0 passes ``payload`` and gets it back; the others pass ``None`` (ignored)
         and get rank 0's payload. Raises a :class:`RendezvousError` subclass on failure
         (:class:`RendezvousTimeoutError` after ``timeout`` seconds)."""
         ...
-
-
-def _backoff(delay: float, deadline: float, cap: float) -> float:
-    """Sleep ``delay`` (not past ``deadline``) and return the next, doubled, delay."""
-    time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-    return min(delay * 2, cap)
 
 
 # -- key-value store ----------------------------------------------------------------------------
@@ -158,7 +155,38 @@ class StoreRendezvous:
             return data
         return self._decode(self._poll(key, rank, timeout), key, rank, world_size)
 
-    def _poll(self, key: str, rank: int, timeout: float) -> object:
+    def share_parts(
+        self,
+        part: bytes | None,
+        *,
+        rank: int,
+        world_size: int,
+        makers: Sequence[int],
+        timeout: float,
+    ) -> bytes:
+        """See :class:`Rendezvous`: part ``i`` of ``n`` under ``{prefix}/uid/{gen}/{i}of{n}``
+        (a rank that expects another count of parts waits for keys that never come)."""
+        index, data = check_parts_args(part, rank, world_size, makers, timeout)
+        if world_size == 1:
+            assert data is not None
+            return data
+        n = len(makers)
+        base = f"{self.prefix}/uid/{_next_generation(self.store, self.prefix, rank)}"
+        if data is not None:
+            self.store.set(f"{base}/{index}of{n}", f"{_STORE_TAG}:{world_size}:{data.hex()}")
+        deadline = time.monotonic() + timeout
+        parts = []
+        for i, maker in enumerate(makers):
+            if i == index:
+                assert data is not None
+                parts.append(data)
+                continue
+            key = f"{base}/{i}of{n}"
+            value = self._poll(key, rank, max(1e-3, deadline - time.monotonic()), maker)
+            parts.append(self._decode(value, key, rank, world_size))
+        return b"".join(parts)
+
+    def _poll(self, key: str, rank: int, timeout: float, maker: int = 0) -> object:
         deadline = time.monotonic() + timeout
         delay = self.poll_interval
         check = getattr(self.store, "check", None)  # torch's: is every key there, now?
@@ -174,7 +202,7 @@ class StoreRendezvous:
             if time.monotonic() >= deadline:
                 raise RendezvousTimeoutError(
                     f"rank {rank}: key {key!r} did not appear in the store within {timeout:g} s "
-                    "(has rank 0 started, with the same store and prefix?)"
+                    f"(has rank {maker} started, with the same store, prefix and nids?)"
                 )
             delay = _backoff(delay, deadline, 0.25)
 
@@ -231,6 +259,24 @@ class MpiRendezvous:
     def share(self, payload: bytes | None, *, rank: int, world_size: int, timeout: float) -> bytes:
         """See :meth:`Rendezvous.share`."""
         data = check_share_args(payload, rank, world_size, timeout)
+        self._check_comm(rank, world_size)
+        return self._bcast(data, rank, 0)
+
+    def share_parts(
+        self,
+        part: bytes | None,
+        *,
+        rank: int,
+        world_size: int,
+        makers: Sequence[int],
+        timeout: float,
+    ) -> bytes:
+        """See :class:`Rendezvous`: one broadcast from each maker, in order."""
+        _, data = check_parts_args(part, rank, world_size, makers, timeout)
+        self._check_comm(rank, world_size)
+        return b"".join(self._bcast(data if rank == m else None, rank, m) for m in makers)
+
+    def _check_comm(self, rank: int, world_size: int) -> None:
         checks = (("Get_size", world_size, "size"), ("Get_rank", rank, "rank"))
         for getter, expected, what in checks:
             fn = getattr(self.comm, getter, None)
@@ -238,180 +284,13 @@ class MpiRendezvous:
                 raise RendezvousMismatchError(
                     f"the MPI communicator's {what} is {fn()} but the NCCL {what} is {expected}"
                 )
-        received = self.comm.bcast(data if rank == 0 else None, root=0)
+
+    def _bcast(self, data: bytes | None, rank: int, root: int) -> bytes:
+        received = self.comm.bcast(data if rank == root else None, root=root)
         if not isinstance(received, (bytes, bytearray)) or not received:
             raise RendezvousProtocolError(
-                f"rank {rank}: the MPI broadcast delivered {type(received).__name__}, not the "
-                "id bytes (does rank 0 of the communicator call share() too?)"
+                f"rank {rank}: the MPI broadcast from rank {root} delivered "
+                f"{type(received).__name__}, not the id bytes (does rank {root} of the "
+                "communicator call share() too?)"
             )
         return bytes(received)
-
-
-# -- shared file system -------------------------------------------------------------------------
-
-_FILE_MAGIC = b"PNFR"
-_FILE_VERSION = 1
-_FILE_HEADER = struct.Struct("!4sBI32s")  # magic, version, world size, nonce
-
-
-class FileRendezvous:
-    """Share the id through a file on a file system that every rank sees.
-
-    Rank 0 writes ``path`` atomically (a 0600 temporary file in the same
-    directory, fsync, rename). Its content is a header (world size, a fresh
-    nonce) MAC'd with the job key, then the ids sealed (encrypted and
-    authenticated) under a key derived from the job key and the nonce. Other
-    ranks poll until a file that verifies under *their* key appears, so a file
-    left by an earlier job (another key) is never read, even if it is there
-    before rank 0 starts; after reading, each rank drops an empty
-    ``{path}.{nonce}.ack{rank}`` file. Rank 0 waits (until ``timeout``) for every
-    rank's ack, then deletes the file and the acks; after a crash they may
-    remain and are ignored by later jobs.
-
-    ``key`` defaults to ``PYNCCL_RENDEZVOUS_KEY``; it is required, and it must
-    be unique to each run of the job (``python -m pynccl launch`` generates
-    one; ``from_env`` also mixes in the launcher's job id). A fixed key reused by
-    consecutive runs would let a run read a file that a crashed earlier run left.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        key: str | bytes | None = None,
-        *,
-        poll_interval: float = 0.02,
-        max_payload: int = DEFAULT_MAX_PAYLOAD,
-    ) -> None:
-        self.path = os.path.abspath(os.fspath(path))
-        if key is None:
-            key = os.environ.get(KEY_ENV)
-        k = normalize_key(key)
-        if k is None:
-            raise ValueError(
-                f"FileRendezvous needs a key unique to this run of the job (key=... or "
-                f"{KEY_ENV}) so that a file left by an earlier run is never read"
-            )
-        if not os.path.isdir(os.path.dirname(self.path)):
-            raise ValueError(f"the directory of {self.path!r} does not exist")
-        if not isinstance(poll_interval, (int, float)) or not poll_interval > 0:
-            raise ValueError(f"poll_interval={poll_interval!r} is not a positive number")
-        self._key = k
-        self.poll_interval = float(poll_interval)
-        self.max_payload = max_payload
-
-    def __repr__(self) -> str:
-        return f"FileRendezvous(path={self.path!r})"
-
-    def _ack_path(self, file_nonce: bytes, rank: int) -> str:
-        return f"{self.path}.{file_nonce[:8].hex()}.ack{rank}"
-
-    def share(self, payload: bytes | None, *, rank: int, world_size: int, timeout: float) -> bytes:
-        """See :meth:`Rendezvous.share`."""
-        data = check_share_args(payload, rank, world_size, timeout)
-        if world_size == 1:
-            assert data is not None
-            return data
-        deadline = time.monotonic() + timeout
-        if rank == 0:
-            assert data is not None
-            if len(data) > self.max_payload:
-                raise ValueError(f"payload of {len(data)} bytes exceeds max_payload")
-            self._serve(data, world_size, deadline, timeout)
-            return data
-        return self._fetch(rank, world_size, deadline, timeout)
-
-    def _serve(self, data: bytes, world_size: int, deadline: float, timeout: float) -> None:
-        file_nonce = nonce()
-        header = _FILE_HEADER.pack(_FILE_MAGIC, _FILE_VERSION, world_size, file_nonce)
-        session = mac(self._key, b"pynccl-file session", header)
-        blob = header + mac(self._key, b"pynccl-file header", header) + seal(session, data)
-        directory, name = os.path.split(self.path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)  # mode 0600
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        acks = {r: self._ack_path(file_nonce, r) for r in range(1, world_size)}
-        try:
-            delay = self.poll_interval
-            while True:
-                acks = {r: p for r, p in acks.items() if not os.path.exists(p)}
-                if not acks:
-                    return
-                if time.monotonic() >= deadline:
-                    raise RendezvousTimeoutError(
-                        f"rank 0: {ranks_phrase(acks)} of {world_size} did not read "
-                        f"{self.path} within {timeout:g} s (did they start, with the same path "
-                        "and key?)"
-                    )
-                delay = _backoff(delay, deadline, 0.25)
-        finally:
-            for p in [self.path] + [self._ack_path(file_nonce, r) for r in range(1, world_size)]:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-
-    def _fetch(self, rank: int, world_size: int, deadline: float, timeout: float) -> bytes:
-        limit = _FILE_HEADER.size + 2 * DIGEST + self.max_payload
-        foreign = False
-        delay = self.poll_interval
-        while True:
-            try:
-                with open(self.path, "rb") as f:
-                    blob = f.read(limit + 1)
-            except FileNotFoundError:
-                blob = None
-            if blob is not None:
-                got = self._open(blob, limit, rank, world_size)
-                if got is not None:
-                    file_nonce, data = got
-                    ack = os.open(self._ack_path(file_nonce, rank), os.O_CREAT | os.O_WRONLY, 0o600)
-                    os.close(ack)
-                    return data
-                foreign = True
-            if time.monotonic() >= deadline:
-                why = (
-                    "; a file is there but it was not written by this job (a stale file from "
-                    "an earlier run, or a different key)"
-                    if foreign
-                    else ""
-                )
-                raise RendezvousTimeoutError(
-                    f"rank {rank}: rank 0 did not publish the id at {self.path} within "
-                    f"{timeout:g} s{why}"
-                )
-            delay = _backoff(delay, deadline, 0.25)
-
-    def _open(
-        self, blob: bytes, limit: int, rank: int, world_size: int
-    ) -> tuple[bytes, bytes] | None:
-        """(nonce, payload) if ``blob`` is this job's file; ``None`` if it is someone else's."""
-        head = _FILE_HEADER.size
-        if len(blob) > limit or len(blob) < head + 2 * DIGEST:
-            return None
-        header = blob[:head]
-        magic, version, size, file_nonce = _FILE_HEADER.unpack(header)
-        if magic != _FILE_MAGIC or version != _FILE_VERSION:
-            return None
-        if not hmac.compare_digest(
-            mac(self._key, b"pynccl-file header", header), blob[head : head + DIGEST]
-        ):
-            return None  # another key: another job's file
-        if size != world_size:
-            raise RendezvousMismatchError(
-                f"rank {rank}: {self.path} was written by rank 0 for world size {size} but this "
-                f"rank has world size {world_size}"
-            )
-        data = open_box(mac(self._key, b"pynccl-file session", header), blob[head + DIGEST :])
-        if data is None:
-            raise RendezvousError(f"rank {rank}: {self.path} failed its integrity check")
-        return bytes(file_nonce), data

@@ -15,12 +15,13 @@ import os
 import random
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ._common import check_share_args
 from ._conventions import detected, missing_address
 from ._progress import report_interval, say
-from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, open_box, warn_keyless
+from ._roots import check_parts_args
+from ._seal import DIGEST, KEY_ENV, NONCE, mac, normalize_key, open_box, seal, warn_keyless
 from ._wire import (
     AUTH,
     CHALLENGE,
@@ -28,6 +29,7 @@ from ._wire import (
     ERROR,
     ERROR_CLASSES,
     FLAG_KEY,
+    FLAG_UPLOAD,
     HEADER,
     HELLO,
     HELLO_BODY,
@@ -161,8 +163,46 @@ class TcpRendezvous:
             return data
         return self.fetch(rank=rank, world_size=world_size, timeout=timeout)
 
-    def serve(self, payload: bytes, *, world_size: int, timeout: float) -> TcpRendezvousServer:
-        """Start and return rank 0's server (for callers that manage it themselves)."""
+    def share_parts(
+        self,
+        part: bytes | None,
+        *,
+        rank: int,
+        world_size: int,
+        makers: Sequence[int],
+        timeout: float,
+    ) -> bytes:
+        """See :class:`~.backends.Rendezvous`: rank 0 serves its part and takes the others'
+        uploads (each maker's id travels sealed in its handshake); every rank gets them all."""
+        _, data = check_parts_args(part, rank, world_size, makers, timeout)
+        if world_size == 1:
+            assert data is not None
+            return data
+        if self._key is None:
+            warn_keyless(f"the TCP rendezvous at {self.host}:{self.port}")
+        if rank != 0:
+            return self.fetch(rank=rank, world_size=world_size, timeout=timeout, upload=data)
+        assert data is not None
+        server = self.serve(data, world_size=world_size, timeout=timeout, makers=makers)
+        if not self.wait_for_all:  # the server goes on serving: rank 0 needs the ids only
+            try:
+                return server.wait_payload()
+            except BaseException:
+                server.close()
+                raise
+        try:
+            server.wait()
+        finally:
+            server.close()
+        payload = server.payload
+        assert payload is not None  # every rank was served
+        return payload
+
+    def serve(
+        self, payload: bytes, *, world_size: int, timeout: float, makers: Sequence[int] = (0,)
+    ) -> TcpRendezvousServer:
+        """Start and return rank 0's server (for callers that manage it themselves);
+        ``makers``: see :class:`TcpRendezvousServer`."""
         server = TcpRendezvousServer(
             payload,
             host=self.host,
@@ -174,11 +214,15 @@ class TcpRendezvous:
             max_connections=self.max_connections,
             max_payload=self.max_payload,
             bind=self.bind,
+            makers=makers,
         )
         return server.start()
 
-    def fetch(self, *, rank: int, world_size: int, timeout: float) -> bytes:
-        """Connect to rank 0 (retrying with backoff) and return the payload it serves."""
+    def fetch(
+        self, *, rank: int, world_size: int, timeout: float, upload: bytes | None = None
+    ) -> bytes:
+        """Connect to rank 0 (retrying with backoff) and return the payload it serves;
+        ``upload``: the id this rank makes, sent sealed in its handshake."""
         check_share_args(None, rank, world_size, timeout)
         if rank == 0:
             raise ValueError("rank 0 serves the payload; it cannot fetch it")
@@ -206,7 +250,7 @@ class TcpRendezvous:
             else:
                 try:
                     with sock:
-                        return self._handshake(sock, rank, world_size, deadline, where)
+                        return self._handshake(sock, rank, world_size, deadline, where, upload)
                 except _Retry as e:
                     last = str(e)
             now = time.monotonic()
@@ -221,11 +265,17 @@ class TcpRendezvous:
             delay = min(delay * 2, 1.0)
 
     def _handshake(
-        self, sock: socket.socket, rank: int, world_size: int, deadline: float, where: str
+        self,
+        sock: socket.socket,
+        rank: int,
+        world_size: int,
+        deadline: float,
+        where: str,
+        upload: bytes | None,
     ) -> bytes:
         key = self._key or b""
         nonce_c = os.urandom(NONCE)
-        flags = FLAG_KEY if self._key is not None else 0
+        flags = (FLAG_KEY if self._key is not None else 0) | (FLAG_UPLOAD if upload else 0)
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.sendall(frame(HELLO, HELLO_BODY.pack(flags, nonce_c, rank, world_size)))
@@ -234,7 +284,10 @@ class TcpRendezvous:
         nonce_s = self._read(sock, CHALLENGE, NONCE, rank, deadline, where, first=True)
         tx = transcript(nonce_c, nonce_s, rank, world_size)
         try:
-            sock.sendall(frame(AUTH, mac(key, b"pynccl-rdzv client", tx)))
+            proof = mac(key, b"pynccl-rdzv client", tx)
+            if upload:
+                proof += seal(mac(key, b"pynccl-rdzv session", tx), upload)
+            sock.sendall(frame(AUTH, proof))
         except OSError as e:  # dropped to make room (a server under a flood): reconnect
             raise _Retry(f"connection lost during the handshake: {e}") from None
         body = self._read(

@@ -1,15 +1,10 @@
 """Rank 0's side of the TCP rendezvous: a selector-driven server that hands the payload
 to every other rank (the wire format and the handshake are described in :mod:`._wire`).
 
-It is a network service reachable by anything on the network, so it is built as
-one: one selector thread, non-blocking sockets, a bounded number of concurrent
-connections, a deadline per connection (a client dripping bytes or sending
-nothing is cut off without stalling the others) and an overall deadline.
-
-Two parts do the work, each through the other's public surface: who holds a slot
-(:class:`~._admission.Admission`: the lobby, the slots, eviction, the listener) and what
-is said on each connection (:class:`~._handshake.Handshake`). This module runs the
-selector loop and keeps who was served.
+One selector thread runs two parts, each through the other's public surface: who holds
+a slot (:class:`~._admission.Admission`: the lobby, the slots, eviction, the listener)
+and what is said on each connection (:class:`~._handshake.Handshake`). This module runs
+the loop and keeps who was served.
 """
 
 from __future__ import annotations
@@ -19,13 +14,15 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Sequence
 
-from ._admission import Admission, Waiting
-from ._common import check_share_args, ranks_phrase
+from ._admission import Admission, Waiting, check_slots
+from ._common import ranks_phrase
 from ._handshake import Conn, Handshake
 from ._net import open_listener
 from ._progress import arrived_phrase, missing_report, say
 from ._progress import report_interval as _report_interval
+from ._roots import check_parts_args
 from ._seal import normalize_key
 from ._wire import DEFAULT_MAX_PAYLOAD, check_host_port, check_positive
 from .errors import RendezvousError, RendezvousTimeoutError
@@ -46,20 +43,21 @@ def _wake_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def _checked_payload(
-    payload: bytes, world_size: int, timeout: float, max_payload: int, max_connections: int
+    payload: bytes,
+    world_size: int,
+    timeout: float,
+    makers: Sequence[int],
+    max_payload: int,
 ) -> bytes:
     """``payload`` as bytes once the server's arguments are checked (``ValueError`` naming
     the bad one otherwise)."""
-    data = check_share_args(payload, 0, world_size, timeout)
-    assert data is not None  # rank 0 always gets its payload back
-    if len(data) > max_payload:
-        raise ValueError(f"payload of {len(data)} bytes exceeds max_payload={max_payload}")
-    if (
-        isinstance(max_connections, bool)
-        or not isinstance(max_connections, int)
-        or max_connections < 1
-    ):
-        raise ValueError(f"max_connections={max_connections!r} is not a positive integer")
+    _, data = check_parts_args(payload, 0, world_size, makers, timeout)
+    assert data is not None  # rank 0 always makes the first part
+    if len(data) * len(makers) > max_payload:
+        raise ValueError(
+            f"payload of {len(data)} bytes x {len(makers)} part(s) exceeds "
+            f"max_payload={max_payload}"
+        )
     return data
 
 
@@ -88,6 +86,11 @@ class TcpRendezvousServer:
     So ranks arriving together never displace each other's handshakes, and idle or
     hostile connections hold a slot for half a second at a time.
 
+    With ``makers`` (increasing ranks from 0; see :mod:`._roots`), ``payload`` is rank 0's
+    part and rank ``makers[i]`` uploads part ``i`` (as long) in its handshake; ranks
+    that proved the key before every part came wait outside the slots, and every rank
+    is served the parts joined (:attr:`payload`, :meth:`wait_payload`).
+
     While it waits, every ``report_interval`` seconds (default
     ``$PYNCCL_RENDEZVOUS_REPORT``, else 30; 0: never) and at the timeout it writes one
     line on stderr naming the ranks that have not arrived and the hosts of those that did.
@@ -107,9 +110,13 @@ class TcpRendezvousServer:
         max_connections: int = 1024,
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         bind: str | None = None,
+        makers: Sequence[int] = (0,),
     ) -> None:
         check_host_port(host, port, allow_zero=True)
-        data = _checked_payload(payload, world_size, timeout, max_payload, max_connections)
+        data = _checked_payload(payload, world_size, timeout, makers, max_payload)
+        check_slots(max_connections)
+        self._payload = data if len(makers) == 1 else None
+        self._ready = threading.Event()  # the payload is whole (or the server stopped)
         self._host = host
         self._world_size = world_size
         key_bytes = normalize_key(key)
@@ -117,7 +124,6 @@ class TcpRendezvousServer:
         self._timeout = float(timeout)
         # a handshake may never outlast the rendezvous: slots must free up within it
         conn_timeout = min(check_positive("connection_timeout", connection_timeout), self._timeout)
-        self._max_conns = max_connections
         self._served: set[int] = set()
         self._hosts: dict[int, str] = {}  # rank -> the address it connected from
         self._report = _report_interval(report_interval)
@@ -136,22 +142,16 @@ class TcpRendezvousServer:
         listener = open_listener(host, port, bind, backlog=_BACKLOG)
         self._port = int(listener.getsockname()[1])
         self._sel = selectors.DefaultSelector()
-        self._admission = Admission(
-            listener,
-            self._sel,
-            max_connections=max_connections,
-            conn_timeout=conn_timeout,
+        slots = Admission(
+            listener, self._sel, max_connections=max_connections, conn_timeout=conn_timeout,
             port=self._port,
-        )
+        )  # fmt: skip
+        self._admission, self._max_conns = slots, max_connections
         self._handshake = Handshake(
-            data,
-            world_size=world_size,
-            key=key_bytes,
-            conn_timeout=conn_timeout,
-            slots=self._admission,
-            served=self._on_served,
+            data, makers=makers, complete=self._on_complete, world_size=world_size,
+            key=key_bytes, conn_timeout=conn_timeout, slots=slots, served=self._on_served,
             refused=self._on_refused,
-        )
+        )  # fmt: skip
         self._wake_r, self._wake_w = _wake_pair()
 
     # -- public --------------------------------------------------------------------------
@@ -172,8 +172,30 @@ class TcpRendezvousServer:
         with self._lock:
             return frozenset(self._served)
 
+    @property
+    def payload(self) -> bytes | None:
+        """What every rank is served: the parts joined in ``makers``' order once all came
+        (rank 0's own part first), else ``None``."""
+        return self._payload
+
+    def wait_payload(self, timeout: float | None = None) -> bytes:
+        """Block until every part came and return the payload; raise as :meth:`wait` does
+        if the server stopped first (``timeout`` bounds this wait only)."""
+        if self._thread is None:
+            raise RuntimeError("TcpRendezvousServer.wait_payload() before start()")
+        if not self._ready.wait(timeout):
+            raise RendezvousTimeoutError(
+                f"rank 0: the ids of {self._missing()} have not all come after {timeout} s"
+            )
+        if self._payload is None:
+            self.wait(0)  # raises why it stopped
+            raise RendezvousError("rank 0: the rendezvous server stopped before every id came")
+        return self._payload
+
     def start(self) -> TcpRendezvousServer:
         """Start serving from a daemon thread; returns ``self``."""
+        if self._payload is not None:
+            self._ready.set()
         with self._lock:
             if self._thread is not None:
                 raise RuntimeError("TcpRendezvousServer.start() called twice")
@@ -279,6 +301,10 @@ class TcpRendezvousServer:
             self._served.add(conn.rank)
             self._hosts[conn.rank] = conn.peer.rpartition(":")[0]
 
+    def _on_complete(self, payload: bytes) -> None:
+        self._payload = payload
+        self._ready.set()
+
     def _on_refused(self, conn: Conn, reason: str) -> None:
         who = conn.peer if conn.rank is None else f"{conn.peer} (rank {conn.rank})"
         logger.warning("rendezvous on port %d: refused %s: %s", self._port, who, reason)
@@ -306,6 +332,7 @@ class TcpRendezvousServer:
                 )
             self._release()
             self._finished.set()
+            self._ready.set()
 
     def _release(self) -> None:
         with self._lock:

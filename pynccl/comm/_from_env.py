@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._limits import check_device_ordinal
 from ..bootstrap._common import check_share_args
+from ..bootstrap._roots import id_makers
 from ..bootstrap._seal import KEY_ENV
 from ..bootstrap._torchrun import attempt_prefix, torchrun_store
 from ..bootstrap.backends import FileRendezvous, MpiRendezvous, Rendezvous, StoreRendezvous
@@ -169,18 +170,20 @@ def from_env(
     Detects the launcher (:func:`detect_launch_env`: torchrun, ``python -m pynccl
     launch``, torch's ``env://`` variables, Open MPI, MVAPICH2, Cray PALS, MPICH/Intel
     MPI, Slurm steps, LeaderWorkerSet, indexed Jobs/JobSet), picks the device from the
-    local rank (:func:`select_device`, unless ``device`` is given), lets rank 0 create
-    ``nids`` unique ids and shares them with ``store=`` (a key-value store such as
-    ``torch.distributed.Store``), ``mpi_comm=`` (mpi4py), ``file=`` (a path on a
-    shared file system), ``rendezvous=`` (any :class:`Rendezvous`); by default under
-    torchrun through torchrun's own store, and otherwise over TCP at
+    local rank (:func:`select_device`, unless ``device`` is given), creates ``nids``
+    unique ids (id ``i`` by the first rank of NCCL's group ``i``, where its bootstrap
+    root belongs; all by rank 0 with a ``rendezvous=`` that has no ``share_parts``) and
+    shares them with ``store=`` (a key-value store such as ``torch.distributed.Store``),
+    ``mpi_comm=`` (mpi4py), ``file=`` (a path on a shared file system), ``rendezvous=``
+    (any :class:`Rendezvous`); by default under torchrun through torchrun's own store,
+    and otherwise over TCP at
     ``MASTER_ADDR:MASTER_PORT`` with ``PYNCCL_RENDEZVOUS_KEY``. Then calls
     ``Communicator(world_size, ids, rank, device=device, config=config)``; several ids
     use ``ncclCommInitRankScalable`` (requires NCCL >= 2.23.4), which spreads NCCL's
-    bootstrap over one root per id. ``nids=None`` (the default) lets rank 0 choose:
-    one id per 512 ranks (:func:`auto_nids`; NCCL advises one per 128 to 1,024) where
-    its library has ``ncclCommInitRankScalable``, else one; the other ranks take as
-    many ids as rank 0 shared. An explicit ``nids`` must be the same on every rank.
+    bootstrap over one root per id. ``nids=None`` (the default) means one id per 512
+    ranks (:func:`auto_nids`; NCCL advises one per 128 to 1,024) where the library has
+    ``ncclCommInitRankScalable``, else one, decided by each rank alike. An explicit
+    ``nids`` must be the same on every rank.
 
     ``rank=`` and ``world_size=`` (with ``local_rank=`` optionally) say where this
     process sits instead of a launcher: for processes that a framework started (Ray
@@ -233,19 +236,33 @@ def from_env(
 def _share_ids(
     env: LaunchEnv, backend: Rendezvous, nids: int | None, timeout: float
 ) -> list[UniqueId]:
-    """Rank 0 makes ``nids`` unique ids (None: :func:`auto_nids`, or one where its library
-    lacks ncclCommInitRankScalable) and shares them; every rank returns them."""
+    """Make ``nids`` unique ids (None: :func:`auto_nids`, or one where the library lacks
+    ncclCommInitRankScalable) and share them; every rank returns them.
+
+    With several ids and a backend that has ``share_parts`` (all of pynccl's), id ``i`` is
+    made by the first rank of NCCL's group ``i`` (``firstRankFromRoot``), so that each
+    bootstrap root runs in a process of its own group, as NCCL intends; otherwise rank 0
+    makes them all."""
     from pynccl.comm import UniqueId  # the package's name (tests stand in for it)
 
-    payload = None
-    if env.rank == 0:
-        count = nids
-        if count is None:
-            count = auto_nids(env.world_size) if env.world_size > _RANKS_PER_ID else 1
-            if count > 1 and not _has_scalable_init():
-                count = 1  # an older NCCL: one id, one root
-        payload = b"".join(bytes(UniqueId()) for _ in range(count))
-    data = backend.share(payload, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    count = nids
+    if count is None:
+        count = auto_nids(env.world_size) if env.world_size > _RANKS_PER_ID else 1
+        if count > 1 and not _has_scalable_init():
+            count = 1  # an older NCCL: one id, one root
+    share_parts = getattr(backend, "share_parts", None)
+    if callable(share_parts) and 1 < count <= env.world_size:
+        makers = id_makers(env.world_size, count)
+        part = bytes(UniqueId()) if env.rank in makers else None
+        data = share_parts(
+            part, rank=env.rank, world_size=env.world_size, makers=makers, timeout=timeout
+        )
+        nids = count  # every rank made the same count: what came must be that many
+    else:
+        payload = None
+        if env.rank == 0:
+            payload = b"".join(bytes(UniqueId()) for _ in range(count))
+        data = backend.share(payload, rank=env.rank, world_size=env.world_size, timeout=timeout)
     got = len(data) // _ID_BYTES
     if len(data) % _ID_BYTES or not 1 <= got <= _MAX_IDS or (nids is not None and got != nids):
         expects = f"nids={nids}" if nids is not None else f"1..{_MAX_IDS} whole ids"
@@ -253,5 +270,4 @@ def _share_ids(
             f"rank {env.rank}: rank 0 shared {len(data)} bytes ({len(data) / _ID_BYTES:g} ids) "
             f"but this rank expects {expects}: call from_env with the same nids on every rank"
         )
-    ids = [UniqueId.from_bytes(data[i : i + _ID_BYTES]) for i in range(0, len(data), _ID_BYTES)]
-    return ids
+    return [UniqueId.from_bytes(data[i : i + _ID_BYTES]) for i in range(0, len(data), _ID_BYTES)]

@@ -978,15 +978,17 @@ def test_from_env_chooses_the_number_of_ids_from_the_world_size(
     fake_comm, monkeypatch, world, scalable, expected
 ):
     # NCCL advises one unique id (bootstrap root) per 128 to 1,024 ranks for
-    # ncclCommInitRankScalable: rank 0 makes ceil(world / 512) where its library has it,
-    # one where it does not, and every other rank takes what rank 0 shared
+    # ncclCommInitRankScalable: ceil(world / 512) ids where the library has it, one where it
+    # does not; id i is made by the first rank of NCCL's group i, which takes part here
     module = sys.modules["pynccl.comm._from_env"]
     monkeypatch.setattr(module, "_has_scalable_init", lambda: scalable)
     store = _DictStore()
-    comms = [
-        from_env(rank=r, world_size=world, store=store, device=0, timeout=OK_TIMEOUT)
-        for r in (0, world - 1)
-    ]
+    makers = [i * (world // expected) + min(i, world % expected) for i in range(expected)]
+    done = _run_ranks(
+        lambda r: from_env(rank=r, world_size=world, store=store, device=0, timeout=OK_TIMEOUT),
+        sorted({*makers, world - 1}),
+    )
+    comms = [done[0], done[world - 1]]
     ids = [[bytes(u) for u in (c.args[1] if isinstance(c.args[1], list) else [c.args[1]])]
            for c in comms]  # fmt: skip
     assert len(ids[0]) == expected and len(set(ids[0])) == expected
