@@ -1,8 +1,8 @@
 """Getting ranks together: launcher detection and sharing the unique id.
 
 NCCL leaves one job to its caller: handing the 128-byte ``ncclUniqueId`` that
-rank 0 creates to every other rank. This package does it with the standard
-library only:
+rank 0 creates to every other rank (with several ids, each made by the first rank of
+its root's group: :mod:`._roots`). This package does it with the standard library only:
 
 * :func:`detect_launch_env` reads rank, world size, local rank and the master
   address from torchrun, ``python -m pynccl launch``, torch's ``env://`` variables,

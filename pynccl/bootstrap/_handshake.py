@@ -143,6 +143,7 @@ class Handshake:
         self._makers = list(makers)
         self._upload_size = DIGEST + len(payload)  # a sealed part
         self._payload = payload if len(makers) == 1 else None
+        self._to_come = len(makers) - 1  # parts not uploaded yet
         self._complete = complete
         self._parked: dict[int, Conn] = {}  # rank -> its connection waiting for the ids
         self._world_size = world_size
@@ -369,7 +370,8 @@ class Handshake:
             return False
         if known is None:
             self._parts[conn.part] = part
-            if all(p is not None for p in self._parts):
+            self._to_come -= 1
+            if not self._to_come:
                 self._payload = b"".join(p for p in self._parts if p is not None)
                 self._complete(self._payload)
         return True
