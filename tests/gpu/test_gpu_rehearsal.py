@@ -11,7 +11,6 @@ on a GPU machine without them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -135,14 +134,16 @@ def test_one_visible_gpu_says_1_rank_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("module", ["cupy", "torch"])
-def test_probes_without_the_array_library_say_skipped(module: str) -> None:
+def test_probes_without_the_array_library_say_skipped(module: str, tmp_path: Path) -> None:
     # Outside a rehearsal, a probe of a library that is not installed prints one JSON
-    # line, "skipped", naming it (before any CUDA call: this machine has no GPU).
-    if importlib.util.find_spec(module) is not None:
-        pytest.skip(f"{module} is installed here")
+    # line, "skipped", naming it (before any CUDA call: this machine has no GPU). Where
+    # the library is installed, a package of its name first on the path hides it.
+    hidden = tmp_path / module
+    hidden.mkdir()
+    (hidden / "__init__.py").write_text(f"raise ImportError({'No module named ' + module!r})\n")
     name = {"cupy": "cai-cupy-side-stream", "torch": "caching-allocator-keepalive"}[module]
     env = {k: v for k, v in os.environ.items() if k != "PYNCCL_GPU_REHEARSAL"}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join((str(tmp_path), str(ROOT)))
     proc = subprocess.run(
         [sys.executable, "scripts/gpu_probes.py", name],
         cwd=str(ROOT),
