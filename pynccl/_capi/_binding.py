@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 from _thread import RLock
 from collections import namedtuple
-from ctypes import c_char_p, c_int, c_size_t, c_void_p
+from ctypes import addressof, byref, c_char, c_char_p, c_int, c_size_t, c_void_p
 
 from ..enums import release_str
 from ..errors import NotSupportedError
@@ -31,6 +31,8 @@ __all__ = [
     "SIZE_ARGS_LIMIT",
     "BoundLibrary",
     "Prototype",
+    "arg_value",
+    "pointer_arg",
     "ptr_arg",
     "size_arg",
 ]
@@ -59,32 +61,65 @@ def size_arg(count: int) -> c_size_t:
     return arg
 
 
-#: Most shared c_void_p objects :data:`PTR_ARGS` keeps before it starts afresh.
+#: Most shared pointer arguments :data:`PTR_ARGS` keeps before it starts afresh.
 PTR_ARGS_LIMIT = 4096
 _P63 = 1 << 63
+_P64 = 1 << 64
 
-#: Device pointers repeat too (a framework's buffers, call after call), and a function
-#: without argtypes takes a c_void_p object with no conversion at all (an int it would
-#: pass as a 32-bit C int): the Communicator's hot paths pass these, shared and never
+#: A ctypes type of no size: an object of it made at an address reads nothing there.
+_AT = c_char * 0
+#: The type of what ``byref`` returns: ctypes passes one to a function without argtypes
+#: as it is (no conversion, no object made per call), and ``c_void_p`` argtypes take it.
+_CARG: type = type(byref(c_int()))
+
+
+def pointer_arg(address: int) -> Any:
+    """``address`` (in [1, 2**64)) as a pointer argument object: ``byref`` of an object
+    of no size made at ``address``, whose C value is ``address`` itself (a ``void *``).
+    A function without argtypes passes it with no conversion at all — unlike a
+    ``c_void_p`` object, for which ctypes makes a new argument object at every call —
+    and a ``c_void_p`` parameter with argtypes takes it as it is. Nothing is ever read
+    or written at ``address``."""
+    return byref(_AT.from_address(address))
+
+
+#: Device pointers repeat (a framework's buffers, call after call): the Communicator's
+#: hot paths pass these pointer arguments (:func:`pointer_arg`), shared and never
 #: mutated, keyed by the address. Only addresses in [1, 2**63) are kept, so a hit is also
 #: a range check passed (the hot path checks an address only when it misses). Unlike
 #: counts, the set of live addresses drifts as memory is freed and reallocated, so a full
 #: cache is emptied and refilled rather than frozen (objects already handed out stay
 #: valid: nothing mutates them). Hot paths look an address up with
 #: ``try: PTR_ARGS[p] except KeyError: ptr_arg(p)``.
-PTR_ARGS: dict[int, c_void_p] = {}
+PTR_ARGS: dict[int, Any] = {}
 
 
-def ptr_arg(address: int) -> c_void_p:
-    """``address`` (an int in [0, 2**64)) as a c_void_p: the shared one of
-    :data:`PTR_ARGS` for an address in [1, 2**63), else a new one."""
+def ptr_arg(address: int) -> Any:
+    """``address`` (an int in [0, 2**64)) as a C pointer argument: None (NULL) for 0, the
+    shared :func:`pointer_arg` of :data:`PTR_ARGS` for an address in [1, 2**63), else a
+    new one. :func:`arg_value` reads it back."""
     arg = PTR_ARGS.get(address)
     if arg is None:
-        arg = c_void_p(address)
+        if not address:
+            return None
+        arg = pointer_arg(address)
         if 0 < address < _P63:
             if len(PTR_ARGS) >= PTR_ARGS_LIMIT:
                 PTR_ARGS.clear()
             PTR_ARGS[address] = arg
+    return arg
+
+
+def arg_value(arg: object) -> object:
+    """A C argument as the hot paths pass it — an int, None (NULL), a pointer argument
+    (:func:`ptr_arg`), or a ctypes ``c_void_p``/``c_int``/``c_size_t`` object — as a
+    plain value: an int for each of those (0 for NULL); anything else as it is."""
+    if type(arg) is int or arg is None:
+        return arg or 0
+    if type(arg) is _CARG:
+        return addressof(arg._obj)  # type: ignore[attr-defined]  # CArgObject's referent
+    if isinstance(arg, (c_void_p, c_int, c_size_t)):
+        return arg.value or 0
     return arg
 
 

@@ -11,11 +11,8 @@ the same order and words each mistake the same way.
 from __future__ import annotations
 
 import sys
-from _thread import allocate_lock
-from ctypes import c_int
 
 from .. import _adapt
-from .._capi._enumargs import C_DATATYPE, C_REDOP
 from .._limits import index_int
 from ..dtypes import known_names, to_numpy_dtype
 from ..enums import DataType, RedOp
@@ -24,13 +21,11 @@ from ._collconfig import CollConfig
 from ._spec import CollSpec, Where
 
 __all__ = [
-    "RANK_ARGS_LIMIT",
     "OpEntry",
     "config_arg",
     "dtype_table",
     "learn_dtype",
     "op_table",
-    "rank_args",
     "raw_needs",
     "resolve_op",
 ]
@@ -50,11 +45,12 @@ _OP_FORMS = (
     "or an int op from create_premul_sum()"
 )
 #: An op table's entry: the key's exact type (a hit of an equal key of another type —
-#: ``0`` for ``RedOp.SUM`` — is no hit), the shared c_int NCCL takes, and whether the op
-#: is defined for complex arrays.
-OpEntry = tuple[type, c_int, bool]
+#: ``0`` for ``RedOp.SUM`` — is no hit), the ``ncclRedOp_t`` NCCL takes (the RedOp member:
+#: an int, which a function without argtypes passes as a C int with no conversion), and
+#: whether the op is defined for complex arrays.
+OpEntry = tuple[type, RedOp, bool]
 _OP_TABLES: dict[Release, dict[object, OpEntry]] = {}
-_DTYPE_TABLES: dict[Release, dict[object, c_int]] = {}
+_DTYPE_TABLES: dict[Release, dict[object, DataType]] = {}
 _ML_TYPES = frozenset({DataType.BFLOAT16, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2})
 #: The most keys a data-type table learns (foreign dtype objects are few).
 DTYPE_KEYS_LIMIT = 1024
@@ -71,7 +67,7 @@ def op_table(version: Release) -> dict[object, OpEntry]:
         for op in RedOp:
             if op is RedOp.AVG and version < _AVG_SINCE:
                 continue
-            entry = C_REDOP[op], op not in _NO_COMPLEX
+            entry = op, op not in _NO_COMPLEX
             table[op] = (RedOp, *entry)
             table[op.name.lower()] = (str, *entry)
             table[op.c_name] = (str, *entry)
@@ -79,11 +75,12 @@ def op_table(version: Release) -> dict[object, OpEntry]:
     return table
 
 
-def dtype_table(version: Release) -> dict[object, c_int]:
+def dtype_table(version: Release) -> dict[object, DataType]:
     """The data types the fast path resolves for a library of ``version`` beside the
     DataType members themselves (``Communicator._codes``), keyed by value: their names
     (``"float32"``, ``"bf16"``), numpy's dtypes and scalar types, and every other form the
-    checked path has resolved since (:func:`learn_dtype`: torch dtypes, ...). No key
+    checked path has resolved since (:func:`learn_dtype`: torch dtypes, ...), each to its
+    DataType (an int: the ``ncclDataType_t`` NCCL takes). No key
     equals a number (DataType members equal ints: ``7.0 == DataType.FLOAT32``), so no
     number can hit. One table per release, shared; a key's meaning never changes, so
     nothing in it is ever invalidated."""
@@ -92,7 +89,7 @@ def dtype_table(version: Release) -> dict[object, c_int]:
         table = {}
         for name, dt in known_names().items():
             if version >= dt.first_release:
-                table[name] = C_DATATYPE[dt]
+                table[name] = dt
         # numpy's dtypes and scalar types, if loaded (never loaded here; else learned on
         # first use), and ml_dtypes' likewise.
         if "numpy" in sys.modules:
@@ -103,14 +100,14 @@ def dtype_table(version: Release) -> dict[object, c_int]:
                         nd = to_numpy_dtype(dt)
                     except TypeError:  # bfloat16 / float8 without ml_dtypes
                         continue
-                    table[nd] = table[nd.type] = C_DATATYPE[dt]
+                    table[nd] = table[nd.type] = dt
         table = _DTYPE_TABLES.setdefault(version, table)  # threads racing here share one
     return table
 
 
-def learn_dtype(table: dict[object, c_int], key: object, code: c_int) -> None:
-    """Let the fast path resolve ``key`` (which the checked path just resolved to the
-    type whose c_int is ``code``): never a number (``True == 1``; DataType members are
+def learn_dtype(table: dict[object, DataType], key: object, code: DataType) -> None:
+    """Let the fast path resolve ``key`` (which the checked path just resolved to
+    ``code``): never a number (``True == 1``; DataType members are
     looked up apart) nor an unhashable object."""
     if isinstance(key, (int, float, complex)) or hasattr(key, "__index__") or (
         hasattr(key, "__float__") and not isinstance(key, type)
@@ -141,10 +138,11 @@ def _builtin(op: object) -> RedOp | None:
 
 def resolve_op(
     op: object, version: Release, custom: Container[int], objs: tuple[object, ...] = ()
-) -> c_int | int:
-    """The ncclRedOp_t argument for ``op`` on a library of ``version`` whose communicator
-    made the ops ``custom``: refuses floats/bools/unknown names/handles, avg before 2.10.3,
-    and prod/max/min on complex arrays among ``objs``."""
+) -> RedOp | int:
+    """The ncclRedOp_t argument for ``op`` (a RedOp, or the int handle of a custom op) on
+    a library of ``version`` whose communicator made the ops ``custom``: refuses
+    floats/bools/unknown names/handles, avg before 2.10.3, and prod/max/min on complex
+    arrays among ``objs``."""
     member = _builtin(op)
     if member is None:
         value = index_int(op, "op", _OP_FORMS)
@@ -164,27 +162,7 @@ def resolve_op(
                         f"op '{member.name.lower()}' is not defined for complex arrays; "
                         "complex numbers reduce with 'sum' or 'avg' only"
                     )
-    return C_REDOP[member]
-
-
-# -- ranks --------------------------------------------------------------------------------
-
-#: Ranks below this have a shared c_int (:func:`rank_args`); the fast path sends a
-#: root/peer at or above it to the checked path.
-RANK_ARGS_LIMIT = 1 << 15
-_RANK_ARGS: list[c_int] = []
-_RANK_ARGS_LOCK = allocate_lock()  # two threads growing it at once would append twice
-
-
-def rank_args(size: int) -> list[c_int]:
-    """The shared ``c_int`` of every rank below ``min(size, RANK_ARGS_LIMIT)`` (one list
-    for the process, grown on demand, never mutated otherwise): ctypes passes a c_int for
-    an ``int`` parameter much faster than it converts a Python int (root, peer)."""
-    need = min(size, RANK_ARGS_LIMIT)
-    if len(_RANK_ARGS) < need:
-        with _RANK_ARGS_LOCK:
-            _RANK_ARGS.extend([c_int(r) for r in range(len(_RANK_ARGS), need)])
-    return _RANK_ARGS
+    return member
 
 
 # -- per-call config ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ spelling) it leaves in the shared tables, so the fast path knows it from then on
 
 from __future__ import annotations
 
-from ctypes import c_int, c_size_t, c_void_p
+from ctypes import c_void_p
 
 from .. import groups as _groups
 from .._adapt import _BUFFER_HANDLERS, as_stream, buffer_handler, check_device
@@ -58,8 +58,8 @@ class Checked(Core):
 
     # Set up by Communicator._setup: the tables the fast path reads, which this path fills.
     _optab: dict[object, OpEntry]
-    _dtypes: dict[object, c_int]
-    _codes: dict[DataType, c_int | None]
+    _dtypes: dict[object, DataType]
+    _codes: dict[DataType, DataType | None]
     _custom_ops: dict[int, tuple[object, set[int]]]
 
     def _slow(self, spec: CollSpec, sendbuf: object, recvbuf: object, op: object,
@@ -108,9 +108,8 @@ class Checked(Core):
             cop = resolve_op(op, version, self._custom_ops, (sendbuf, recvbuf))
             if type(cop) is int:  # a custom op: its device scalar must outlive this work
                 self._note_op_use(cop, s)  # type: ignore[attr-defined]  # Extras' (delegated)
-        ptr_arg(s)  # the stream's shared c_void_p, for the fast path's next call
-        plan = self._plan(spec, ptr_arg(sp), ptr_arg(rp), size_arg(call.n), call.n, call.dt,
-                          self._codes[call.dt], cop, w)  # fmt: skip
+        ptr_arg(s)  # the stream's shared pointer argument, for the fast path's next call
+        plan = self._plan(spec, sp, rp, call.n, call.dt, cop, w)
         return plan, s, cfg
 
     def _datatype_of(self, dtype: object) -> DataType:
@@ -135,11 +134,13 @@ class Checked(Core):
             self._datatype_of(dt)  # raises NotSupportedError naming the type and releases
         return ptr, n, dt
 
-    def _plan(self, spec: CollSpec, sp: c_void_p, rp: c_void_p, cn: c_size_t, n: int,
-              dt: DataType, code: c_int | None, cop: object,
+    def _plan(self, spec: CollSpec, send: int, recv: int, n: int, dt: DataType, cop: object,
               w: int) -> list[tuple[int, tuple[object, ...]]]:  # fmt: skip
-        """The C calls (before ``comm, stream``) that carry one call of ``spec``."""
+        """The C calls (before ``comm, stream``) that carry one call of ``spec`` on the
+        pointers ``send`` and ``recv`` (0: none), each argument as the fast path passes it
+        (and left in its tables for the fast path's next call)."""
         i = spec.index
+        sp, rp, cn, code = ptr_arg(send), ptr_arg(recv), size_arg(n), self._codes[dt]
         if spec is SEND:
             return [(i, (sp, cn, code, w))]
         if spec is RECV:
@@ -147,8 +148,8 @@ class Checked(Core):
         if self._fn[i] is None and spec.fallback:
             from ._fallback import grouped
 
-            return grouped(spec, self._rank, self._size, sp.value or 0, rp.value or 0, n,
-                           dt.itemsize, cn, code, w)  # fmt: skip
+            return grouped(spec, self._rank, self._size, send, recv, n, dt.itemsize, cn, code,
+                           w)  # fmt: skip
         pre: tuple[object, ...] = (sp, rp, cn, code)
         if spec.has_op:
             pre += (cop,)

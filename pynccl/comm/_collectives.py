@@ -24,7 +24,7 @@ invalidating: every table maps a value to what that value means.
 
 from __future__ import annotations
 
-from ctypes import c_int, c_size_t, c_void_p
+from ctypes import c_size_t
 
 from .. import groups as _groups
 from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
@@ -60,12 +60,11 @@ if TYPE_CHECKING:
 
 _OPEN = _groups.OPEN  # threads with a group open (empty: nothing to look up)
 _GROUPS = _groups.STATE  # the calling thread's group state: ``.s``
-_NULL = c_void_p(0)  # the legacy default stream
 _MASK = _recorder.RING_MASK
-#: What :meth:`Collectives._arrays` resolves: send and recv pointers, count, type.
-_Resolved = tuple[c_void_p | None, c_void_p | None, c_size_t, c_int]
+#: What :meth:`Collectives._arrays` resolves: send and recv pointer arguments (None for a
+#: buffer the row has not), count, type.
+_Resolved = tuple[object, object, c_size_t, "DataType | None"]
 _SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
-_NO = 1 << 62  # an index no list has: IndexError, the checked path
 
 def _issue(comm: Collectives, row: CollSpec, async_op: object, *args: Any) -> Work:
     """A call with ``async_op=True``: through the one path, then its handle (:mod:`._work`;
@@ -79,10 +78,8 @@ class Collectives(Checked):
 
     __slots__ = ()
 
-    # Set up by Communicator._setup (see there): the fast path's tables.
-    _wargs: list[c_int]
+    # Set up by Communicator._setup (see there): the raw-pointer count bound.
     _fast_n: int
-    _fast_w: int
 
     def _call(self, row: CollSpec, sendbuf: object, recvbuf: object, op: object, where: object,
               count: object, dtype: object, stream: StreamLike,
@@ -97,15 +94,15 @@ class Collectives(Checked):
                 s, cst = self._stream, self._cstream
             else:
                 s = stream if type(stream) is int else as_stream(stream)
-                cst = PTR_ARGS[s] if s else _NULL
-            cop, cw, on_complex = None, None, True  # on_complex: False for prod/max/min
+                cst = PTR_ARGS[s] if s else None
+            cop, on_complex = None, True  # on_complex: False for prod/max/min
             if has_op:
                 kind, cop, on_complex = self._optab[op]
                 if type(op) is not kind:
                     raise KeyError(op)
-            if has_where:
-                cw = self._wargs[where if type(where) is int and 0 <= where < self._fast_w else _NO]
-            if dtype is not None and type(count) is int and 0 <= count < self._fast_n:
+            if has_where and (type(where) is not int or not 0 <= where < self._size):
+                raise KeyError(where)
+            if type(count) is int and count < self._fast_n:  # raw pointers (a miss: < 0)
                 code = self._codes[dtype] if type(dtype) is DataType else self._dtypes[dtype]
                 cn = SIZE_ARGS[count]
                 rb = sendbuf if recvbuf is None and in_place else recvbuf
@@ -131,10 +128,10 @@ class Collectives(Checked):
             if h is not None:
                 args = ((cs, cr, cn, code, cop, h, cst) if lay == 1 else
                         (cs, cr, cn, code, h, cst) if lay == 0 else
-                        (cs, cr, cn, code, cw, h, cst) if lay == 2 else
-                        (cs, cr, cn, code, cop, cw, h, cst) if lay == 3 else
-                        (cs, cn, code, cw, h, cst) if lay == 4 else
-                        (cr, cn, code, cw, h, cst))  # fmt: skip
+                        (cs, cr, cn, code, where, h, cst) if lay == 2 else
+                        (cs, cr, cn, code, cop, where, h, cst) if lay == 3 else
+                        (cs, cn, code, where, h, cst) if lay == 4 else
+                        (cr, cn, code, where, h, cst))  # fmt: skip
                 seq = self._seq + 1
                 self._seq = seq
                 self._ring[seq & _MASK] = (i, args, gid) if gid else (i, args)
@@ -162,10 +159,11 @@ class Collectives(Checked):
                 count: object, dtype: object, on_complex: bool) -> _Resolved:  # fmt: skip
         """The fast path's arrays, each read once by its type's handler, as
         :meth:`._checked.Checked._prepare` reads them (the count's source first): ``(send
-        c_void_p, recv c_void_p, c_size_t count, c_int type)``, None for a buffer the row has
-        not. Raises KeyError for what the checked path must look at instead: count= or dtype=
-        given, a type read for the first time, a buffer on another device or of another
-        type, odd sizes, a rooted call off its root, a complex array with prod/max/min."""
+        pointer argument, recv pointer argument, c_size_t count, DataType)``, None for a
+        buffer the row has not. Raises KeyError for what the checked path must look at
+        instead: count= or dtype= given, a type read for the first time, a buffer on
+        another device or of another type, odd sizes, a rooted call off its root, a
+        complex array with prod/max/min."""
         _, _, _, in_place, no_send, no_recv, _, send_n, recv_n, first, rooted = row.fast
         in_place = in_place and recvbuf is None
         if count is not None or dtype is not None or (not on_complex and (
@@ -198,7 +196,7 @@ class Collectives(Checked):
         code = self._codes[dt]
         if code is None or (dev is not None and dev != self._device):
             raise KeyError(dt)
-        # A pointer or count not seen yet: the checked path makes its shared ctypes object.
+        # A pointer or count not seen yet: the checked path makes its shared argument.
         return (None if no_send else PTR_ARGS[sp], None if no_recv else PTR_ARGS[rp],
                 SIZE_ARGS[n], code)  # fmt: skip
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from ctypes import byref, c_int, c_void_p
 
-from .._capi._enumargs import C_DATATYPE
 from ..enums import DataType, Result
 from ..library import cudart, lib
 from . import _recorder
-from ._args import RANK_ARGS_LIMIT, dtype_table, op_table, rank_args
+from ._args import dtype_table, op_table
 from ._collectives import Collectives
 from ._config import Config
 from ._delegate import delegate, delegate_property
@@ -80,9 +79,9 @@ class Communicator(Collectives):
     """
 
     __slots__ = (
-        "_barrier_buf", "_custom_ops", "_dtypes", "_extras", "_fast_n", "_fast_w",
+        "_barrier_buf", "_custom_ops", "_dtypes", "_extras", "_fast_n",
         "_introspect", "_memory", "_optab", "_regs", "_resilience", "_signals", "_suspend",
-        "_vcoll", "_wargs", "_windows", "_wins",
+        "_vcoll", "_windows", "_wins",
     )  # fmt: skip
 
     def __init__(
@@ -118,11 +117,9 @@ class Communicator(Collectives):
         self._ring: list[object] = [None] * _recorder.RING_SIZE
         self._compose(L, config)
         version = L.version
-        # The ncclDataType_t argument for each type this library accepts (its shared
-        # c_int); None for a type it is too old for.
-        self._codes = {
-            dt: C_DATATYPE[dt] if version >= dt.first_release else None for dt in DataType
-        }
+        # The ncclDataType_t argument for each type this library accepts (the member
+        # itself, an int); None for a type it is too old for.
+        self._codes = {dt: dt if version >= dt.first_release else None for dt in DataType}
         # The fast path's value-keyed tables (shared per release; see _collectives).
         self._optab = op_table(version)
         self._dtypes = dtype_table(version)
@@ -164,11 +161,8 @@ class Communicator(Collectives):
             _ = self.device  # known from now on, so buffers can be checked against it
 
     def _sized(self, size: int) -> None:
-        """What the fast path derives from the size: the count bound, and the shared
-        c_int of each root/peer they take (``_wargs[r]`` for ``0 <= r < _fast_w``)."""
+        """What the fast path derives from the size: the count bound."""
         self._fast_n = _fast_n(size)
-        self._fast_w = min(size, RANK_ARGS_LIMIT)
-        self._wargs = rank_args(size)
 
     @classmethod
     def _wrap(

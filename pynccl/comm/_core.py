@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from _warnings import warn as _warn
-from ctypes import c_int
 
 from .. import groups as _groups
 from .._adapt import as_stream
@@ -63,7 +62,7 @@ class Core(Watched):
     __slots__ = ("_closers", "_codes", "_retirers", "_stream_ref")
 
     #: The ncclDataType_t argument of each type the library accepts; None: too old.
-    _codes: dict[DataType, c_int | None]
+    _codes: dict[DataType, DataType | None]
 
     def _init_handle(self, lib: NcclLibrary, owner: bool) -> None:
         super()._init_handle(lib, owner)

@@ -10,7 +10,7 @@ __all__ = ["grouped"]
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from ctypes import c_int, c_size_t
+    from ctypes import c_size_t
 
 _SEND = by_cfunc("ncclSend").index
 _RECV = by_cfunc("ncclRecv").index
@@ -25,7 +25,7 @@ def grouped(
     n: int,
     itemsize: int,
     cn: c_size_t,
-    code: c_int | None,
+    code: object,
     root: int,
 ) -> list[tuple[int, tuple[object, ...]]]:
     """The send/recv calls (arguments before ``comm, stream``) that carry ``spec``."""

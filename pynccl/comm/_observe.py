@@ -8,9 +8,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from ctypes import byref, c_int, c_void_p
+from ctypes import byref, c_int
 
 from .._adapt import as_stream
+from .._capi._binding import arg_value, ptr_arg
 from .._limits import check_count, check_timeout
 from ..enums import Result
 from ..errors import NcclError, NcclInvalidUsage, NcclTimeoutError, NotSupportedError
@@ -59,7 +60,7 @@ class Observed(CommHandle):
     #: ring, else None.
     _sites: list[Any] | None
     _stream: int
-    _cstream: c_void_p  # _stream as the fast path passes it
+    _cstream: object  # _stream as the fast path passes it (None: NULL; ptr_arg)
     #: The Graphs that captured calls of this communicator (a WeakSet, from the first one).
     _graphs: weakref.WeakSet[Graph] | None
     #: The CUDA-graph captures under way (pynccl.cuda.Graph's registry, bound by the
@@ -254,10 +255,10 @@ class Observed(CommHandle):
         return [] if graphs is None else [g for g in list(graphs) if g.holds(self)]
 
     def _use_stream(self, stream: int) -> None:
-        """Make ``stream`` (a handle) the default stream of every call (and its c_void_p
-        the fast path's)."""
+        """Make ``stream`` (a handle) the default stream of every call (and its pointer
+        argument, :func:`~pynccl._capi._binding.ptr_arg`, the fast path's)."""
         self._stream = stream
-        self._cstream = c_void_p(stream)
+        self._cstream = ptr_arg(stream)
 
     # -- capture guard ---------------------------------------------------------------------
 
@@ -324,9 +325,7 @@ def _watched(comm: Observed, fn: Any, watch: Watchdog) -> Any:
             watch.events.launch_later()  # its events go before this operation's
         rc = int(fn(*args))
         if rc == 0 or rc == _IN_PROGRESS:
-            stream = args[-1]  # an int (the checked path), or the fast path's c_void_p
-            if type(stream) is c_void_p:
-                stream = stream.value or 0
+            stream = arg_value(args[-1])  # an int, or the fast path's pointer argument
             watch.enqueued(comm._seq, stream)  # type: ignore[arg-type]
         return rc
 

@@ -2,14 +2,14 @@
 
 The arguments are checked once, by the collectives' checked path
 (:meth:`._checked.Checked._prepare`, so the same mistakes raise the same errors), and the C
-call is prebuilt: every argument a ctypes object of its C parameter's type (``c_void_p``
-pointers and handles, ``c_size_t`` count, ``c_int`` type/op/root/peer, the config's
-pointer), passed to a second ctypes
-function object of the row's C function that has *no* ``argtypes``, so ctypes converts
-nothing per call. The flight-record entry is prebuilt too (the tuple the checked path would
-store). A call takes the communicator's gate like every other call, checks that its
-handle is still the one the arguments carry (None: destroyed, aborted, suspended,
-revoked, closing), records, calls and checks the result.
+call is prebuilt: every argument as the fast path passes it (pointer arguments for the
+buffers and the stream, the handle's ``c_void_p``, a ``c_size_t`` count, ints for
+type/op/root/peer, the config's pointer) to a second ctypes function object of the row's
+C function that has *no* ``argtypes``, so ctypes converts nothing per call. The
+flight-record entry is prebuilt too (the tuple the checked path would store). A call
+takes the communicator's gate like every other call, checks that its handle is still the
+one the arguments carry (None: destroyed, aborted, suspended, revoked, closing),
+records, calls and checks the result.
 
 Anything unusual — a ``stream=`` override, a grouped fallback plan (below NCCL 2.28),
 a communicator that is not ready — takes the checked path's issue (:meth:`Communicator._run`)
@@ -22,7 +22,7 @@ from ctypes import c_int, c_size_t, c_void_p
 
 from .. import groups as _groups
 from .._adapt import as_stream
-from .._capi._binding import PTR_ARGS, ptr_arg
+from .._capi._binding import PTR_ARGS, arg_value, ptr_arg
 from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
@@ -45,18 +45,23 @@ _GROUPS = _groups.STATE  # the thread's group state (groups.keep_alive, inline b
 
 
 def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
-    """``values`` (the checked path's C arguments) as ctypes objects of the C parameter types."""
+    """``values`` (the checked path's C arguments) as a function without argtypes takes
+    them: C ints as ints, counts as ``c_size_t``, pointers (buffers, ``cudaStream_t``) as
+    pointer arguments (:func:`~pynccl._capi._binding.ptr_arg`; None: NULL), the handle
+    (a ``c_void_p``) and the config's ``byref`` as they are."""
     from .._capi.nccl import PROTOTYPES  # loaded with the library, not with the object API
 
     out: list[object] = []
     value: Any
     for (_, ctype), value in zip(PROTOTYPES[cfunc].args, values):
-        if type(value) is ctype or value is None:  # shared c_int / c_size_t, byref(config)
+        if ctype is c_int:
+            out.append(int(arg_value(value)))  # type: ignore[call-overload]
+        elif ctype is c_size_t:
+            out.append(value if type(value) is c_size_t else c_size_t(arg_value(value)))  # type: ignore[arg-type]
+        elif type(value) is c_void_p:  # ncclComm_t: the communicator's handle
             out.append(value)
-        elif ctype is c_int or ctype is c_size_t:
-            out.append(ctype(value.value if isinstance(value, (c_int, c_size_t)) else value))
         elif ctype is c_void_p or getattr(ctype, "_type_", None) == "P":
-            out.append(c_void_p(value))  # pointers, ncclComm_t, cudaStream_t
+            out.append(ptr_arg(arg_value(value)))  # type: ignore[arg-type]
         else:  # POINTER(ncclCollConfig_t): the byref() the checked path made
             out.append(value)
     return tuple(out)

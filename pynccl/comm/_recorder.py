@@ -13,8 +13,7 @@ numbered from #1, as the loopback's mismatch report counts them. Everything else
 
 from __future__ import annotations
 
-from ctypes import c_int, c_size_t, c_void_p
-
+from .._capi._binding import arg_value
 from ..enums import DataType, RedOp
 from ._spec import COLLECTIVES, Where
 
@@ -64,15 +63,9 @@ def entry(ring: list[Any], newest: int, seq: int) -> FlightRecord | None:
 
 
 def _plain(arg: object) -> object:
-    """A C argument as the hot path passed it (an int, or a shared ctypes object:
-    ``c_void_p`` pointers/handle/stream, ``c_int`` codes, ``c_size_t`` counts) as a plain
-    value (a NULL ``c_void_p`` is 0)."""
-    kind = type(arg)
-    if kind is c_void_p:
-        return arg.value or 0  # type: ignore[attr-defined]
-    if kind is c_int or kind is c_size_t:
-        return arg.value  # type: ignore[attr-defined]
-    return arg
+    """A C argument as the hot path passed it (an int, None for NULL, a shared pointer
+    argument, a ``c_void_p`` handle, a ``c_size_t`` count...) as a plain value."""
+    return arg_value(arg)
 
 
 def record(ring: list[Any], newest: int) -> list[FlightRecord]:

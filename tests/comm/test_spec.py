@@ -134,18 +134,6 @@ def test_first_use_imports_no_dataclasses_or_hashlib() -> None:
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_rank_args_are_shared_c_ints_of_each_rank() -> None:
-    from ctypes import c_int
-
-    from pynccl.comm._args import RANK_ARGS_LIMIT, rank_args
-
-    small = rank_args(5)
-    assert len(small) >= 5 and all(type(a) is c_int and a.value == r for r, a in enumerate(small))
-    assert rank_args(3) is small  # one list for the process, grown on demand
-    assert len(rank_args(RANK_ARGS_LIMIT + 10)) == RANK_ARGS_LIMIT
-    assert [a.value for a in rank_args(0)[-2:]] == [RANK_ARGS_LIMIT - 2, RANK_ARGS_LIMIT - 1]
-
-
 def test_a_rooted_fast_call_records_the_root_as_an_int(lb: Any) -> None:
     from pynccl.cuda import DeviceBuffer
 
