@@ -21,7 +21,8 @@ from ._collconfig import CollConfig
 from ._spec import CollSpec, Where
 
 __all__ = [
-    "OpEntry",
+    "NO_COMPLEX",
+    "OP_KEY_TYPES",
     "config_arg",
     "dtype_table",
     "learn_dtype",
@@ -39,38 +40,37 @@ if TYPE_CHECKING:
 # -- the value-keyed tables of the fast path ----------------------------------------------
 
 _AVG_SINCE: Release = (2, 10, 3)
-_NO_COMPLEX = frozenset({RedOp.PROD, RedOp.MAX, RedOp.MIN})
+#: The ops NCCL does not define for complex numbers.
+NO_COMPLEX = frozenset({RedOp.PROD, RedOp.MAX, RedOp.MIN})
 _OP_FORMS = (
     "a pynccl.RedOp, one of 'sum', 'prod', 'max', 'min', 'avg', "
     "or an int op from create_premul_sum()"
 )
-#: An op table's entry: the key's exact type (a hit of an equal key of another type —
-#: ``0`` for ``RedOp.SUM`` — is no hit), the ``ncclRedOp_t`` NCCL takes (the RedOp member:
-#: an int, which a function without argtypes passes as a C int with no conversion), and
-#: whether the op is defined for complex arrays.
-OpEntry = tuple[type, RedOp, bool]
-_OP_TABLES: dict[Release, dict[object, OpEntry]] = {}
+#: The types of an op table's keys: a hit whose key is of another type (``0.0`` or
+#: ``False`` equal ``RedOp.SUM``) is no hit, the checked path's to accept or refuse.
+OP_KEY_TYPES = frozenset({RedOp, str})
+_OP_TABLES: dict[Release, dict[object, RedOp]] = {}
 _DTYPE_TABLES: dict[Release, dict[object, DataType]] = {}
 _ML_TYPES = frozenset({DataType.BFLOAT16, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2})
 #: The most keys a data-type table learns (foreign dtype objects are few).
 DTYPE_KEYS_LIMIT = 1024
 
 
-def op_table(version: Release) -> dict[object, OpEntry]:
+def op_table(version: Release) -> dict[object, RedOp]:
     """The built-in ops the fast path resolves for a library of ``version``, keyed by
-    value: every RedOp member, its name (``"sum"``) and its C name (``"ncclSum"``); avg
-    only from 2.10.3 (before, the checked path raises NotSupportedError). One table per
-    release, shared by its communicators and never changed."""
+    value: every RedOp member, its name (``"sum"``) and its C name (``"ncclSum"``), each
+    to the ``ncclRedOp_t`` NCCL takes (the member: an int, which a function without
+    argtypes passes as a C int with no conversion); a hit counts only for a key of one of
+    :data:`OP_KEY_TYPES`. Avg only from 2.10.3 (before, the checked path raises
+    NotSupportedError). One table per release, shared by its communicators and never
+    changed."""
     table = _OP_TABLES.get(version)
     if table is None:
         table = {}
         for op in RedOp:
             if op is RedOp.AVG and version < _AVG_SINCE:
                 continue
-            entry = op, op not in _NO_COMPLEX
-            table[op] = (RedOp, *entry)
-            table[op.name.lower()] = (str, *entry)
-            table[op.c_name] = (str, *entry)
+            table[op] = table[op.name.lower()] = table[op.c_name] = op
         table = _OP_TABLES.setdefault(version, table)  # threads racing here share one
     return table
 
@@ -153,7 +153,7 @@ def resolve_op(
         return value
     if member is RedOp.AVG and version < _AVG_SINCE:
         raise NotSupportedError("ncclAvg", _AVG_SINCE, version)
-    if member in _NO_COMPLEX and objs:
+    if member in NO_COMPLEX and objs:
         is_complex = getattr(_adapt, "is_complex", None)
         for obj in objs:
             if obj is not None and type(obj) is not int and is_complex is not None:

@@ -26,7 +26,7 @@ from .._limits import (
 )
 from ..cuda._streamlike import CURRENT, current_stream
 from ..dtypes import as_datatype, canonical_name
-from ..enums import DataType
+from ..enums import DataType, RedOp
 from ..errors import NotSupportedError
 from . import _recorder
 from ._args import config_arg, learn_dtype, raw_needs, resolve_op
@@ -38,7 +38,6 @@ __all__ = ["Checked", "Plan"]
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ..typing import StreamLike
-    from ._args import OpEntry
 
 #: A checked call: ``[(row index, C arguments before (comm, stream))]`` (several rows for a
 #: grouped fallback), the stream, and the ``const ncclCollConfig_t*`` argument of the row's
@@ -57,7 +56,7 @@ class Checked(Core):
     __slots__ = ()
 
     # Set up by Communicator._setup: the tables the fast path reads, which this path fills.
-    _optab: dict[object, OpEntry]
+    _optab: dict[object, RedOp]
     _dtypes: dict[object, DataType]
     _codes: dict[DataType, DataType | None]
     _custom_ops: dict[int, tuple[object, set[int]]]

@@ -31,6 +31,7 @@ from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
 from .._capi._binding import PTR_ARGS, SIZE_ARGS
 from ..enums import DataType
 from . import _colldocs, _recorder
+from ._args import NO_COMPLEX, OP_KEY_TYPES
 from ._checked import Checked
 from ._persistent import PersistentOp, persistent
 from ._spec import (
@@ -65,6 +66,7 @@ _MASK = _recorder.RING_MASK
 #: buffer the row has not), count, type.
 _Resolved = tuple[object, object, c_size_t, "DataType | None"]
 _SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
+_ABSENT = {True: None}  # a row without the buffer: None; a row with it: KeyError
 
 def _issue(comm: Collectives, row: CollSpec, async_op: object, *args: Any) -> Work:
     """A call with ``async_op=True``: through the one path, then its handle (:mod:`._work`;
@@ -95,26 +97,26 @@ class Collectives(Checked):
             else:
                 s = stream if type(stream) is int else as_stream(stream)
                 cst = PTR_ARGS[s] if s else None
-            cop, on_complex = None, True  # on_complex: False for prod/max/min
             if has_op:
-                kind, cop, on_complex = self._optab[op]
-                if type(op) is not kind:
+                cop = self._optab[op]
+                if type(op) not in OP_KEY_TYPES:  # equal to a key, but no name nor RedOp
                     raise KeyError(op)
             if has_where and (type(where) is not int or not 0 <= where < self._size):
                 raise KeyError(where)
             if type(count) is int and count < self._fast_n:  # raw pointers (a miss: < 0)
                 code = self._codes[dtype] if type(dtype) is DataType else self._dtypes[dtype]
                 cn = SIZE_ARGS[count]
-                rb = sendbuf if recvbuf is None and in_place else recvbuf
-                cs = PTR_ARGS[sendbuf] if type(sendbuf) is int else None
-                cr = PTR_ARGS[rb] if type(rb) is int else None
+                # Not an int: None for a buffer the row has not, else (an array, None) a
+                # KeyError from _ABSENT: the checked path.
+                cs = PTR_ARGS[sendbuf] if type(sendbuf) is int else _ABSENT[no_send]
+                cr = (PTR_ARGS[recvbuf] if type(recvbuf) is int else
+                      cs if in_place and recvbuf is None else _ABSENT[no_recv])  # fmt: skip
+                if code is None:  # a type too new for the library: the checked path says so
+                    raise KeyError(dtype)
                 keep = False
             else:  # arrays: each read by its type's handler
-                cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, where, s, count, dtype,
-                                                on_complex)
+                cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, op, where, s, count, dtype)
                 keep = True
-            if (cs is None) is not no_send or (cr is None) is not no_recv or code is None:
-                raise KeyError(i)  # a raw call with a None (or array) buffer, a type too new
         except _SLOW:
             return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
         gid = self._join(keep, s, sendbuf, recvbuf) if _OPEN else 0
@@ -155,8 +157,8 @@ class Collectives(Checked):
                 st.comms.append((self, s))
         return gid
 
-    def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, where: object, s: int,
-                count: object, dtype: object, on_complex: bool) -> _Resolved:  # fmt: skip
+    def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, op: object,
+                where: object, s: int, count: object, dtype: object) -> _Resolved:  # fmt: skip
         """The fast path's arrays, each read once by its type's handler, as
         :meth:`._checked.Checked._prepare` reads them (the count's source first): ``(send
         pointer argument, recv pointer argument, c_size_t count, DataType)``, None for a
@@ -164,12 +166,14 @@ class Collectives(Checked):
         instead: count= or dtype= given, a type read for the first time, a buffer on
         another device or of another type, odd sizes, a rooted call off its root, a
         complex array with prod/max/min."""
-        _, _, _, in_place, no_send, no_recv, _, send_n, recv_n, first, rooted = row.fast
+        _, has_op, _, in_place, no_send, no_recv, _, send_n, recv_n, first, rooted = row.fast
         in_place = in_place and recvbuf is None
-        if count is not None or dtype is not None or (not on_complex and (
-            is_complex(sendbuf) or (not in_place and is_complex(recvbuf))
-        )):
+        if count is not None or dtype is not None:
             raise KeyError(count)
+        if has_op and self._optab[op] in NO_COMPLEX and (
+            is_complex(sendbuf) or (not in_place and is_complex(recvbuf))
+        ):
+            raise KeyError(op)  # the checked path words it
         if in_place or no_send or no_recv:  # one buffer
             one, name = (recvbuf, "recvbuf") if no_send else (sendbuf, "sendbuf")
             ptr, n, dt, dev = _BUFFER_HANDLERS[type(one)](one, None, None, name,
