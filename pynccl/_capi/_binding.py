@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from ..enums import Release
 
 __all__ = [
+    "COUNT_ARGS",
+    "COUNT_ARGS_LIMIT",
     "PTR_ARGS",
     "PTR_ARGS_LIMIT",
     "SIZE_ARGS",
@@ -32,6 +34,7 @@ __all__ = [
     "BoundLibrary",
     "Prototype",
     "arg_value",
+    "count_arg",
     "pointer_arg",
     "ptr_arg",
     "size_arg",
@@ -110,10 +113,35 @@ def ptr_arg(address: int) -> Any:
     return arg
 
 
+#: Most shared count arguments :data:`COUNT_ARGS` keeps.
+COUNT_ARGS_LIMIT = 4096
+
+#: Counts (``size_t``) as the hot paths pass them to functions *without* argtypes: the
+#: pointer argument of the count's value (:func:`pointer_arg`). A ``size_t`` and a
+#: pointer are passed alike on every ABI NCCL runs on (LP64 x86-64, aarch64, ppc64le: both
+#: the machine word, in the same registers and stack slots), and a pointer argument is
+#: passed with no object made per call, where a ``c_size_t`` makes one at every call.
+#: Shared, never mutated, keyed by the count (at most COUNT_ARGS_LIMIT kept). Functions
+#: with argtypes take :data:`SIZE_ARGS` instead (a ``c_size_t`` parameter refuses these).
+COUNT_ARGS: dict[int, Any] = {}
+
+
+def count_arg(count: int) -> Any:
+    """``count`` (an int in [0, 2**64)) as a ``size_t`` argument for a function without
+    argtypes: the shared one of :data:`COUNT_ARGS` (kept while it holds fewer than
+    :data:`COUNT_ARGS_LIMIT`). :func:`arg_value` reads it back."""
+    arg = COUNT_ARGS.get(count)
+    if arg is None:
+        arg = pointer_arg(count)
+        if len(COUNT_ARGS) < COUNT_ARGS_LIMIT:
+            COUNT_ARGS[count] = arg
+    return arg
+
+
 def arg_value(arg: object) -> object:
-    """A C argument as the hot paths pass it — an int, None (NULL), a pointer argument
-    (:func:`ptr_arg`), or a ctypes ``c_void_p``/``c_int``/``c_size_t`` object — as a
-    plain value: an int for each of those (0 for NULL); anything else as it is."""
+    """A C argument as the hot paths pass it — an int, None (NULL), a pointer or count
+    argument (:func:`ptr_arg`, :func:`count_arg`), or a ctypes ``c_void_p``/``c_int``/
+    ``c_size_t`` object — as a plain value: an int for each of those (0 for NULL); anything else as it is."""
     if type(arg) is int or arg is None:
         return arg or 0
     if type(arg) is _CARG:

@@ -15,7 +15,7 @@ from ctypes import c_void_p
 
 from .. import groups as _groups
 from .._adapt import _BUFFER_HANDLERS, as_stream, buffer_handler, check_device
-from .._capi._binding import ptr_arg, size_arg
+from .._capi._binding import count_arg, ptr_arg, size_arg
 from .._limits import (
     check_count,
     check_extent,
@@ -140,6 +140,7 @@ class Checked(Core):
         (and left in its tables for the fast path's next call)."""
         i = spec.index
         sp, rp, cn, code = ptr_arg(send), ptr_arg(recv), size_arg(n), self._codes[dt]
+        count_arg(n)  # the fast path's (its functions have no argtypes)
         if spec is SEND:
             return [(i, (sp, cn, code, w))]
         if spec is RECV:

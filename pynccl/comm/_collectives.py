@@ -7,14 +7,17 @@ tables, as NCCL's own ``ncclEnqueueCheck`` fills one ``ncclInfo``:
 
 * ``dtype`` and ``op`` through a dict keyed by value (:func:`._args.dtype_table`,
   :func:`._args.op_table`): ``DataType``/``RedOp`` members, names and aliases, and every
-  form the checked path has resolved before (numpy dtypes and scalar types, torch dtypes);
-* raw pointers (the same ints or made afresh: keyed by value), counts, roots/peers and
-  stream handles through the shared ctypes objects of :mod:`pynccl._capi._binding`;
+  form the checked path has resolved before (numpy dtypes and scalar types, torch dtypes),
+  each to its member (an int, which ctypes passes as a C int as it is);
+* raw pointers (the same ints or made afresh: keyed by value), counts and stream handles
+  through the shared pointer and count arguments of :mod:`pynccl._capi._binding`
+  (``byref`` objects, which ctypes passes with no object made per call); roots and peers
+  as the ints themselves;
 * arrays (``DeviceBuffer``, ``__cuda_array_interface__``, DLPack) through their type's
   handler (:mod:`pynccl._adapt`), once per buffer.
 
 then joins the open group, takes the gate, stores one flight-record entry, makes one C
-call (a function without argtypes: every argument is already a ctypes object) and checks
+call (a function without argtypes: every argument is already what C takes) and checks
 its result. Anything else — a form seen for the first time, ``None`` buffers, a per-call
 ``config=``, a capture under way, a communicator not ready — goes to the checked path
 (:meth:`._checked.Checked._slow`, ``_prepare``), which words every mistake the same way
@@ -24,11 +27,9 @@ invalidating: every table maps a value to what that value means.
 
 from __future__ import annotations
 
-from ctypes import c_size_t
-
 from .. import groups as _groups
 from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
-from .._capi._binding import PTR_ARGS, SIZE_ARGS
+from .._capi._binding import COUNT_ARGS, PTR_ARGS
 from ..enums import DataType
 from . import _colldocs, _recorder
 from ._args import NO_COMPLEX, OP_KEY_TYPES
@@ -64,7 +65,7 @@ _GROUPS = _groups.STATE  # the calling thread's group state: ``.s``
 _MASK = _recorder.RING_MASK
 #: What :meth:`Collectives._arrays` resolves: send and recv pointer arguments (None for a
 #: buffer the row has not), count, type.
-_Resolved = tuple[object, object, c_size_t, "DataType | None"]
+_Resolved = tuple[object, object, object, "DataType | None"]
 _SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
 _ABSENT = {True: None}  # a row without the buffer: None; a row with it: KeyError
 
@@ -105,7 +106,7 @@ class Collectives(Checked):
                 raise KeyError(where)
             if type(count) is int and count < self._fast_n:  # raw pointers (a miss: < 0)
                 code = self._codes[dtype] if type(dtype) is DataType else self._dtypes[dtype]
-                cn = SIZE_ARGS[count]
+                cn = COUNT_ARGS[count]
                 # Not an int: None for a buffer the row has not, else (an array, None) a
                 # KeyError from _ABSENT: the checked path.
                 cs = PTR_ARGS[sendbuf] if type(sendbuf) is int else _ABSENT[no_send]
@@ -161,7 +162,7 @@ class Collectives(Checked):
                 where: object, s: int, count: object, dtype: object) -> _Resolved:  # fmt: skip
         """The fast path's arrays, each read once by its type's handler, as
         :meth:`._checked.Checked._prepare` reads them (the count's source first): ``(send
-        pointer argument, recv pointer argument, c_size_t count, DataType)``, None for a
+        pointer argument, recv pointer argument, count argument, DataType)``, None for a
         buffer the row has not. Raises KeyError for what the checked path must look at
         instead: count= or dtype= given, a type read for the first time, a buffer on
         another device or of another type, odd sizes, a rooted call off its root, a
@@ -202,7 +203,7 @@ class Collectives(Checked):
             raise KeyError(dt)
         # A pointer or count not seen yet: the checked path makes its shared argument.
         return (None if no_send else PTR_ARGS[sp], None if no_recv else PTR_ARGS[rp],
-                SIZE_ARGS[n], code)  # fmt: skip
+                COUNT_ARGS[n], code)  # fmt: skip
 
     def _me(self) -> Communicator:
         return self  # type: ignore[return-value]  # the only subclass

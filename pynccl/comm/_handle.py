@@ -5,9 +5,10 @@ which holds the one teardown).
   only code that assigns one, and it keeps ``_h`` (the handle calls may use) equal to
   the handle in state READY and None in every other state, so the hot path tests one
   attribute.
-  ``_h`` is the handle as a ``c_void_p``, made once when the handle is adopted: what the
-  fast path passes to functions without argtypes, and what functions with argtypes
-  take as readily as an int (``_handle`` is the int).
+  ``_h`` is the handle as a pointer argument (:func:`pynccl._capi._binding.pointer_arg`),
+  made once when the handle is adopted: what the fast path passes to functions without
+  argtypes (no argument object made per call), and what functions with ``c_void_p``
+  argtypes take as readily as an int (``_handle`` is the int).
 * The *gate* is held around every C call that passes the handle, and by the teardown
   while it retires the handle: a communicator destroyed or aborted by another thread
   mid-call never hands a destroyed handle to C, and two threads issuing on one
@@ -40,6 +41,7 @@ import time
 from _thread import allocate_lock
 from ctypes import byref, c_int, c_void_p
 
+from .._capi._binding import pointer_arg
 from ..enums import Result
 from ..errors import NcclInvalidUsage, NcclTimeoutError
 from ._state import GONE_TAILS, HANDLE, TERMINAL, State, live_handles, track
@@ -118,7 +120,7 @@ class CommHandle:
 
     _h: c_void_p | None
     _handle: int | None
-    _harg: c_void_p | None
+    _harg: c_void_p | None  # a pointer argument, which passes wherever a c_void_p does
     _lib: NcclLibrary
     _rank: int
     _size: int
@@ -160,7 +162,7 @@ class CommHandle:
                 Result.INTERNAL_ERROR, "ncclCommInit", "NCCL returned a NULL communicator"
             )
         self._handle = handle
-        self._harg = c_void_p(handle)
+        self._harg = pointer_arg(handle)
         self._set_state(State.INITIALIZING if pending else State.READY)
         track(self)
         self._adopted()

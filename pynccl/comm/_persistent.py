@@ -3,7 +3,7 @@
 The arguments are checked once, by the collectives' checked path
 (:meth:`._checked.Checked._prepare`, so the same mistakes raise the same errors), and the C
 call is prebuilt: every argument as the fast path passes it (pointer arguments for the
-buffers and the stream, the handle's ``c_void_p``, a ``c_size_t`` count, ints for
+buffers, the handle and the stream, a count argument, ints for
 type/op/root/peer, the config's pointer) to a second ctypes function object of the row's
 C function that has *no* ``argtypes``, so ctypes converts nothing per call. The
 flight-record entry is prebuilt too (the tuple the checked path would store). A call
@@ -22,7 +22,7 @@ from ctypes import c_int, c_size_t, c_void_p
 
 from .. import groups as _groups
 from .._adapt import as_stream
-from .._capi._binding import PTR_ARGS, arg_value, ptr_arg
+from .._capi._binding import PTR_ARGS, arg_value, count_arg, ptr_arg
 from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
@@ -46,9 +46,9 @@ _GROUPS = _groups.STATE  # the thread's group state (groups.keep_alive, inline b
 
 def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
     """``values`` (the checked path's C arguments) as a function without argtypes takes
-    them: C ints as ints, counts as ``c_size_t``, pointers (buffers, ``cudaStream_t``) as
-    pointer arguments (:func:`~pynccl._capi._binding.ptr_arg`; None: NULL), the handle
-    (a ``c_void_p``) and the config's ``byref`` as they are."""
+    them: C ints as ints, counts and pointers (buffers, ``ncclComm_t``, ``cudaStream_t``)
+    as count and pointer arguments (:mod:`pynccl._capi._binding`; None: NULL), the
+    config's ``byref`` as it is."""
     from .._capi.nccl import PROTOTYPES  # loaded with the library, not with the object API
 
     out: list[object] = []
@@ -57,9 +57,7 @@ def _ctype_args(cfunc: str, values: tuple[object, ...]) -> tuple[object, ...]:
         if ctype is c_int:
             out.append(int(arg_value(value)))  # type: ignore[call-overload]
         elif ctype is c_size_t:
-            out.append(value if type(value) is c_size_t else c_size_t(arg_value(value)))  # type: ignore[arg-type]
-        elif type(value) is c_void_p:  # ncclComm_t: the communicator's handle
-            out.append(value)
+            out.append(count_arg(arg_value(value)))  # type: ignore[arg-type]
         elif ctype is c_void_p or getattr(ctype, "_type_", None) == "P":
             out.append(ptr_arg(arg_value(value)))  # type: ignore[arg-type]
         else:  # POINTER(ncclCollConfig_t): the byref() the checked path made

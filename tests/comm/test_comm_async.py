@@ -107,13 +107,13 @@ def test_flight_record_keeps_the_last_64(solo_comm: Communicator) -> None:
 def test_count_arguments_cache_stays_bounded_and_exact(
     solo_comm: Communicator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # all_reduce hands ctypes cached c_size_t objects for counts: the cache must stay
-    # bounded, and every count (cached, fresh, 0) must reach C exactly.
+    # all_reduce hands ctypes cached count arguments: the cache must stay bounded, and
+    # every count (cached, fresh, 0) must reach C exactly.
     from pynccl._capi import _binding as comm_module  # the one shared cache
 
-    saved = dict(comm_module.SIZE_ARGS)
-    comm_module.SIZE_ARGS.clear()  # the generated methods hold this dict itself
-    monkeypatch.setattr(comm_module, "SIZE_ARGS_LIMIT", 8)
+    saved = dict(comm_module.COUNT_ARGS)
+    comm_module.COUNT_ARGS.clear()  # the fast path holds this dict itself
+    monkeypatch.setattr(comm_module, "COUNT_ARGS_LIMIT", 8)
     data = np.arange(40, dtype=np.float32)
     with to_device(data) as src, to_device(np.zeros(40, np.float32)) as dst:
         for count in [*range(20), 3, 19, 0]:
@@ -123,11 +123,12 @@ def test_count_arguments_cache_stays_bounded_and_exact(
             got = dst.to_numpy()
             assert np.array_equal(got[:count], data[:count]) and (got[count:] == -1).all()
     try:
-        assert len(comm_module.SIZE_ARGS) == 8
-        assert all(type(k) is int and v.value == k for k, v in comm_module.SIZE_ARGS.items())
+        assert len(comm_module.COUNT_ARGS) == 8
+        cache = comm_module.COUNT_ARGS.items()
+        assert all(type(k) is int and comm_module.arg_value(v) == k for k, v in cache)
     finally:
-        comm_module.SIZE_ARGS.clear()
-        comm_module.SIZE_ARGS.update(saved)
+        comm_module.COUNT_ARGS.clear()
+        comm_module.COUNT_ARGS.update(saved)
 
 
 def test_flight_record_wraps_with_mixed_operations(solo_comm: Communicator) -> None:
