@@ -28,7 +28,7 @@ invalidating: every table maps a value to what that value means.
 from __future__ import annotations
 
 from .. import groups as _groups
-from .._adapt import _BUFFER_HANDLERS, as_stream, is_complex
+from .._adapt import _BUFFER_HANDLERS, _STREAM_HANDLERS, is_complex
 from .._capi._binding import COUNT_ARGS, PTR_ARGS
 from ..enums import DataType
 from . import _colldocs, _recorder
@@ -96,7 +96,7 @@ class Collectives(Checked):
             if stream is None:
                 s, cst = self._stream, self._cstream
             else:
-                s = stream if type(stream) is int else as_stream(stream)
+                s = stream if type(stream) is int else _STREAM_HANDLERS[type(stream)](stream)
                 cst = PTR_ARGS[s] if s else None
             if has_op:
                 cop = self._optab[op]

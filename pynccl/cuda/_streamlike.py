@@ -106,10 +106,6 @@ def _is_number(obj: Any) -> bool:
     return isinstance(obj, (numbers.Number, str, bytes))
 
 
-def _stream_from_pynccl(obj: Any) -> int:
-    return obj.handle  # type: ignore[no-any-return]
-
-
 def _pick(cls: type, obj: Any) -> StreamHandler:
     """The handler for ``obj`` (of type ``cls``); ``TypeError`` if none fits."""
     stream_module = sys.modules.get(__package__ + "._stream")  # loaded with pynccl.cuda
@@ -118,7 +114,7 @@ def _pick(cls: type, obj: Any) -> StreamHandler:
     if issubclass(cls, int):
         return _stream_from_int
     if stream_module is not None and cls is getattr(stream_module, "Stream", None):
-        return _stream_from_pynccl
+        return cls.handle.fget  # type: ignore[no-any-return]  # the property itself: one frame
     if hasattr(obj, "__cuda_stream__"):
         return _stream_from_protocol
     if hasattr(obj, "cuda_stream"):
