@@ -179,31 +179,35 @@ class Collectives(Checked):
             one, name = (recvbuf, "recvbuf") if no_send else (sendbuf, "sendbuf")
             ptr, n, dt, dev = _BUFFER_HANDLERS[type(one)](one, None, None, name,
                                                           in_place or no_send, s)  # fmt: skip
-            sp = rp = ptr
+            # A pointer or count not seen yet: the checked path makes its shared argument.
+            cs = None if no_send else PTR_ARGS[ptr]
+            cr = None if no_recv else PTR_ARGS[ptr]
         else:
             if rooted and where != self._rank:
                 raise KeyError(where)  # which buffers this rank reads depends on the root
-            a, b = (sendbuf, recvbuf) if first else (recvbuf, sendbuf)
-            ptr, n, dt, dev = _BUFFER_HANDLERS[type(a)](
-                a, None, None, "sendbuf" if first else "recvbuf", not first, s)  # fmt: skip
-            ptr2, n2, dt2, dev2 = _BUFFER_HANDLERS[type(b)](
-                b, None, None, "recvbuf" if first else "sendbuf", first, s)  # fmt: skip
-            size = self._size
-            ma, mb = (size if send_n else 1, size if recv_n else 1)
-            if not first:
-                ma, mb = mb, ma
-            if n % ma or dt2 is not dt or n2 < n // ma * mb or (
-                dev2 is not None and dev2 != self._device
-            ):
-                raise KeyError(n)
-            n //= ma
-            sp, rp = (ptr, ptr2) if first else (ptr2, ptr)
+            read = _BUFFER_HANDLERS
+            if first:  # the count's source first
+                sp, n, dt, dev = read[type(sendbuf)](sendbuf, None, None, "sendbuf", False, s)
+                rp, n2, dt2, dev2 = read[type(recvbuf)](recvbuf, None, None, "recvbuf", True, s)
+            else:
+                rp, n, dt, dev = read[type(recvbuf)](recvbuf, None, None, "recvbuf", True, s)
+                sp, n2, dt2, dev2 = read[type(sendbuf)](sendbuf, None, None, "sendbuf", False, s)
+            if send_n or recv_n:  # a per-rank extent: n elements are count * its multiplier
+                size = self._size
+                ma, mb = (size if send_n else 1, size if recv_n else 1)
+                if not first:
+                    ma, mb = mb, ma
+                if n % ma:
+                    raise KeyError(n)
+                n //= ma
+                n2 //= mb
+            if n2 < n or dt2 is not dt or (dev2 is not None and dev2 != self._device):
+                raise KeyError(n2)
+            cs, cr = PTR_ARGS[sp], PTR_ARGS[rp]
         code = self._codes[dt]
         if code is None or (dev is not None and dev != self._device):
             raise KeyError(dt)
-        # A pointer or count not seen yet: the checked path makes its shared argument.
-        return (None if no_send else PTR_ARGS[sp], None if no_recv else PTR_ARGS[rp],
-                COUNT_ARGS[n], code)  # fmt: skip
+        return cs, cr, COUNT_ARGS[n], code
 
     def _me(self) -> Communicator:
         return self  # type: ignore[return-value]  # the only subclass
