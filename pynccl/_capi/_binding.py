@@ -67,7 +67,6 @@ def size_arg(count: int) -> c_size_t:
 #: Most shared pointer arguments :data:`PTR_ARGS` keeps before it starts afresh.
 PTR_ARGS_LIMIT = 4096
 _P63 = 1 << 63
-_P64 = 1 << 64
 
 #: A ctypes type of no size: an object of it made at an address reads nothing there.
 _AT = c_char * 0
@@ -128,12 +127,13 @@ COUNT_ARGS: dict[int, Any] = {}
 
 def count_arg(count: int) -> Any:
     """``count`` (an int in [0, 2**64)) as a ``size_t`` argument for a function without
-    argtypes: the shared one of :data:`COUNT_ARGS` (kept while it holds fewer than
-    :data:`COUNT_ARGS_LIMIT`). :func:`arg_value` reads it back."""
+    argtypes: the shared one of :data:`COUNT_ARGS` for a count below 2**63 (kept while it
+    holds fewer than :data:`COUNT_ARGS_LIMIT`), else a new one. :func:`arg_value` reads it
+    back."""
     arg = COUNT_ARGS.get(count)
     if arg is None:
         arg = pointer_arg(count)
-        if len(COUNT_ARGS) < COUNT_ARGS_LIMIT:
+        if 0 <= count < _P63 and len(COUNT_ARGS) < COUNT_ARGS_LIMIT:
             COUNT_ARGS[count] = arg
     return arg
 

@@ -10,6 +10,7 @@ pointer arguments (``PTR_ARGS``), whose hits stand for a passed range check.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ from support.cai_cases import CASES, F32, N, changed, interface, outcome, reduce
 from pynccl._capi import _binding
 from pynccl.comm import Communicator, UniqueId
 from pynccl.cuda import DeviceBuffer
+from pynccl.errors import NcclInvalidArgument
 
 pytestmark = pytest.mark.usefixtures("lb")
 
@@ -109,6 +111,26 @@ def test_a_raw_pointer_out_of_range_is_refused_by_every_call(ptr: int) -> None:
                 text = str(info.value).replace("recvbuf", "BUF").replace("sendbuf", "BUF")
                 messages.add((type(info.value), text))
         assert len(messages) == 1, messages
+    finally:
+        buf.close()
+        comm.destroy()
+
+
+@pytest.mark.parametrize("count", [17, (1 << 32) + 5])
+def test_pointer_and_count_arguments_reach_c_exactly(count: int) -> None:
+    # The fast path and persistent operations pass pointers and counts as byref() pointer
+    # arguments (a size_t as the machine word it is): the loopback reports the pointer and
+    # the byte extent it received, which must be the ones given, high bits included.
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    buf = DeviceBuffer(16, F32)
+    want = f"sendbuff {buf.ptr:#x} ({count * 4} bytes)"
+    try:
+        op = comm.all_reduce_init(buf.ptr, buf.ptr, count=count, dtype="float32")
+        calls = [lambda: comm.all_reduce(buf.ptr, buf.ptr, count=count, dtype="float32")] * 3
+        for call in [op, *calls]:  # the checked path first, then the fast path (if in range)
+            with pytest.raises(NcclInvalidArgument, match=re.escape(want)):
+                call()
+        assert _binding.arg_value(_binding.count_arg(count)) == count
     finally:
         buf.close()
         comm.destroy()
