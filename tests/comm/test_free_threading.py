@@ -23,7 +23,7 @@ from support import ROOT
 
 from pynccl._capi import _binding
 from pynccl.comm import _args, _state
-from pynccl.enums import DataType
+from pynccl.enums import DataType, RedOp
 
 THREADS = 4
 
@@ -52,23 +52,6 @@ def _together(fn: Any, n: int = THREADS) -> list[Any]:
     return out
 
 
-def _slow_c_int(value: int) -> c_int:
-    time.sleep(0.002)  # another thread runs meanwhile, with the GIL or without
-    return c_int(value)
-
-
-def test_rank_args_grown_by_threads_at_once_hold_each_rank_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Communicators of a thread world are made on their threads at once, and each grows the
-    # shared per-rank c_ints to its size: an entry twice would pass rank 0 for rank 8.
-    monkeypatch.setattr(_args, "_RANK_ARGS", [])
-    monkeypatch.setattr(_args, "c_int", _slow_c_int)
-    got = _together(lambda: _args.rank_args(8))
-    assert all(g is got[0] for g in got)
-    assert [a.value for a in _args.rank_args(16)] == list(range(16))
-
-
 @pytest.mark.parametrize("kind", ["dtype", "op"])
 def test_threads_missing_a_release_table_at_once_share_one(
     monkeypatch: pytest.MonkeyPatch, kind: str
@@ -87,14 +70,16 @@ def test_threads_missing_a_release_table_at_once_share_one(
         make = _args.dtype_table
     else:
         monkeypatch.setattr(_args, "_OP_TABLES", {})
-        codes = dict(_args.C_REDOP)
 
-        class SlowCodes(dict[Any, Any]):
-            def __getitem__(self, key: Any) -> Any:
-                time.sleep(0.002)
-                return codes[key]
+        class SlowOps:
+            AVG = RedOp.AVG
 
-        monkeypatch.setattr(_args, "C_REDOP", SlowCodes(codes))
+            def __iter__(self) -> Any:
+                for op in RedOp:
+                    time.sleep(0.002)
+                    yield op
+
+        monkeypatch.setattr(_args, "RedOp", SlowOps())
         make = _args.op_table
     tables = _together(lambda: make((2, 32, 3)))
     assert all(t is tables[0] for t in tables)

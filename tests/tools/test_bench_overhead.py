@@ -58,7 +58,8 @@ def test_a_quick_run_reports_every_selected_variant() -> None:
     for form, target in targets.items():
         _ns, ratio, _best, shown, verdict = rows[f"all_reduce {form}"]
         assert float(shown) == target
-        assert verdict == ("ok" if float(ratio) <= target else "MISSED")
+        if abs(float(ratio) - target) > 0.005:  # shown rounded: at the target it may say either
+            assert verdict == ("ok" if float(ratio) <= target else "MISSED")
     assert rows["send+recv enum"][3] == "1.50"
     assert "spread between a row's raw forms" in out.stdout
     assert re.search(r"^  all_reduce\s+\d+%", out.stdout, re.M)
