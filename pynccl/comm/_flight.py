@@ -109,8 +109,13 @@ def _main_stack() -> list[str]:
     frame = sys._current_frames().get(threading.main_thread().ident or 0)
     if frame is None:
         return []
-    # a dump from a signal handler runs on the main thread: its own frames are no news
-    stack = [f for f in traceback.extract_stack(frame) if f.filename != __file__][-8:]
+    # A dump from a signal handler runs on the main thread: its frames, and whatever they
+    # called, are no news. Cut at the outermost of them, not only at this file's frames: a
+    # second signal can arrive while the first dump is in another module's code
+    # (os.environ.get), whose frames would then pass for where the program was.
+    stack = traceback.extract_stack(frame)
+    ours = next((i for i, f in enumerate(stack) if f.filename == __file__), len(stack))
+    stack = stack[:ours][-8:]
     return [f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else "")
             for f in stack]  # fmt: skip
 

@@ -120,6 +120,33 @@ def test_sigterm_dumps_then_ends_by_the_signal(tmp_path: Path, lb_env: dict[str,
     assert _dump(tmp_path)["reason"] == "signal SIGTERM"
 
 
+def test_a_signal_during_a_dump_names_where_the_program_was(
+    tmp_path: Path, lb_env: dict[str, str]
+) -> None:
+    # A second signal arrives while the first dump runs code outside _flight (here its
+    # makedirs): the nested dump must still say where the program was, not that code.
+    code, err = _child(tmp_path, lb_env, """\
+        import json
+        real, seen = os.makedirs, []
+        def makedirs(*args, **kwargs):
+            if not seen:
+                seen.append(1)
+                os.kill(os.getpid(), signal.SIGUSR1)  # handled here, inside the first dump
+                time.sleep(0.01)
+                with open(os.path.join(os.environ["PYNCCL_FLIGHT_DIR"], "rank0.json")) as f:
+                    print("NESTED", json.dumps(json.load(f)["main_thread"]), file=sys.stderr)
+            return real(*args, **kwargs)
+        os.makedirs = makedirs
+        comm.all_reduce(buf)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.2)
+        """)  # fmt: skip
+    assert code == 0, err
+    nested = json.loads(err.split("NESTED ", 1)[1].splitlines()[0])
+    where = "in <module>: os.kill(os.getpid(), signal.SIGUSR1)"
+    assert nested and nested[-1].endswith(where), nested
+
+
 def test_handlers_chain_and_are_restored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYNCCL_FLIGHT_DIR", str(tmp_path))
     monkeypatch.setenv("RANK", "5")
