@@ -113,11 +113,10 @@ def _main_stack() -> list[str]:
     # called, are no news. Cut at the outermost of them, not only at this file's frames: a
     # second signal can arrive while the first dump is in another module's code
     # (os.environ.get), whose frames would then pass for where the program was.
-    stack = traceback.extract_stack(frame)
-    ours = next((i for i, f in enumerate(stack) if f.filename == __file__), len(stack))
-    stack = stack[:ours][-8:]
+    frames = traceback.extract_stack(frame)
+    ours = next((i for i, f in enumerate(frames) if f.filename == __file__), len(frames))
     return [f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else "")
-            for f in stack]  # fmt: skip
+            for f in frames[:ours][-8:]]  # fmt: skip
 
 
 def snapshot(reason: str) -> dict[str, object]:
