@@ -307,6 +307,27 @@ _FAST_TYPES: dict[int, tuple[DataType, int]] = {
     for (code, bits), dt in _DL_TYPES.items()
 }
 _VERSIONED_NAME = b"dltensor_versioned"
+# A capsule's own C fields (CPython's PyCapsule: the object header, then ``void *pointer;
+# const char *name; ...``), read as the rest of the tensor is: what PyCapsule_GetPointer
+# returns, without a ctypes call (which costs as much as the producer's whole export).
+# Trusted only once the full reading has checked it against the C API for a type's first
+# export (see _learn): on any other layout the fast reading is never taken.
+_HEAD = object.__basicsize__
+_read_capsule_fields = struct.Struct("PP").unpack_from
+
+
+def _learn(capsule: Any) -> tuple[type, int, bool] | None:
+    """What the fast reading of later exports compares a capsule with, from one the full
+    reading has just read: ``(its type, the address of its name, versioned)``. The name's
+    address is that of the producer's name string (a C literal for every producer known):
+    a capsule renamed since (``used_dltensor``) or of another name has another, and is read
+    in full. None if reading the capsule's fields does not give what PyCapsule_GetPointer
+    gives (a layout other than CPython's): then every export is read in full."""
+    label = _capsule_name(capsule)
+    address, name = _read_capsule_fields(_MEMORY, id(capsule) + _HEAD)
+    if address != _capsule_pointer(capsule, label) or not name:
+        return None
+    return type(capsule), name, label == _VERSIONED_NAME
 
 
 def _make_dlpack_handler(cls: type) -> BufferHandler:
@@ -314,9 +335,9 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
     # take no max_version= (pre-2023 array API), some not even stream=.
     style = [0]
     has_device = hasattr(cls, "__dlpack_device__")
-    # The capsule name of this type's first export read in full without error (None until
+    # What this type's first export read in full without error told (_learn; None until
     # then): from then on, `handler` takes its fast reading.
-    learnt: list[bytes | None] = [None]
+    learnt: list[tuple[type, int, bool] | None] = [None]
 
     def export(obj: Any, stream: int | None) -> Any:
         s = _dlpack_stream(stream)
@@ -352,8 +373,7 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
         capsule = export(obj, stream)
         info = _read_capsule(capsule, count, dtype, name, writable)
         if learnt[0] is None:
-            label = _capsule_name(capsule)
-            learnt[0] = _VERSIONED_NAME if label == _VERSIONED_NAME else label
+            learnt[0] = _learn(capsule)
         return info
 
     def handler(
@@ -361,81 +381,85 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
     ) -> BufferInfo:
         """The common case read straight: once the type's first export has passed the full
         reading, a CUDA device from ``__dlpack_device__`` (two ints), an export that does not
-        fail, whose capsule has the name learnt then and holds a DLPack 1.x (or legacy) CUDA
-        tensor of 1 to 8 dimensions of a real NCCL type, C-contiguous, from a non-NULL
-        address whose range ends below 2**64, not a copy, not read-only if written.
+        fail, whose capsule is of the type and name learnt then and holds a DLPack 1.x (or
+        legacy) CUDA tensor of 1 to 8 dimensions of a real NCCL type, C-contiguous, from a
+        non-NULL address whose range ends below 2**64, not a copy, not read-only if written.
         Anything else gets the full reading, which says what is wrong."""
-        label = learnt[0]
-        if label is None or count is not None or dtype is not None:
-            return full(obj, count, dtype, name, writable, stream)
+        known = learnt[0]
         capsule = None
-        try:
-            # The device is asked before every export, as the array API asks of consumers:
-            # the stream given to a producer is a CUDA one, and a CPU producer must get
-            # none (the full reading then says where the array lives, before any export).
-            go = True
-            if has_device:
-                kind, index = obj.__dlpack_device__()
+        if known is not None and count is None and dtype is None:
+            try:
+                # The device is asked before every export, as the array API asks of
+                # consumers: the stream given to a producer is a CUDA one, and a CPU producer
+                # must get none (the full reading then says where the array lives first).
+                kind, index = obj.__dlpack_device__() if has_device else (_DL_CUDA, 0)
                 # an int or an IntEnum (torch's), as the full reading takes them
-                go = kind == _DL_CUDA and isinstance(kind, int) and type(index) is int
-            if go:
-                s = 1 if stream == 0 else stream  # see _dlpack_stream
-                st = style[0]
-                capsule = (
-                    obj.__dlpack__(stream=s, max_version=_DLPACK_MAX_VERSION)
-                    if st == 0
-                    else obj.__dlpack__(stream=s)
-                    if st == 1
-                    else obj.__dlpack__()
-                )
-        except Exception:
-            capsule = None  # the full reading asks again and raises the producer's error
+                if kind == _DL_CUDA and type(index) is int and isinstance(kind, int):
+                    s = 1 if stream == 0 else stream  # see _dlpack_stream
+                    st = style[0]
+                    capsule = (
+                        obj.__dlpack__(stream=s, max_version=_DLPACK_MAX_VERSION)
+                        if st == 0
+                        else obj.__dlpack__(stream=s)
+                        if st == 1
+                        else obj.__dlpack__()
+                    )
+            except Exception:
+                capsule = None  # the full reading asks again and raises the producer's error
         if capsule is None:
             return full(obj, count, dtype, name, writable, stream)
+        capsule_type, label, versioned = known  # type: ignore[misc]  # known is set
         try:
-            # Raises ValueError for a non-capsule or another name (a consumed capsule):
-            # the full reading names them. Checks nothing else and renames nothing.
-            p = _capsule_pointer(capsule, label)
-            if label is _VERSIONED_NAME:  # so kept by `full`
-                (major, flags, data, kind, device, ndim, word, shape_p, strides_p,
-                 offset) = _read_versioned(_MEMORY, p)  # fmt: skip
-                # never a copy; a read-only array only where nothing is written
-                refused = _REFUSED_IF_WRITTEN if writable else _FLAG_IS_COPIED
-                fine = major == 1 and not flags & refused
-            else:
-                data, kind, device, ndim, word, shape_p, strides_p, offset = _read_tensor(
-                    _MEMORY, p
-                )
-                fine = True
-            known = _FAST_TYPES.get(word)
-            # Checked before the shape (and strides) are read: ndim aligned int64s each.
-            if (
-                fine
-                and known is not None
-                and kind == _DL_CUDA
-                and 0 < ndim <= _FAST_NDIM
-                and device >= 0
-                and data
-                and shape_p
-                and not shape_p & 7
-                and not strides_p & 7
-            ):
-                if ndim == 1:
-                    n = _read_int64(_MEMORY, shape_p)[0]
-                    dense = not strides_p or n <= 1 or _read_int64(_MEMORY, strides_p)[0] == 1
-                else:
-                    read = _READ_DIMS[ndim]
-                    shape = read(_MEMORY, shape_p)
-                    n = math.prod(shape) if min(shape) >= 0 else -1
-                    dense = (
-                        not strides_p
-                        or n <= 0
-                        or _is_c_contiguous(shape, read(_MEMORY, strides_p), 1)
+            # Another type or name (a consumed capsule): the full reading names them.
+            p, at = (
+                _read_capsule_fields(_MEMORY, id(capsule) + _HEAD)
+                if type(capsule) is capsule_type
+                else (0, 0)
+            )
+            if at == label:
+                if versioned:
+                    (major, flags, data, kind, device, ndim, word, shape_p, strides_p,
+                     offset) = _read_versioned(_MEMORY, p)  # fmt: skip
+                    # never a copy; a read-only array only where nothing is written
+                    fine = major == 1 and not flags & (
+                        _REFUSED_IF_WRITTEN if writable else _FLAG_IS_COPIED
                     )
-                ptr = data + offset
-                if n >= 0 and dense and ptr + n * known[1] < 1 << 64:
-                    return ptr, n, known[0], device
-        except (ValueError, struct.error):  # an address past sys.maxsize: the full reading
+                else:
+                    data, kind, device, ndim, word, shape_p, strides_p, offset = _read_tensor(
+                        _MEMORY, p
+                    )
+                    fine = True
+                real = _FAST_TYPES.get(word)
+                # Checked before the shape (and strides) are read: ndim aligned int64s each.
+                if (
+                    fine
+                    and real is not None
+                    and kind == _DL_CUDA
+                    and 0 < ndim <= _FAST_NDIM
+                    and device >= 0
+                    and data
+                    and shape_p
+                    and not shape_p & 7
+                    and not strides_p & 7
+                ):
+                    if ndim == 1:
+                        n = _read_int64(_MEMORY, shape_p)[0]
+                        dense = (
+                            not strides_p or n <= 1 or _read_int64(_MEMORY, strides_p)[0] == 1
+                        )
+                    else:
+                        read = _READ_DIMS[ndim]
+                        shape = read(_MEMORY, shape_p)
+                        n = math.prod(shape) if min(shape) >= 0 else -1
+                        dense = (
+                            not strides_p
+                            or n <= 0
+                            or _is_c_contiguous(shape, read(_MEMORY, strides_p), 1)
+                        )
+                    ptr = data + offset
+                    if n >= 0 and dense and ptr + n * real[1] < 1 << 64:
+                        return ptr, n, real[0], device
+        except struct.error:  # an address past sys.maxsize: the full reading
             pass
         return _read_capsule(capsule, count, dtype, name, writable)
 

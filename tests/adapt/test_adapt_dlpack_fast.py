@@ -235,3 +235,32 @@ def test_failed_export_is_explained_by_the_device() -> None:
     with pytest.raises(ValueError, match=r"sendbuf is a CPU array \(kDLCPU\)"):
         handler(cpu, None, None, "sendbuf", False, 1)
     assert cpu.calls == []
+
+
+@pytest.mark.parametrize("versioned", [True, False])
+def test_capsule_fields_read_as_the_c_api_gives_them(versioned: bool) -> None:
+    # The fast reading takes a capsule's pointer and name from its C fields: what it learns
+    # from a first export must be what PyCapsule_GetPointer / PyCapsule_GetName give.
+    capsule = P.DLPackProducer(np.zeros(3, np.float32), versioned=versioned).__dlpack__(
+        max_version=(1, 1)
+    )
+    name = P.NAME_VERSIONED if versioned else P.NAME_LEGACY
+    get_name = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object)(
+        ("PyCapsule_GetName", ctypes.pythonapi)
+    )
+    assert ctypes.string_at(get_name(capsule)) == name
+    assert _dlpack._learn(capsule) == (type(capsule), get_name(capsule), versioned)
+
+
+def test_other_capsule_layout_reads_every_export_in_full(
+    monkeypatch: pytest.MonkeyPatch, full_reads: list[int]
+) -> None:
+    # Fields that do not read as the C API gives them (another interpreter's layout): never
+    # the fast reading, and every export still read right.
+    monkeypatch.setattr(_dlpack, "_HEAD", _dlpack._HEAD + 8)
+    cls = fresh_class()
+    handler = _dlpack._make_dlpack_handler(cls)
+    arrays = [np.arange(n, dtype=np.float64) for n in (3, 4, 5)]
+    got = [handler(cls(a), None, None, "recvbuf", True, 1) for a in arrays]
+    assert got == [(addr(a), a.size, DataType.FLOAT64, 0) for a in arrays]
+    assert full_reads == [1, 1, 1]
