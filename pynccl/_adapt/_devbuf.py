@@ -15,19 +15,22 @@ if TYPE_CHECKING:
 
 # DeviceBuffer's slots read by the fast handler; its public properties cost about
 # four times as much on this path. Checked once against the class (see below).
-_DEVICE_BUFFER_SLOTS = frozenset({"_ptr", "_arg", "_count", "_dtype", "_device", "_lanes"})
+_DEVICE_BUFFER_SLOTS = frozenset({"_info", "_lanes"})
 
 
 def _from_device_buffer(
     obj: Any, count: Any, dtype: Any, name: str, writable: bool, stream: int | None
 ) -> BufferInfo:
-    if obj._arg is None:  # freed
+    # (ptr, count as NCCL counts it: 2 floats per complex element, dtype, device), kept by
+    # the buffer from its allocation to its free
+    info: BufferInfo | None = obj._info
+    if info is None:  # freed
         raise ValueError(f"{name} is a DeviceBuffer that has been freed")
-    dt = obj._dtype
-    n = obj._count  # as NCCL counts: a complex buffer has 2 floats per element
-    if count is not None or dtype is not None:
-        n, dt = _override(n, dt, count, dtype, name, obj._lanes)
-    return obj._ptr, n, dt, obj._device
+    if count is None and dtype is None:
+        return info
+    ptr, n, dt, device = info
+    n, dt = _override(n, dt, count, dtype, name, obj._lanes)
+    return ptr, n, dt, device
 
 
 def _from_device_buffer_public(

@@ -165,10 +165,10 @@ class DeviceBuffer(Closable):
 
     __slots__ = (
         "__weakref__",
-        "_arg",
         "_count",
         "_device",
         "_dtype",
+        "_info",
         "_lanes",
         "_nbytes",
         "_nccl",
@@ -177,9 +177,9 @@ class DeviceBuffer(Closable):
     )
 
     _ptr: int
-    #: What a Communicator's hot path reads in one go: ``(pointer as a shared c_void_p,
-    #: count, dtype, device)``; None once freed (or before the allocation succeeded).
-    _arg: tuple[c_void_p, int, DataType, int] | None
+    #: What its buffer handler returns as it is (pynccl._adapt._devbuf): ``(pointer, count,
+    #: dtype, device)``; None once freed (or before the allocation succeeded).
+    _info: tuple[int, int, DataType, int] | None
     _nccl: bool  # allocated by ncclMemAlloc (freed by ncclMemFree)
     _nbytes: int
     _count: int  # elements as NCCL counts them (2 floats per complex element)
@@ -197,7 +197,7 @@ class DeviceBuffer(Closable):
         allocator: str = "cuda",
     ) -> None:
         self._ptr = 0
-        self._arg = None
+        self._info = None
         self._nccl = False
         if allocator not in ("cuda", "nccl"):
             raise ValueError(f"allocator must be 'cuda' or 'nccl', got {allocator!r}")
@@ -218,7 +218,8 @@ class DeviceBuffer(Closable):
                 _runtime._rt().cudaMalloc(byref(out), self._nbytes)
         self._device = dev
         self._ptr = out.value or 0
-        self._arg = (ptr_arg(self._ptr), self._count, self._dtype, dev)
+        ptr_arg(self._ptr)  # its shared pointer argument made now, not in its first call
+        self._info = (self._ptr, self._count, self._dtype, dev)
 
     def _nccl_alloc(self, out: c_void_p) -> None:
         """``ncclMemAlloc`` of :attr:`nbytes` into ``out`` (nothing for 0 bytes, which
@@ -278,7 +279,7 @@ class DeviceBuffer(Closable):
     @property
     def closed(self) -> bool:
         """True once the allocation has been freed."""
-        return self._arg is None
+        return self._info is None
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -408,7 +409,7 @@ class DeviceBuffer(Closable):
     def close(self) -> None:
         """Free the allocation (idempotent). Work still queued on it must have finished."""
         ptr, self._ptr = self._ptr, 0
-        self._arg = None
+        self._info = None
         if ptr and self._nccl:
             from .. import library
 
@@ -432,7 +433,7 @@ class DeviceBuffer(Closable):
         ptr = getattr(self, "_ptr", 0)
         if ptr:
             self._ptr = 0
-            self._arg = None
+            self._info = None
             if not _exiting():
                 _drop(ptr, self._nccl)
 
