@@ -444,9 +444,7 @@ def _make_dlpack_handler(cls: type) -> BufferHandler:
                 ):
                     if ndim == 1:
                         n = _read_int64(_MEMORY, shape_p)[0]
-                        dense = (
-                            not strides_p or n <= 1 or _read_int64(_MEMORY, strides_p)[0] == 1
-                        )
+                        dense = not strides_p or n <= 1 or _read_int64(_MEMORY, strides_p)[0] == 1
                     else:
                         read = _READ_DIMS[ndim]
                         shape = read(_MEMORY, shape_p)

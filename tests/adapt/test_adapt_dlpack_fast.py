@@ -264,3 +264,13 @@ def test_other_capsule_layout_reads_every_export_in_full(
     got = [handler(cls(a), None, None, "recvbuf", True, 1) for a in arrays]
     assert got == [(addr(a), a.size, DataType.FLOAT64, 0) for a in arrays]
     assert full_reads == [1, 1, 1]
+
+
+def test_numpy_capsules_keep_their_name_address() -> None:
+    # A real producer's capsules (numpy's own __dlpack__): every export names itself with
+    # the same C string, so what the first export teaches holds for the next ones.
+    arr = np.zeros(5, np.float32)
+    learnt = {_dlpack._learn(arr.__dlpack__(max_version=(1, 1))) for _ in range(3)}
+    assert len(learnt) == 1 and None not in learnt
+    ((_, address, versioned),) = learnt
+    assert versioned and ctypes.string_at(address) == b"dltensor_versioned"
