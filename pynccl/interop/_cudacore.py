@@ -85,8 +85,8 @@ def _make_class(core: Any) -> type:
             self._lock = threading.Lock()
 
         def allocate(self, size: int, *, stream: Any = None) -> Any:
-            """``size`` bytes of ``ncclMemAlloc`` memory as a cuda.core ``Buffer`` that
-            owns it (its close, or its collection, calls :meth:`deallocate`)."""
+            """``size`` bytes of ``ncclMemAlloc`` memory (NCCL >= 2.19) as a cuda.core
+            ``Buffer`` that owns it (its close, or its collection, calls :meth:`deallocate`)."""
             n = check_count(size, "size")
             buf = self._comm.mem_alloc(n, "uint8")
             with self._lock:
@@ -100,8 +100,8 @@ def _make_class(core: Any) -> type:
                 raise
 
         def deallocate(self, ptr: Any, size: int, *, stream: Any = None) -> None:
-            """Free what :meth:`allocate` returned at ``ptr`` (``ncclMemFree``), once the
-            work queued on ``stream`` before this call has run."""
+            """Free what :meth:`allocate` returned at ``ptr`` (``ncclMemFree``, NCCL >= 2.19),
+            once the work queued on ``stream`` before this call has run."""
             p = int(ptr)
             with self._lock:
                 buf = self._live.pop(p, None)
@@ -126,12 +126,12 @@ def _make_class(core: Any) -> type:
 
         @property
         def is_device_accessible(self) -> bool:
-            """True: ``ncclMemAlloc`` memory is device memory."""
+            """True: ``ncclMemAlloc`` memory (NCCL >= 2.19) is device memory."""
             return True
 
         @property
         def is_host_accessible(self) -> bool:
-            """False: ``ncclMemAlloc`` memory is not host memory."""
+            """False: ``ncclMemAlloc`` memory (NCCL >= 2.19) is not host memory."""
             return False
 
         @property
