@@ -194,15 +194,21 @@ class Work:
         with relaxed_capture_mode():  # waiting never breaks another thread's capture
             while not self.test():
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise self._hung(seconds or 0.0)
+                    error = self._hung(seconds or 0.0)
+                    if error is not None:
+                        raise error
+                    continue  # it completed just now: test() says so
                 time.sleep(delay)
                 delay = min(delay * 2 or 0.0001, 0.005)
 
-    def _hung(self, seconds: float) -> NcclTimeoutError:
+    def _hung(self, seconds: float) -> NcclTimeoutError | None:
         """The first incomplete operation is hung: trip its communicator as the watchdog
-        would and return the error (also what that communicator's next call raises)."""
+        would and return the error (also what that communicator's next call raises);
+        None if every one has completed since :meth:`test` said otherwise."""
         query = _rt()[4]
-        part = next(p for p in self._parts if query(p[4] or p[5].handle) == _NOT_READY)
+        part = next((p for p in self._parts if query(p[4] or p[5].handle) == _NOT_READY), None)
+        if part is None:
+            return None
         comm, seq = part[0], part[1]
         line = next((_recorder.format_record(e) for e in comm.flight_record() if e[0] == seq),
                     f"#{seq}")  # fmt: skip

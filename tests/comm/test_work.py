@@ -340,3 +340,31 @@ def test_stream_current_with_a_torch_cpu_tensor_is_refused_as_on_the_host() -> N
         comm.all_reduce(t, stream="current")
     assert str(current.value) == str(plain.value)
     comm.destroy()
+
+
+class _LateWork(Work):
+    """A Work whose first test() saw the operation still running and returned only past
+    the deadline: the operation completed in between."""
+
+    __slots__ = ("_seen",)
+
+    def test(self) -> bool:
+        if not getattr(self, "_seen", False):
+            self._seen = True
+            time.sleep(0.05)
+            return False
+        return super().test()
+
+
+def test_wait_returns_when_the_operation_completes_at_the_deadline(world: Any) -> None:
+    def one(r: int, comm: Any) -> str:
+        buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+        comm.all_reduce(buf)
+        comm.synchronize()
+        work = _LateWork.after(comm, comm.stream)  # its event completes at once
+        work.wait(timeout=0.01)  # not NcclTimeoutError, nor StopIteration
+        assert work.done
+        buf.close()
+        return str(comm.state)
+
+    assert world.run(one) == {0: "ready", 1: "ready"}
