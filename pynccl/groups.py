@@ -476,6 +476,13 @@ class _Recording(Group):
     __slots__ = ()
     records = True
 
+    def __enter__(self) -> Group:
+        try:  # entered again: the last end's work is not this group's
+            del self._work
+        except AttributeError:
+            pass
+        return super().__enter__()
+
 
 _PLAIN = Group()
 #: What :func:`inner_group` returns (stateless: the bookkeeping is per thread).

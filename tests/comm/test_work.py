@@ -368,3 +368,22 @@ def test_wait_returns_when_the_operation_completes_at_the_deadline(world: Any) -
         return str(comm.state)
 
     assert world.run(one) == {0: "ready", 1: "ready"}
+
+
+def test_a_recording_group_entered_again_forgets_the_last_ends_work(world: Any) -> None:
+    def one(r: int, comm: Any) -> None:
+        buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+        g = pynccl.group(async_op=True)
+        with g:
+            pass
+        first = g.work
+        assert first is not None and first.streams == ()
+        with g:
+            assert g.work is None  # not ended yet: not the first end's handle
+            comm.all_reduce(buf)
+        assert g.work is not first and g.work is not None
+        assert g.work.streams == (comm.stream,)
+        g.work.wait(timeout=20)
+        buf.close()
+
+    world.run(one)
