@@ -33,6 +33,7 @@ from _thread import _local as _ThreadLocal
 from _thread import get_ident
 
 from . import library as _library
+from ._limits import check_flag
 from .enums import Result
 from .errors import NcclInvalidUsage
 
@@ -531,9 +532,7 @@ def group(*, simulate: bool = False, async_op: bool = False) -> Group:
     if simulate is False:
         if async_op is False:
             return _PLAIN
-        if async_op is not True:
-            raise TypeError(f"group(async_op=...) takes True or False, not {async_op!r}")
-        return _Recording()
+        return _Recording() if check_flag(async_op, "async_op") else _PLAIN
     if simulate is not True:
         raise TypeError(f"group(simulate=...) takes True or False, not {simulate!r}")
     return SimulatedGroup()

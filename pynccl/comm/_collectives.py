@@ -69,7 +69,7 @@ _Resolved = tuple[object, object, object, "DataType | None"]
 _SLOW = (KeyError, TypeError, IndexError)  # a miss in a table: the checked path decides
 _ABSENT = {True: None}  # a row without the buffer: None; a row with it: KeyError
 
-def _issue(comm: Collectives, row: CollSpec, async_op: object, *args: Any) -> Work:
+def _issue(comm: Collectives, row: CollSpec, async_op: object, *args: Any) -> Work | None:
     """A call with ``async_op=True``: through the one path, then its handle (:mod:`._work`;
     ``args`` as :meth:`Collectives._call` takes them, the stream seventh)."""
     return issue(comm._me(), lambda: comm._call(row, *args), args[6], async_op, args[:2])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from .. import groups as _groups
 from .._adapt import as_buffer, check_device, is_complex
-from .._limits import check_count, check_extent, check_pointer, is_pointer_object
+from .._limits import check_count, check_extent, check_flag, check_pointer, is_pointer_object
 from ..dtypes import as_element_type, canonical_name, complex_name
 from ..enums import DataType, RedOp
 from ._args import resolve_op
@@ -271,9 +271,7 @@ class VCollectives:
 
     def _v_refuse(self, s: int, async_op: object) -> None:
         """``async_op=True`` checked before anything is issued (:mod:`._work`)."""
-        if async_op is not False:
-            if async_op is not True:
-                raise TypeError(f"async_op must be True or False, got {async_op!r}")
+        if async_op is not False and check_flag(async_op, "async_op"):
             refuse(self.core, s, _groups.group_depth())
 
     def _v_issue(

@@ -31,7 +31,7 @@ import time
 from ctypes import byref, c_int, c_void_p
 
 from .._adapt import as_stream
-from .._limits import check_timeout
+from .._limits import check_flag, check_timeout
 from ..cuda._streamlike import CURRENT, current_stream
 from ..enums import Result
 from ..errors import NcclInvalidUsage, NcclTimeoutError
@@ -278,12 +278,14 @@ _EMPTY = Work([])
 
 
 def issue(comm: Communicator, call: Callable[[], object], stream: StreamLike,
-          async_op: object, arrays: tuple[object, ...] = ()) -> Work:  # fmt: skip
+          async_op: object, arrays: tuple[object, ...] = ()) -> Work | None:  # fmt: skip
     """``call()`` (one operation of ``comm`` on ``stream``, as its caller passed it, over
     ``arrays``) with ``async_op=True``, and its handle: refused first where no handle can
-    follow it."""
-    if async_op is not True:
-        raise TypeError(f"async_op must be True or False, got {async_op!r}")
+    follow it. ``async_op`` is any other value than False: checked as every yes/no option
+    is (:func:`pynccl._limits.check_flag`; a numpy False makes the plain call)."""
+    if not check_flag(async_op, "async_op"):
+        call()
+        return None
     s = stream_of(comm, stream, arrays)
     from ..groups import group_depth
 

@@ -83,7 +83,7 @@ def test_plain_calls_return_none_and_async_op_takes_only_bools(world: Any) -> No
     def one(r: int, comm: Any) -> None:
         buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
         assert comm.all_reduce(buf) is None
-        with pytest.raises(TypeError, match="async_op must be True or False, got 'yes'"):
+        with pytest.raises(TypeError, match="async_op must be a bool, got str 'yes'"):
             comm.all_reduce(buf, async_op="yes")
         comm.synchronize()
         buf.close()
@@ -385,5 +385,39 @@ def test_a_recording_group_entered_again_forgets_the_last_ends_work(world: Any) 
         assert g.work.streams == (comm.stream,)
         g.work.wait(timeout=20)
         buf.close()
+
+    world.run(one)
+
+
+def test_async_op_is_checked_as_every_yes_no_option_is(world: Any) -> None:
+    """A numpy bool is a bool (as for every flag, ``pynccl._limits.check_flag``); an int,
+    even 1, is refused with the flags' one wording, by the collectives, the v-collectives
+    and group()."""
+
+    def one(r: int, comm: Any) -> None:
+        buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+        out = DeviceBuffer.from_numpy(np.zeros(2 * N, np.float32))
+        work = comm.all_reduce(buf, async_op=np.True_)
+        assert isinstance(work, Work)
+        work.wait(timeout=20)
+        assert comm.all_reduce(buf, async_op=np.False_) is None
+        assert comm.all_gather_v(buf, out, [N, N], async_op=np.False_) is None
+        comm.synchronize()
+        np.testing.assert_array_equal(_read(buf.ptr, N), np.full(N, 4, np.float32))
+        before = comm.flight_seq
+        for call in (
+            lambda: comm.all_reduce(buf, async_op=1),
+            lambda: comm.all_gather_v(buf, out, [N, N], async_op=1),
+            lambda: pynccl.group(async_op=1),
+        ):
+            with pytest.raises(TypeError, match=r"^async_op must be a bool, got int 1$"):
+                call()
+        assert comm.flight_seq == before  # refused before anything was issued
+        with pynccl.group(async_op=np.True_) as g:
+            comm.all_reduce(buf)
+        assert g.work is not None
+        g.work.wait(timeout=20)
+        for obj in (buf, out):
+            obj.close()
 
     world.run(one)
