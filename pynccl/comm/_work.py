@@ -93,21 +93,24 @@ def record(device: int, stream: int) -> int:
     rt, get_device, set_device, event_record, _ = _rt()
     pool = _POOL.get(device)
     if pool and stream >= _SPECIAL:  # a stream belongs to one device: no switch needed
-        handle = pool.pop()
-        rc = event_record(handle, stream)
-        if rc:
-            _give_back(device, handle)
-            raise _error(rt, rc, "cudaEventRecord")
-        return handle
+        try:
+            handle = pool.pop()
+        except IndexError:  # another thread took the last one since: one is made below
+            pass
+        else:
+            rc = event_record(handle, stream)
+            if rc:
+                _give_back(device, handle)
+                raise _error(rt, rc, "cudaEventRecord")
+            return handle
     current = c_int(-1)
     get_device(byref(current))
     switch = current.value != device
     if switch:
         rt.cudaSetDevice(device)
     try:
-        if pool:
-            handle = pool.pop()
-        else:
+        handle = _take(pool)
+        if not handle:
             out = c_void_p()
             rt.cudaEventCreateWithFlags(byref(out), _DISABLE_TIMING)
             handle = out.value or 0
@@ -119,6 +122,15 @@ def record(device: int, stream: int) -> int:
     finally:
         if switch and current.value >= 0:
             set_device(current.value)
+
+
+def _take(pool: list[int] | None) -> int:
+    """A free event from ``pool``, or 0 (none, or another thread took the last one
+    between the look and the pop: the pool is shared by every thread)."""
+    try:
+        return pool.pop() if pool else 0
+    except IndexError:
+        return 0
 
 
 def _error(rt: Any, rc: int, function: str) -> BaseException:

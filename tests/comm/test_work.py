@@ -421,3 +421,35 @@ def test_async_op_is_checked_as_every_yes_no_option_is(world: Any) -> None:
             obj.close()
 
     world.run(one)
+
+
+class _TakenMeanwhile(list):  # type: ignore[type-arg]
+    """A pool that holds an event when looked at, and none by the pop: what another
+    thread's record() taking the last event in between leaves (the GIL may switch
+    threads between the two)."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def pop(self, *args: Any) -> Any:
+        raise IndexError("pop from empty list")
+
+
+@pytest.mark.parametrize("which", ["own stream", "default stream"])
+def test_record_makes_an_event_when_another_thread_took_the_pools_last(which: str) -> None:
+    from pynccl.comm import _work
+
+    stream = Stream() if which == "own stream" else None
+    saved = _work._POOL.pop(0, None)
+    _work._POOL[0] = _TakenMeanwhile()
+    try:
+        handle = _work.record(0, 0 if stream is None else stream.handle)
+    finally:
+        del _work._POOL[0]
+        if saved is not None:
+            _work._POOL[0] = saved
+    assert handle and cudart().raw("cudaEventSynchronize")(handle) == 0  # a live event
+    _work._give_back(0, handle)
+    if stream is not None:
+        stream.close()
+
