@@ -376,7 +376,11 @@ class Group:
             rc = _ge()
             keep = st.keep
             if not rc and self.records:
-                self._work = _work_of(st.comms, keep)
+                try:
+                    self._work = _work_of(st.comms, keep)
+                except BaseException:  # launched all the same: hand over what it kept
+                    _ended(st, 0, rc, "ncclGroupEnd")
+                    raise
             if rc or st.held:
                 _ended(st, 0, rc, "ncclGroupEnd")
             elif keep:

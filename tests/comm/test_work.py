@@ -453,3 +453,33 @@ def test_record_makes_an_event_when_another_thread_took_the_pools_last(which: st
     if stream is not None:
         stream.close()
 
+
+def test_a_group_whose_work_cannot_be_recorded_still_ends_cleanly(
+    world: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cudaEventRecord failing at the end of a group(async_op=True) (a sticky CUDA error,
+    say): the error propagates, and the launched group is ended all the same — nothing it
+    issued leaks into the thread's next group (whose work would cover it)."""
+    from pynccl.comm import _work
+
+    def failing(device: int, stream: int) -> int:
+        raise RuntimeError(f"cudaEventRecord failed on stream {stream:#x}")
+
+    def one(r: int, comm: Any) -> tuple[int, ...]:
+        buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+        with pytest.raises(RuntimeError, match="cudaEventRecord failed"):
+            with pynccl.group(async_op=True):
+                comm.all_reduce(buf.ptr, count=N, dtype="float32")
+        barrier.wait(10)
+        monkeypatch.setattr(_work, "record", real)
+        comm.synchronize()
+        with pynccl.group(async_op=True) as g:
+            pass
+        buf.close()
+        assert g.work is not None
+        return g.work.streams
+
+    real = _work.record
+    barrier = threading.Barrier(2)
+    monkeypatch.setattr(_work, "record", failing)
+    assert world.run(one) == {0: (), 1: ()}
