@@ -17,7 +17,9 @@ Rules:
   runs when the graph is launched, and an event recorded now would become a node of the
   graph, which no host wait can follow. ``async_op=True`` is refused there (before the
   operation is issued) with :class:`~pynccl.NcclInvalidUsage` naming the capture; wait
-  for the graph's launch stream instead;
+  for the graph's launch stream instead. A ``group(async_op=True)`` whose end finds one
+  of its streams captured raises the same error there (its operations are captured, and
+  the group is ended);
 * ``wait(timeout)`` that runs out treats the operation as hung, exactly as the watchdog
   does (:meth:`Communicator.trip_hang`): the communicator is aborted (or revoked, with a
   watchdog started with ``on_hang="revoke"``), the error is recorded for its next call,
@@ -343,6 +345,19 @@ def group_work(comms: list[tuple[Any, Any]], keep: list[tuple[Any, ...]]) -> Wor
         if (device, s) not in seen:
             seen[device, s] = [comm, comm.flight_seq, s, device, 0]
     parts = list(seen.values())
+    from ..cuda import _capture_blocks
+
+    for part in parts:
+        if _capture_blocks(part[2]):
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "",
+                f"pynccl.group(async_op=True) ended while stream {part[2]:#x} is being "
+                "captured into a CUDA graph: its operations run when the graph is "
+                "launched, so no host-side handle can follow them (they were captured, "
+                "the capture is intact); use pynccl.group() there and wait for the "
+                "graph's launch stream",
+            )
     for part in parts:
         part[4] = record(part[3], part[2])
     return Work(parts)

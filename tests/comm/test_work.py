@@ -483,3 +483,28 @@ def test_a_group_whose_work_cannot_be_recorded_still_ends_cleanly(
     barrier = threading.Barrier(2)
     monkeypatch.setattr(_work, "record", failing)
     assert world.run(one) == {0: (), 1: ()}
+
+
+def test_group_async_op_refused_at_its_end_while_a_stream_is_captured() -> None:
+    """No event is recorded into the capture (the host cannot wait for one there, and
+    asking it would invalidate the capture): the end refuses as async_op=True does."""
+    comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=0)
+    stream = Stream()
+    buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    graph = Graph()
+    with graph.capture(stream, "thread_local"):
+        with pytest.raises(NcclInvalidUsage, match=rf"stream {stream.handle:#x} is being captured"):
+            with pynccl.group(async_op=True):
+                comm.all_reduce(buf, stream=stream)
+        with pynccl.group(async_op=True) as g:  # the group ended: the next one is fresh
+            pass
+        assert g.work is not None and g.work.streams == ()
+        comm.all_reduce(buf, stream=stream)  # the capture is intact: this one is captured
+    assert graph.captured
+    graph.replay(stream)
+    stream.synchronize()
+    np.testing.assert_array_equal(_read(buf.ptr, N), np.ones(N, np.float32))
+    graph.close()
+    for obj in (buf, stream):
+        obj.close()
+    comm.destroy()
