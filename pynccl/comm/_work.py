@@ -11,8 +11,8 @@ caller's from then on (destroyed when that :class:`~pynccl.cuda.Event` is).
 Rules:
 
 * inside a group (``async_op=True`` on a call between group start and end) there is no
-  handle per call — the group's end launches the work: ``with pynccl.group() as g:`` and
-  ``g.work`` (one event per distinct stream of the group);
+  handle per call — the group's end launches the work: ``with pynccl.group(async_op=True) as
+  g:`` and ``g.work`` (one event per distinct stream of the group);
 * inside a CUDA-graph capture of the operation's stream no handle is made: the operation
   runs when the graph is launched, and an event recorded now would become a node of the
   graph, which no host wait can follow. ``async_op=True`` is refused there (before the
@@ -371,7 +371,8 @@ def refuse(comm: Communicator, stream: int, depth: int) -> None:
             Result.INVALID_USAGE,
             "",
             "async_op=True inside a group: the group's end launches the operation, so it "
-            "has no handle of its own; use `with pynccl.group() as g:` and g.work",
+            "has no handle of its own; use `with pynccl.group(async_op=True) as g:` and "
+            "g.work",
         )
     from ..cuda import _capture_blocks
 

@@ -508,3 +508,21 @@ def test_group_async_op_refused_at_its_end_while_a_stream_is_captured() -> None:
     for obj in (buf, stream):
         obj.close()
     comm.destroy()
+
+
+def test_the_refusal_inside_a_group_names_a_group_that_has_work(world: Any) -> None:
+    """What the refusal advises works: ``pynccl.group()`` has no g.work (ValueError)."""
+
+    def one(r: int, comm: Any) -> None:
+        buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+        with pytest.raises(NcclInvalidUsage) as info:
+            with pynccl.group():
+                comm.all_reduce(buf, async_op=True)
+        assert "use `with pynccl.group(async_op=True) as g:` and g.work" in str(info.value)
+        with pynccl.group(async_op=True) as g:  # the advice, followed
+            comm.all_reduce(buf)
+        assert g.work is not None
+        g.work.wait(timeout=20)
+        buf.close()
+
+    world.run(one)
