@@ -358,8 +358,14 @@ def group_work(comms: list[tuple[Any, Any]], keep: list[tuple[Any, ...]]) -> Wor
                 "the capture is intact); use pynccl.group() there and wait for the "
                 "graph's launch stream",
             )
-    for part in parts:
-        part[4] = record(part[3], part[2])
+    try:
+        for part in parts:
+            part[4] = record(part[3], part[2])
+    except BaseException:  # the events recorded so far go back: no Work holds them
+        for part in parts:
+            if part[4]:
+                _give_back(part[3], part[4])
+        raise
     return Work(parts)
 
 

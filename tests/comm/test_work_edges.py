@@ -7,6 +7,7 @@ handles cover against the streams the calls were issued on."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import threading
 import time
 from typing import Any
@@ -220,3 +221,49 @@ def test_the_refusal_inside_a_group_names_a_group_that_has_work(world: Any) -> N
         buf.close()
 
     world.run(one)
+
+
+def _live_events() -> int:
+    lib: Any = cudart()._cdll
+    lib.pynccl_lb_live_events.restype = ctypes.c_long
+    return int(lib.pynccl_lb_live_events())
+
+
+def test_a_group_whose_second_event_fails_gives_the_first_back(
+    world: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The events a group's Work had recorded before one failed go back to the pool: no
+    Work holds them, and none is lost (the loopback counts live events)."""
+    from pynccl.comm import _work
+
+    real = _work.record
+    failing: set[int] = set()
+
+    def record(device: int, stream: int) -> int:
+        if stream in failing:
+            raise RuntimeError(f"cudaEventRecord failed on stream {stream:#x}")
+        return real(device, stream)
+
+    def one(r: int, comm: Any) -> int:
+        a = DeviceBuffer.from_numpy(np.full(N, r + 1, np.float32))
+        b = DeviceBuffer.from_numpy(np.zeros(N, np.float32))
+        s1, s2 = Stream(), Stream()
+        failing.add(s2.handle)
+        with pytest.raises(RuntimeError, match="cudaEventRecord failed"):
+            with pynccl.group(async_op=True):
+                comm.send(a, 1 - r, stream=s1)
+                comm.recv(b, 1 - r, stream=s2)
+        s1.synchronize()
+        s2.synchronize()
+        np.testing.assert_array_equal(_read(b.ptr, N), np.full(N, 2 - r, np.float32))
+        for obj in (a, b, s1, s2):
+            obj.close()
+        return r
+
+    gc.collect()  # earlier tests' Works give their events back first
+    outside_pool = _live_events() - _work.pooled_events()
+    monkeypatch.setattr(_work, "record", record)
+    world.run(one)
+    monkeypatch.setattr(_work, "record", real)
+    gc.collect()
+    assert _live_events() - _work.pooled_events() == outside_pool  # none leaked
