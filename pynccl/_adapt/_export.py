@@ -112,6 +112,36 @@ _DESTRUCTOR = CFUNCTYPE(None, c_void_p)(_capsule_gone)
 _DESTRUCTOR_PTR = ctypes.cast(_DESTRUCTOR, c_void_p)
 
 
+def _check_stream(stream: object) -> None:
+    """``__dlpack__``'s ``stream`` for a CUDA array (the array API): None, -1, 1, 2 or a
+    ``cudaStream_t`` handle; 0 is ambiguous and refused, as anything that is no handle."""
+    if stream is None:
+        return
+    if type(stream) is not int:
+        raise TypeError(
+            f"stream must be None or an int (DLPack's stream for a CUDA array), got "
+            f"{type(stream).__name__} {stream!r}"
+        )
+    if stream == 0 or not (stream == -1 or 0 < stream < 1 << 64):
+        raise ValueError(
+            f"stream={stream} is out of range; expected None, -1, 1 (legacy default), 2 "
+            "(per-thread default) or a CUDA stream handle below 2**64 (0 is ambiguous)"
+        )
+
+
+def _pair(value: Any, name: str, what: str) -> tuple[int, int] | None:
+    """``max_version`` / ``dl_device`` of ``__dlpack__``: None or a pair of ints."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, tuple)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        raise TypeError(f"{name} must be None or a {what} tuple of two ints, got {value!r}")
+    return (int(value[0]), int(value[1]))
+
+
 class PeerArray:
     """A C-contiguous array over device memory pynccl does not own (another rank's window:
     :meth:`~pynccl.Window.peer_array`). It exposes ``__cuda_array_interface__`` v3 and
@@ -172,19 +202,17 @@ class PeerArray:
         ``stream``: the consumer's; nothing is pending here, so nothing is ordered
         (0 is refused, as DLPack does for CUDA). ``copy=True`` or another ``dl_device``
         raise ``BufferError``: a peer view is never copied."""
-        if stream is not None and (type(stream) is not int or stream == 0):
-            raise ValueError(
-                f"stream={stream!r}: DLPack takes None, -1, 1 (legacy default), 2 (per-thread "
-                "default) or a CUDA stream handle for a CUDA array; 0 is ambiguous"
-            )
+        _check_stream(stream)
+        max_version = _pair(max_version, "max_version", "(major, minor)")
+        dl_device = _pair(dl_device, "dl_device", "(device_type, device_id)")
         if copy:
             raise BufferError("copy=True: a PeerArray is a view of a peer's memory, never copied")
-        if dl_device is not None and tuple(dl_device) != (_DL_CUDA, self.device):
+        if dl_device is not None and dl_device != (_DL_CUDA, self.device):
             raise BufferError(
-                f"dl_device={tuple(dl_device)!r}: this PeerArray is on {(_DL_CUDA, self.device)}"
+                f"dl_device={dl_device!r}: this PeerArray is on {(_DL_CUDA, self.device)}"
                 " and cannot be copied elsewhere"
             )
-        versioned = max_version is not None and tuple(max_version) >= (1, 0)
+        versioned = max_version is not None and max_version >= (1, 0)
         return self._capsule(versioned)
 
     def _capsule(self, versioned: bool) -> Any:

@@ -151,3 +151,24 @@ def test_a_window_registered_in_a_group_has_unknown_peer_sizes(get: Any) -> None
         return True
 
     assert world.run(body) == {0: True, 1: True}
+
+
+def test_dlpack_arguments_are_checked_as_the_array_api_defines_them() -> None:
+    # The array API's __dlpack__ for a CUDA array: stream None, -1, 1, 2 or a handle
+    # (a cudaStream_t: below 2**64), 0 refused; max_version and dl_device are int pairs.
+    view = PeerArray(0x1000, (4,), "float32", 0, object())
+    for stream in (-7, -2, 1 << 64, 0):
+        with pytest.raises(ValueError, match=rf"stream={stream} is out of range; expected None"):
+            view.__dlpack__(stream=stream)
+    with pytest.raises(TypeError, match=r"stream must be None or an int .*got bool True"):
+        view.__dlpack__(stream=True)
+    with pytest.raises(TypeError, match=r"max_version must be None or a \(major, minor\) tuple"
+                       " of two ints, got 1"):
+        view.__dlpack__(max_version=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dl_device must be .* got \(2, 0, 1\)"):
+        view.__dlpack__(dl_device=(2, 0, 1))  # type: ignore[arg-type]
+    for stream in (None, -1, 1, 2, (1 << 64) - 1):
+        assert '"dltensor"' in repr(view.__dlpack__(stream=stream, max_version=(0, 8)))
+    assert '"dltensor_versioned"' in repr(view.__dlpack__(max_version=(1, 1), dl_device=(2, 0)))
+    gc.collect()
+    assert not _export._LIVE
