@@ -64,7 +64,7 @@ import base64
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
 
-from .._adapt import as_buffer, as_stream
+from .._adapt import as_buffer, as_stream, check_device
 from .._capi.structs import NCCL_UNIQUE_ID_BYTES
 from .._limits import C_INT_MAX, check_c_int, check_index, index_int
 from ..comm import Communicator, UniqueId
@@ -257,7 +257,8 @@ def broadcast_packed(
     src = check_index(src, "src", comm.size, f"for a communicator of size {comm.size}")
     spans = []
     for i, array in enumerate(arrays):
-        ptr, n, dtype, _ = as_buffer(array, name=f"arrays[{i}]", writable=comm.rank != src)
+        ptr, n, dtype, device = as_buffer(array, name=f"arrays[{i}]", writable=comm.rank != src)
+        check_device(device, comm.device, f"arrays[{i}]")  # as broadcast_weights refuses it
         spans.append((ptr, n * dtype.itemsize))
     chunks = packed_chunks([n for _, n in spans], buffer_size_bytes)
     s = comm.stream if stream is None else as_stream(stream)

@@ -367,3 +367,22 @@ def test_vllm_joins_a_group_the_trainer_created(
     assert worker1 == {"rank": 2, "ok": [True] * n, "pynccl_imported": False}
     info = json.loads(id_file.read_text())
     assert not os.path.exists(_shm_of(base64.b64decode(info["nccl_unique_id_b64"])))
+
+
+def test_broadcast_packed_refuses_an_array_on_another_device_as_broadcast_weights(
+    lb: Any,
+) -> None:
+    comm = Communicator(1, UniqueId(), 0, device=0)
+    here = DeviceBuffer.from_numpy(np.arange(4, dtype=np.float32), device=0)
+    there = DeviceBuffer((4,), "float32", 1)
+    try:
+        for send in (vllm.broadcast_weights, vllm.broadcast_packed):
+            with pytest.raises(
+                ValueError, match=r"(sendbuf|arrays\[1\]) is on device 1 but the communicator"
+            ):
+                send(comm, [here, there])
+        assert vllm.broadcast_packed(comm, [here], timeout=TIMEOUT) == 1  # one device: sent
+    finally:
+        comm.destroy()
+        here.close()
+        there.close()
