@@ -121,7 +121,12 @@ def _make_class(core: Any) -> type:
                 from .. import library
                 from ..cuda import stream_handle
 
-                library.cudart().cudaStreamSynchronize(stream_handle(stream))
+                try:
+                    library.cudart().cudaStreamSynchronize(stream_handle(stream))
+                except BaseException:  # not freed: still this resource's, to deallocate again
+                    with self._lock:
+                        self._live[p] = buf
+                    raise
             buf.close()
 
         @property

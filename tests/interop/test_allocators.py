@@ -201,6 +201,26 @@ def test_nccl_memory_resource_refuses_foreign_pointers(lb: Any) -> None:
         comm.destroy()
 
 
+def test_nccl_memory_resource_keeps_what_a_failed_deallocate_did_not_free(lb: Any) -> None:
+    pytest.importorskip("cuda.core", reason="cuda-core is not installed")
+    from pynccl.interop import NcclMemoryResource
+
+    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
+    try:
+        mr = NcclMemoryResource(comm)
+        before = settled()
+        buf = comm.mem_alloc(64, "uint8")
+        mr._live[buf.ptr] = buf  # as allocate() keeps it (its Buffer needs a CUDA driver)
+        with pytest.raises(pynccl.CudaError, match="cudaErrorInvalidResourceHandle"):
+            mr.deallocate(buf.ptr, 64, stream=0xDEAD0)  # no such stream: nothing waited for
+        assert mr.live_allocations == 1 and live()[0] == before[0] + 1  # not freed, kept
+        mr.deallocate(buf.ptr, 64, stream=None)  # the retry frees it
+        del buf
+        assert mr.live_allocations == 0 and settled() == before
+    finally:
+        comm.destroy()
+
+
 # ---- torch ------------------------------------------------------------------------------
 
 
