@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import re
 from ctypes import POINTER, c_int, c_long, c_size_t, c_void_p
 from typing import Any
@@ -258,6 +259,26 @@ def test_torch_shim_allocates_on_the_asked_device(get: Any) -> None:
         np.testing.assert_array_equal(out[r], np.arange(N, dtype=np.float32) * 3)
     assert settled() == before
     assert shim.pynccl_shim_last_error() == 0
+
+
+def test_torch_shim_builds_where_the_compiler_warns(
+    lb: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Built on a user's machine: a compiler warning (here CC's -Wpedantic: ISO C has no
+    # dlsym cast to a function pointer) is no error, as for the loopback libraries.
+    monkeypatch.setenv("PYNCCL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", f"{os.environ.get('CC') or 'cc'} -Wpedantic")
+    path = torch_allocator_shim()
+    assert path.startswith(str(tmp_path))
+    lib = ctypes.CDLL(path)
+    lib.pynccl_nccl_alloc.restype = c_void_p
+    lib.pynccl_nccl_alloc.argtypes = [c_long, c_int, c_void_p]
+    lib.pynccl_nccl_free.argtypes = [c_void_p, c_long, c_int, c_void_p]
+    before = settled()
+    ptr = lib.pynccl_nccl_alloc(64, 0, None)
+    assert ptr and _find(ptr, 64) == 0
+    lib.pynccl_nccl_free(ptr, 64, 0, None)
+    assert settled() == before
 
 
 def test_torch_mem_pool_needs_cuda_torch(lb: Any) -> None:
