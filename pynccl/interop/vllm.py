@@ -66,7 +66,7 @@ from itertools import accumulate
 
 from .._adapt import as_buffer, as_stream, check_device
 from .._capi.structs import NCCL_UNIQUE_ID_BYTES
-from .._limits import C_INT_MAX, check_c_int, check_index, index_int
+from .._limits import C_INT_MAX, check_c_int, check_count, check_index, index_int
 from ..comm import Communicator, UniqueId
 from ..cuda import DeviceBuffer
 from ..enums import DataType, RedOp
@@ -234,7 +234,7 @@ def packed_chunks(
     chunks: list[range] = []
     start = total = 0
     for i, n in enumerate(nbytes):
-        total += n
+        total += check_count(n, f"nbytes[{i}]")
         if total > limit:
             chunks.append(range(start, i + 1))
             start, total = i + 1, 0

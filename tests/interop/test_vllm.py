@@ -386,3 +386,14 @@ def test_broadcast_packed_refuses_an_array_on_another_device_as_broadcast_weight
         comm.destroy()
         here.close()
         there.close()
+
+
+def test_packed_chunks_refuse_sizes_that_are_no_byte_counts() -> None:
+    # A size is a count of bytes (pynccl's count check and wording): a negative size would
+    # pull later tensors into an earlier chunk, a float or bool is no count.
+    with pytest.raises(ValueError, match=r"nbytes\[0\]=-10 is out of range; expected 0 <= "):
+        vllm.packed_chunks([-10, 5], 4)
+    with pytest.raises(TypeError, match=r"nbytes\[1\] must be a non-negative int, got float"):
+        vllm.packed_chunks([3, 1.5], 4)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"nbytes\[0\] must be a non-negative int, got bool"):
+        vllm.packed_chunks([True], 4)
