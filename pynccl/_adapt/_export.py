@@ -28,7 +28,8 @@ from typing import Any
 
 from .._limits import check_extent
 from ..cuda._buffer import _COMPLEX_TYPESTR, _TYPESTR, _element_type, _shape_of
-from ..enums import DataType
+from ..enums import DataType, Result
+from ..errors import NcclInvalidUsage
 from ._dlpack import _DL_COMPLEX, _DL_TYPES
 
 __all__ = ["PeerArray"]
@@ -148,8 +149,10 @@ class PeerArray:
     DLPack on device ``(kDLCUDA, device)``, so ``cupy.asarray(view)``,
     ``torch.from_dlpack(view)`` and pynccl's own collectives take it without a copy. It
     keeps its ``owner`` (the window) referenced; the memory is valid while the owner is
-    open. It carries no stream: nothing this process queued produces it (order the peer's
-    writes with a barrier or a signal), so its array interface says ``stream: None``."""
+    open, and once it is closed the view refuses to export its address
+    (``NcclInvalidUsage``). It carries no stream: nothing this process queued produces
+    it (order the peer's writes with a barrier or a signal), so its array interface says
+    ``stream: None``."""
 
     __slots__ = ("_dtype", "_lanes", "_nbytes", "_owner", "_ptr", "_shape", "device")
 
@@ -175,8 +178,19 @@ class PeerArray:
         """The element type (for complex, the float type of each half, as DeviceBuffer)."""
         return self._dtype
 
+    def _check_owner(self) -> None:
+        """Refuse to hand the address out once the owner (the window) is closed: the peer's
+        memory is valid only while the window is registered (NCCL deregisters its mapping)."""
+        if getattr(self._owner, "closed", False):
+            raise NcclInvalidUsage(
+                Result.INVALID_USAGE,
+                "",
+                f"{self!r} views {self._owner!r}, which is closed; it cannot be used any more",
+            )
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        self._check_owner()
         typestr = _COMPLEX_TYPESTR[self._dtype] if self._lanes == 2 else _TYPESTR[self._dtype]
         return {
             "shape": self._shape,
@@ -212,6 +226,7 @@ class PeerArray:
                 f"dl_device={dl_device!r}: this PeerArray is on {(_DL_CUDA, self.device)}"
                 " and cannot be copied elsewhere"
             )
+        self._check_owner()
         versioned = max_version is not None and max_version >= (1, 0)
         return self._capsule(versioned)
 

@@ -76,7 +76,8 @@ class PeerViews:
         :class:`~pynccl.comm.PeerArray` exposing ``__cuda_array_interface__`` v3 and DLPack
         (``cupy.asarray``, ``torch.from_dlpack`` and pynccl's collectives view it without a
         copy). It keeps this window referenced; the memory is valid while the window is
-        registered on both ranks (NCCL >= 2.29: ``ncclGetPeerDevicePointer``).
+        registered on both ranks (NCCL >= 2.29: ``ncclGetPeerDevicePointer``); once this
+        window is closed the view refuses to export its address (``NcclInvalidUsage``).
 
         The view must fit in the *peer's* window. Its size is known from the agreement
         :meth:`~pynccl.Communicator.register_window` makes (every rank's size is

@@ -172,3 +172,29 @@ def test_dlpack_arguments_are_checked_as_the_array_api_defines_them() -> None:
     assert '"dltensor_versioned"' in repr(view.__dlpack__(max_version=(1, 1), dl_device=(2, 0)))
     gc.collect()
     assert not _export._LIVE
+
+
+def test_a_view_of_a_closed_window_hands_out_no_address(lb: Any) -> None:
+    # The peer's memory is valid only while the window is registered: once it is closed
+    # the view refuses, as the window itself does, instead of handing out a dead address.
+    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
+    buf = comm.mem_alloc(N, "float32")
+    try:
+        win = comm.register_window(buf)
+        view = win.peer_array(0, (N,))
+        assert view.__cuda_array_interface__["data"] == (buf.ptr, False)
+        win.close()
+        for export in (
+            lambda: view.__cuda_array_interface__,
+            view.__dlpack__,
+            lambda: as_buffer(view),
+            lambda: comm.all_reduce(view, buf),
+        ):
+            with pytest.raises(pynccl.NcclInvalidUsage, match="which is closed; it cannot be"):
+                export()
+        assert view.__dlpack_device__() == (2, 0)  # where it was is still known
+    finally:
+        buf.close()
+        comm.destroy()
+    gc.collect()
+    assert not _export._LIVE
