@@ -147,7 +147,8 @@ class PeerArray:
     """A C-contiguous array over device memory pynccl does not own (another rank's window:
     :meth:`~pynccl.Window.peer_array`). It exposes ``__cuda_array_interface__`` v3 and
     DLPack on device ``(kDLCUDA, device)``, so ``cupy.asarray(view)``,
-    ``torch.from_dlpack(view)`` and pynccl's own collectives take it without a copy. It
+    ``torch.from_dlpack(view)`` and pynccl's array adapters read it without a copy (a
+    collective refuses it as a buffer, as NCCL does a peer's address: copy it first). It
     keeps its ``owner`` (the window) referenced; the memory is valid while the owner is
     open, and once it is closed the view refuses to export its address
     (``NcclInvalidUsage``). It carries no stream: nothing this process queued produces

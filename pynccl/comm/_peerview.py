@@ -74,10 +74,11 @@ class PeerViews:
         """``peer``'s window, from its start, as a C-contiguous array of ``shape`` and
         ``dtype`` (default: :attr:`dtype`, the registered buffer's): a
         :class:`~pynccl.comm.PeerArray` exposing ``__cuda_array_interface__`` v3 and DLPack
-        (``cupy.asarray``, ``torch.from_dlpack`` and pynccl's collectives view it without a
-        copy). It keeps this window referenced; the memory is valid while the window is
-        registered on both ranks (NCCL >= 2.29: ``ncclGetPeerDevicePointer``); once this
-        window is closed the view refuses to export its address (``NcclInvalidUsage``).
+        (``cupy.asarray``, ``torch.from_dlpack`` and pynccl's array adapters view it without
+        a copy; a collective refuses it as a buffer, as NCCL does a peer's address: copy it
+        to this device first). It keeps this window referenced; the memory is valid while
+        the window is registered on both ranks (NCCL >= 2.29: ``ncclGetPeerDevicePointer``);
+        once this window is closed the view refuses to export its address (``NcclInvalidUsage``).
 
         The view must fit in the *peer's* window. Its size is known from the agreement
         :meth:`~pynccl.Communicator.register_window` makes (every rank's size is
