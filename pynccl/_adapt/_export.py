@@ -86,7 +86,10 @@ _LIVE_LOCK = threading.Lock()
 
 def _release(address: int | None) -> None:
     with _LIVE_LOCK:
-        _LIVE.pop(address or 0, None)
+        entry = _LIVE.pop(address or 0, None)
+    # Dropped outside the lock: the view, its owner and whatever their finalizers set off
+    # (a collection releasing another capsule, which takes the lock) go after it.
+    del entry
 
 
 _DELETER = _Deleter(_release)
@@ -251,8 +254,9 @@ class PeerArray:
             managed.major, managed.minor = 1, 0
         address = ctypes.addressof(managed)
         managed.manager_ctx = address
+        entry = (managed, shape, self)  # made outside the lock: an allocation may collect
         with _LIVE_LOCK:
-            _LIVE[address] = (managed, shape, self)
+            _LIVE[address] = entry
         try:
             return _capsule_new(address, _VERSIONED if versioned else _LEGACY, _DESTRUCTOR_PTR)
         except BaseException:

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
 import pytest
+from support import ROOT
 
 import pynccl
 from pynccl import Communicator, DataType
@@ -198,3 +203,35 @@ def test_a_view_of_a_closed_window_hands_out_no_address(lb: Any) -> None:
         comm.destroy()
     gc.collect()
     assert not _export._LIVE
+
+
+_RELEASE_SETS_OFF_A_COLLECTION = textwrap.dedent("""
+    import gc
+    from pynccl._adapt._export import PeerArray, _LIVE
+    class Owner:
+        def __del__(self):
+            gc.collect()  # what any finalizer that allocates may set off
+    class Cycle:
+        pass
+    gc.disable()
+    view = PeerArray(0x1000, (4,), "float32", 0, Owner())
+    capsule = view.__dlpack__()
+    c = Cycle(); c.self = c
+    c.capsule = PeerArray(0x2000, (4,), "float32", 0, object()).__dlpack__()
+    del c, view
+    del capsule  # its release drops the view, its owner collects, the cycle's capsule goes
+    print("released", len(_LIVE))
+""")
+
+
+def test_a_release_that_sets_off_another_release_does_not_deadlock() -> None:
+    # An unconsumed capsule's release drops the view and maybe its owner, whose finalizer
+    # may set off a collection that releases another capsule: the registry's lock must
+    # not be held meanwhile (it is not reentrant: the process hung).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run(
+        [sys.executable, "-c", _RELEASE_SETS_OFF_A_COLLECTION],
+        capture_output=True, text=True, timeout=30, env=env, check=False,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stdout.strip()) == (0, "released 0"), proc.stderr
