@@ -81,6 +81,12 @@ def torch_mem_pool(comm: Communicator, *, group: Any = None) -> Any:
     uses torch's own NCCL allocator (its ``mem_allocator``). Without it, a
     ``CUDAPluggableAllocator`` over :func:`torch_allocator_shim`. Needs a torch built with
     CUDA (``RuntimeError`` otherwise, naming the torch found)."""
+    from ..comm import Communicator
+
+    if not isinstance(comm, Communicator):
+        raise TypeError(
+            f"torch_mem_pool(comm): comm must be a pynccl.Communicator, got {type(comm).__name__}"
+        )
     import torch
 
     if not torch.cuda.is_available() or not hasattr(torch._C, "_cuda_customAllocator"):

@@ -293,3 +293,9 @@ def test_torch_mem_pool_needs_cuda_torch(lb: Any) -> None:
             torch_mem_pool(comm)
     finally:
         comm.destroy()
+
+
+def test_torch_mem_pool_refuses_what_is_no_communicator_as_the_other_allocators() -> None:
+    # Before torch is looked at, with cupy_allocator's and NcclMemoryResource's wording.
+    with pytest.raises(TypeError, match=r"comm must be a pynccl\.Communicator, got int"):
+        torch_mem_pool(3)  # type: ignore[arg-type]
