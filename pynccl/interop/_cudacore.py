@@ -86,8 +86,12 @@ def _make_class(core: Any) -> type:
 
         def allocate(self, size: int, *, stream: Any = None) -> Any:
             """``size`` bytes of ``ncclMemAlloc`` memory (NCCL >= 2.19) as a cuda.core
-            ``Buffer`` that owns it (its close, or its collection, calls :meth:`deallocate`)."""
+            ``Buffer`` that owns it (its close, or its collection, calls :meth:`deallocate`).
+            Zero bytes allocate nothing: an empty buffer at address 0, as cuda.core's own
+            resources give."""
             n = check_count(size, "size")
+            if n == 0:  # nothing allocated, as cuda.core's own resources: every one is at 0
+                return buffer_type.from_handle(0, 0, mr=self, stream=stream)
             buf = self._comm.mem_alloc(n, "uint8")
             with self._lock:
                 self._live[buf.ptr] = buf
@@ -103,6 +107,8 @@ def _make_class(core: Any) -> type:
             """Free what :meth:`allocate` returned at ``ptr`` (``ncclMemFree``, NCCL >= 2.19),
             once the work queued on ``stream`` before this call has run."""
             p = int(ptr)
+            if p == 0 and size == 0:  # an empty buffer of allocate(0): nothing to free
+                return
             with self._lock:
                 buf = self._live.pop(p, None)
             if buf is None:

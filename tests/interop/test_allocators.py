@@ -222,6 +222,26 @@ def test_nccl_memory_resource_keeps_what_a_failed_deallocate_did_not_free(lb: An
         comm.destroy()
 
 
+def test_nccl_memory_resource_frees_every_empty_buffer(lb: Any) -> None:
+    # allocate(0) allocates nothing (cuda.core's resources give an empty buffer at 0), so
+    # every empty buffer's close, deallocate(0, 0), frees nothing and is no error: a
+    # second one said "ptr=0x0 was not allocated by this resource" (in Buffer's close).
+    pytest.importorskip("cuda.core", reason="cuda-core is not installed")
+    from pynccl.interop import NcclMemoryResource
+
+    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
+    try:
+        mr = NcclMemoryResource(comm)
+        before = settled()
+        for _ in range(2):
+            mr.deallocate(0, 0, stream=None)
+        assert mr.live_allocations == 0 and settled() == before
+        with pytest.raises(ValueError, match="ptr=0x0 was not allocated by this resource"):
+            mr.deallocate(0, 16, stream=None)  # 16 bytes at 0 are no empty buffer
+    finally:
+        comm.destroy()
+
+
 # ---- torch ------------------------------------------------------------------------------
 
 
