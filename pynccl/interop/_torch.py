@@ -75,7 +75,9 @@ def torch_allocator_shim() -> str:
 
 def torch_mem_pool(comm: Communicator, *, group: Any = None) -> Any:
     """A ``torch.cuda.MemPool`` whose memory comes from ``ncclMemAlloc`` (NCCL >= 2.19)
-    on ``comm``'s device: allocate under ``with torch.cuda.use_mem_pool(pool):``.
+    for ``comm``'s device: allocate under ``with torch.cuda.use_mem_pool(pool):`` with
+    that device current (``torch.cuda.device(comm.device)``). Each allocation is made on
+    the device torch asks for, the tensor's: the pool does not move it to ``comm``'s.
 
     ``group``: a torch process group with an NCCL backend on that device; then the pool
     uses torch's own NCCL allocator (its ``mem_allocator``). Without it, a
