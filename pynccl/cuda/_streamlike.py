@@ -179,8 +179,9 @@ def current_stream(arrays: tuple[object, ...], default: int) -> int:
     """``stream="current"``: the current stream of the library the first array of
     ``arrays`` comes from, found by its type's module and never imported here — torch
     (``torch.cuda.current_stream(tensor.device).cuda_stream``, for a CUDA tensor) or CuPy
-    (``cupy.cuda.get_current_stream().ptr``); ``default`` (the communicator's stream) for
-    raw pointers, ``DeviceBuffer`` and other arrays, or when no array is given."""
+    (``cupy.cuda.get_current_stream(array.device.id).ptr``: the array's device's); ``default``
+    (the communicator's stream) for raw pointers, ``DeviceBuffer`` and other arrays, or when
+    no array is given."""
     for obj in arrays:
         if obj is None or type(obj) is int:
             continue
@@ -188,8 +189,11 @@ def current_stream(arrays: tuple[object, ...], default: int) -> int:
         module = sys.modules.get(lib) if lib in ("torch", "cupy") else None
         if module is None:
             continue
-        if lib == "cupy":
-            return _checked_handle(module.cuda.get_current_stream().ptr, obj, "of cupy")
+        if lib == "cupy":  # the current stream of the array's device, not the current one's
+            device_id = getattr(getattr(obj, "device", None), "id", None)
+            get = module.cuda.get_current_stream
+            stream = get(device_id) if type(device_id) is int else get()
+            return _checked_handle(stream.ptr, obj, "of cupy")
         device = getattr(obj, "device", None)
         if getattr(device, "type", None) != "cuda":
             return default  # a host tensor: refused as on the host where it is read

@@ -319,6 +319,49 @@ def test_stream_current_follows_the_array_librarys_current_stream(
     comm.destroy()
 
 
+def test_stream_current_of_cupy_is_the_arrays_devices_not_the_current_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # CuPy keeps a current stream per device: an array on device 1 read while device 0 is
+    # current must get device 1's (device 0's would be another device's stream).
+    import types
+
+    from pynccl.cuda import get_device, set_device
+
+    set_device(1)
+    try:
+        comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=1)
+        on_1 = Stream()
+        buf = DeviceBuffer.from_numpy(np.full(N, 3, np.float32))
+    finally:
+        set_device(0)
+    on_0 = Stream()
+    per_device = {-1: on_0.handle, 0: on_0.handle, 1: on_1.handle}
+    mod: Any = types.ModuleType("cupy")
+    mod.cuda = types.SimpleNamespace(
+        get_current_stream=lambda device_id=-1: types.SimpleNamespace(ptr=per_device[device_id])
+    )
+
+    class ndarray:  # CuPy's name
+        device = types.SimpleNamespace(id=1)
+
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return buf.__cuda_array_interface__
+
+    ndarray.__module__ = "cupy"
+    monkeypatch.setitem(__import__("sys").modules, "cupy", mod)
+    assert get_device() == 0
+    comm.all_reduce(ndarray(), stream="current")
+    assert comm.flight_record()[-1][3][-1] == on_1.handle
+    comm.synchronize()
+    np.testing.assert_array_equal(_read(buf.ptr, N), np.full(N, 3, np.float32))
+    buf.close()
+    comm.destroy()
+    on_0.close()
+    on_1.close()
+
+
 def test_stream_current_without_the_library_loaded_uses_the_comms_stream() -> None:
     comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=0)
     _, tensor = _stand_in("cupy", 12345)  # its module is not in sys.modules
