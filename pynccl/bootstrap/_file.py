@@ -123,9 +123,12 @@ class FileRendezvous:
                 data if i == index else self._fetch(file, rank, world_size, deadline, timeout)
                 for i, file in enumerate(files)
             ]
-        finally:
+        except BaseException:  # raise why at once: no rank waits for this one's ids now
             if index is not None and mine is not None:
-                self._await_acks(files[index], mine, world_size, deadline, timeout)
+                _remove(files[index], mine, world_size)
+            raise
+        if index is not None and mine is not None:
+            self._await_acks(files[index], mine, world_size, deadline, timeout)
         return b"".join(p for p in parts if p is not None)
 
     def _publish(self, file: _File, data: bytes, world_size: int) -> bytes:
@@ -172,11 +175,7 @@ class FileRendezvous:
                     )
                 delay = _backoff(delay, deadline, 0.25)
         finally:
-            for p in [file.path] + [_ack_path(file.path, file_nonce, r) for r in others]:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            _remove(file, file_nonce, world_size)
 
     def _fetch(
         self, file: _File, rank: int, world_size: int, deadline: float, timeout: float
@@ -247,6 +246,16 @@ class _File:
         self.path = path
         self.label = label
         self.maker = maker
+
+
+def _remove(file: _File, file_nonce: bytes, world_size: int) -> None:
+    """Delete ``file`` and the acks of it (those that are there)."""
+    acks = [_ack_path(file.path, file_nonce, r) for r in range(world_size) if r != file.maker]
+    for p in [file.path, *acks]:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
 
 
 def _ack_path(path: str, file_nonce: bytes, rank: int) -> str:

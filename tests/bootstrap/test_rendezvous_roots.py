@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -19,6 +20,7 @@ from pynccl.bootstrap import (
     MpiRendezvous,
     RendezvousAuthError,
     RendezvousMismatchError,
+    RendezvousTimeoutError,
     StoreRendezvous,
     TcpRendezvous,
     from_env,
@@ -288,3 +290,29 @@ def test_from_env_ids_come_from_rank_0_and_the_first_rank_of_root_1(monkeypatch,
     # NCCL's firstRankFromRoot(1, 5, 2) = 1 * (5 // 2) + min(1, 5 % 2) = 3
     assert [_RecordingId.made[i] for i in ids[0]] == [0, 3]
     assert len(_RecordingId.made) == 2  # nobody else made an id
+
+
+def test_file_maker_that_fails_to_read_raises_why_at_once_and_removes_its_file(tmp_path):
+    # rank 0 was started with world size 3, the maker of part 1 with 2: the maker reads
+    # part 0, which names the wrong world size. It must raise that mismatch then, not wait
+    # out its timeout for acks that cannot come (and raise a timeout in its place), and it
+    # must leave no file of its own behind. (Rank 0 polls once, then sleeps to its deadline.)
+    slow = FileRendezvous(tmp_path / "ids", key=KEY, poll_interval=100.0)
+
+    def rank0():
+        with pytest.raises(RendezvousTimeoutError):
+            slow.share_parts(b"\x10" * 128, rank=0, world_size=3, makers=[0, 1], timeout=6.0)
+
+    r0 = threading.Thread(target=rank0)
+    r0.start()
+    while not (tmp_path / "ids").exists():
+        time.sleep(0.01)
+    maker = FileRendezvous(tmp_path / "ids", key=KEY)
+    start = time.monotonic()
+    mismatch = r"world size 3 but this rank has world size 2"
+    with pytest.raises(RendezvousMismatchError, match=mismatch):
+        maker.share_parts(b"\x11" * 128, rank=1, world_size=2, makers=[0, 1], timeout=30.0)
+    assert time.monotonic() - start < 5.0
+    assert not (tmp_path / "ids.part1").exists()
+    r0.join()
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == []
