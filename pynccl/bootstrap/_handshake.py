@@ -153,6 +153,14 @@ class Handshake:
         self._served = served
         self._refused = refused
 
+    def missing_makers(self) -> list[int]:
+        """The ranks whose ids have not come yet (none once every id came)."""
+        return [m for m, part in zip(self._makers, self._parts) if part is None]
+
+    def waiting_ranks(self) -> list[int]:
+        """The ranks that proved the key and waited for those ids (none once all came)."""
+        return sorted(self._parked)
+
     def expire(self, conn: Conn) -> None:
         """``conn``'s deadline passed: refuse an unfinished handshake, drop the rest."""
         if conn.state in (READ_HELLO, READ_AUTH):

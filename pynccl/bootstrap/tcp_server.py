@@ -184,8 +184,9 @@ class TcpRendezvousServer:
         if self._thread is None:
             raise RuntimeError("TcpRendezvousServer.wait_payload() before start()")
         if not self._ready.wait(timeout):
+            makers = ranks_phrase(self._handshake.missing_makers())
             raise RendezvousTimeoutError(
-                f"rank 0: the ids of {self._missing()} have not all come after {timeout} s"
+                f"rank 0: the ids made by {makers} have not all come after {timeout} s"
             )
         if self._payload is None:
             self.wait(0)  # raises why it stopped
@@ -233,7 +234,7 @@ class TcpRendezvousServer:
         if self._outcome == "done":
             return
         if self._outcome == "timeout":
-            detail = ""
+            detail = self._missing_ids()
             if self.evicted:
                 detail += (
                     f"; {self.evicted} unauthenticated connection(s) were dropped at the "
@@ -284,6 +285,14 @@ class TcpRendezvousServer:
     def _missing(self) -> str:
         with self._lock:
             return ranks_phrase(set(range(1, self._world_size)) - self._served)
+
+    def _missing_ids(self) -> str:
+        """Which makers' ids never came and who waited for them ("" when none is missing)."""
+        makers, came = self._handshake.missing_makers(), self._handshake.waiting_ranks()
+        s, them = ("", "it") if len(makers) == 1 else ("s", "them")
+        waited = f"; {ranks_phrase(came)} came and waited for {them}" if came else ""
+        why = f"; the id{s} made by {ranks_phrase(makers)} never came{waited}"
+        return why + " (do all ranks use the same nids?)" if makers else ""
 
     def _say_missing(self, now: float, why: str) -> None:
         with self._lock:

@@ -316,3 +316,32 @@ def test_file_maker_that_fails_to_read_raises_why_at_once_and_removes_its_file(t
     assert not (tmp_path / "ids.part1").exists()
     r0.join()
     assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == []
+
+
+def test_tcp_timeout_names_the_maker_whose_id_never_came():
+    # ranks 1 and 3 came and proved the key; maker rank 2 never did. Rank 0's error must
+    # say that the id of rank 2 is what never came and that ranks 1 and 3 did arrive, not
+    # that every rank failed to come ("arrived: none").
+    port = _free_port()
+    t, out = _serve_two_ids(port)
+    client = TcpRendezvous(HOST, port, KEY)
+    waiting = _run(lambda r: client.fetch(rank=r, world_size=4, timeout=6.0), [1, 3])
+    t.join(30)
+    err = out["got"]
+    assert isinstance(err, RendezvousTimeoutError), err
+    assert "the id made by rank 2 never came" in str(err), err
+    assert "ranks 1, 3 came and waited for it" in str(err), err
+    assert all(isinstance(e, RendezvousTimeoutError) for e in waiting.values()), waiting
+
+
+def test_tcp_wait_payload_names_the_makers_whose_ids_have_not_come():
+    from pynccl.bootstrap.tcp import TcpRendezvousServer
+
+    server = TcpRendezvousServer(
+        b"z" * 128, host=HOST, port=0, world_size=6, key=KEY, timeout=30.0, makers=[0, 2, 4]
+    ).start()
+    try:
+        with pytest.raises(RendezvousTimeoutError, match=r"the ids made by ranks 2, 4 have not"):
+            server.wait_payload(timeout=0.2)
+    finally:
+        server.close()
