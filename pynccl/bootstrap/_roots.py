@@ -48,9 +48,7 @@ def check_parts_args(
     ``makers`` must be distinct ranks of the world in increasing order, starting with 0;
     a rank in ``makers`` passes its non-empty part, the others pass ``None``.
     """
-    check_share_args(b"x", 0, world_size, timeout)  # world size and timeout
-    if rank:
-        check_share_args(None, rank, world_size, timeout)  # the rank
+    check_share_args(b"x", rank, world_size, timeout)  # the world size, rank and timeout
     owners = list(makers)
     if (
         not owners

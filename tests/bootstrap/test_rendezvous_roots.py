@@ -345,3 +345,14 @@ def test_tcp_wait_payload_names_the_makers_whose_ids_have_not_come():
             server.wait_payload(timeout=0.2)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("rank", [False, 0.0, True])
+def test_share_parts_refuses_a_rank_that_is_no_int_as_share_does(rank):
+    # False and 0.0 compare equal to 0: they must not pass for rank 0 (the maker of part 0)
+    store = StoreRendezvous(_Store())
+    expected = rf"rank={rank!r} is not an integer in \[0, 2\)"
+    with pytest.raises(ValueError, match=expected):
+        store.share(b"a" * 128, rank=rank, world_size=2, timeout=0.5)
+    with pytest.raises(ValueError, match=expected):
+        store.share_parts(b"a" * 128, rank=rank, world_size=2, makers=[0, 1], timeout=0.5)
