@@ -8,6 +8,7 @@ A plain class used by the server's one selector thread; it knows connections onl
 
 from __future__ import annotations
 
+import errno
 import heapq
 import logging
 import resource
@@ -126,6 +127,11 @@ class Admission:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:  # EMFILE and friends: keep serving those already connected
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._parked:
+                    # ranks waiting for an id hold the descriptors that the rank making it
+                    # needs: the longest waiting one goes (it reconnects; its upload stays)
+                    self.drop(next(iter(self._parked.values())))
+                    continue
                 logger.warning("rendezvous: accept failed on port %d: %s", self._port, e)
                 break
             sock.setblocking(False)
@@ -213,7 +219,8 @@ class Admission:
 
     def park(self, conn: Conn) -> None:
         """``conn`` proved the key and waits for ids still to come: it frees its slot and
-        waits until the rendezvous's deadline (the handshake bounds it, one per rank)."""
+        waits until the rendezvous's deadline (the handshake bounds it, one per rank), or
+        until descriptors run out: then the longest waiting one goes, to let a maker in."""
         if self._conns.pop(conn.sock.fileno(), None) is not None:
             self._parked[conn.sock.fileno()] = conn
         self.set_deadline(conn, self._deadline)

@@ -356,3 +356,48 @@ def test_share_parts_refuses_a_rank_that_is_no_int_as_share_does(rank):
         store.share(b"a" * 128, rank=rank, world_size=2, timeout=0.5)
     with pytest.raises(ValueError, match=expected):
         store.share_parts(b"a" * 128, rank=rank, world_size=2, makers=[0, 1], timeout=0.5)
+
+
+_FD_BOUND_RANK0 = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from pynccl.bootstrap import TcpRendezvous
+port, world = int(sys.argv[1]), int(sys.argv[2])
+got = TcpRendezvous("127.0.0.1", port, "fd-key", max_connections=8).share_parts(
+    b"a" * 128, rank=0, world_size=world, makers=[0, world - 1], timeout=30.0
+)
+print("rank 0 served", got[:1].decode(), got[-1:].decode())
+"""
+
+
+@pytest.mark.slow
+def test_tcp_ranks_waiting_for_an_id_leave_the_late_maker_a_descriptor():
+    # rank 0 may open 48 descriptors; 58 ranks prove the key and wait for the id of rank 59,
+    # which comes 1.5 s later. The waiting ranks must not hold every descriptor, so that the
+    # maker is still accepted (before, none was: every rank timed out).
+    import subprocess
+
+    world, port = 60, _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    rank0 = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", _FD_BOUND_RANK0, str(port), str(world)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        rdzv = TcpRendezvous(HOST, port, "fd-key")
+
+        def rank(r):
+            if r == world - 1:
+                time.sleep(1.5)
+            part = b"b" * 128 if r == world - 1 else None
+            return rdzv.share_parts(part, rank=r, world_size=world, makers=[0, world - 1],
+                                    timeout=30.0)  # fmt: skip
+
+        got = _run(rank, range(1, world))
+        out, _ = rank0.communicate(timeout=60)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.wait()
+    assert out.strip() == "rank 0 served a b"
+    assert got == dict.fromkeys(range(1, world), b"a" * 128 + b"b" * 128)
