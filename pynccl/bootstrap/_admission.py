@@ -20,12 +20,13 @@ from collections.abc import Iterator
 
 from ._handshake import Conn, Standing
 
-__all__ = ["ACCEPT_BATCH", "GRACE", "Admission", "Waiting", "check_slots"]
+__all__ = ["ACCEPT_BATCH", "EMFILE_REST", "GRACE", "Admission", "Waiting", "check_slots"]
 
 logger = logging.getLogger("pynccl.bootstrap")
 
 GRACE = 0.5  # seconds a handshake keeps its slot before a waiting connection may displace it
 ACCEPT_BATCH = 512  # accepts per round, so that reads interleave with a flood of arrivals
+EMFILE_REST = 0.05  # seconds the listener rests when out of descriptors with nothing to drop
 
 
 def check_slots(max_connections: object) -> int:
@@ -91,6 +92,9 @@ class Admission:
         fds = 1 << 20 if soft == resource.RLIM_INFINITY else soft
         self._lobby_cap = max(64, min(1 << 16, fds // 2 - max_connections))
         self._admit_at = float("inf")  # when the oldest handshake may be displaced
+        # Out of descriptors with no waiting rank to drop: the listener rests until then
+        # (0: not resting), or the loop would spin on a listener that stays readable.
+        self._rest_until = 0.0
         self._conns: dict[int, Conn] = {}  # fd -> a connection holding a slot
         self._parked: dict[int, Conn] = {}  # fd -> one that proved the key, waiting for ids
         self._heap: list[tuple[float, int, Conn]] = []
@@ -133,6 +137,9 @@ class Admission:
                     self.drop(next(iter(self._parked.values())))
                     continue
                 logger.warning("rendezvous: accept failed on port %d: %s", self._port, e)
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    self._rest_until = time.monotonic() + EMFILE_REST
+                    self._set_listening(False)
                 break
             sock.setblocking(False)
             waiting = Waiting(sock, f"{addr[0]}:{addr[1]}")
@@ -165,7 +172,13 @@ class Admission:
                 self._take(self._spoken.popleft(), now)
             else:
                 break
-        if not self._listening and not self._released and self._lobby_size() < self._lobby_cap:
+        if (
+            not self._listening
+            and not self._released
+            and self._lobby_size() < self._lobby_cap
+            and now >= self._rest_until
+        ):
+            self._rest_until = 0.0
             self._set_listening(True)
 
     def _take(self, waiting: Waiting, now: float, *, watched: bool = False) -> None:
@@ -264,7 +277,8 @@ class Admission:
 
     def wake_at(self) -> float:
         """When the next deadline passes or a handshake may next be displaced."""
-        return min(self._admit_at, self._heap[0][0]) if self._heap else self._admit_at
+        wake = min(self._admit_at, self._rest_until or self._admit_at)
+        return min(wake, self._heap[0][0]) if self._heap else wake
 
     def release(self) -> None:
         """Close every connection, the lobby and the listener (idempotent)."""

@@ -105,3 +105,54 @@ def test_flood_of_reconnecting_idle_connections_repeatedly():
             flood.close()
         assert got == {r: payload for r in range(1, 4)}
         assert elapsed < 5.0, elapsed
+
+
+_FD_BOUND_SERVER = """
+import logging, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (40, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from pynccl.bootstrap import TcpRendezvousServer
+failed = []
+class Count(logging.Handler):
+    def emit(self, record):
+        if "accept failed" in record.getMessage():
+            failed.append(record)
+logging.getLogger("pynccl.bootstrap").addHandler(Count())
+server = TcpRendezvousServer(b"x" * 128, host="127.0.0.1", port=0, world_size=500,
+                             key="k", timeout=2.5, max_connections=8).start()
+print(server.address[1], flush=True)
+try:
+    server.wait()
+except Exception:
+    pass
+server.close()
+print(len(failed), flush=True)
+"""
+
+
+def test_out_of_descriptors_with_nothing_to_drop_the_listener_rests() -> None:
+    # Rank 0 may open 40 descriptors and 60 silent connections come: accept() fails with
+    # EMFILE while the listener stays readable. It must rest between tries (before, the
+    # loop spun on it, a warning per pass: thousands in the 2.5 s the server lives).
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    server = subprocess.Popen(
+        [sys.executable, "-W", "ignore", "-c", _FD_BOUND_SERVER],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    socks: list[socket.socket] = []
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        for _ in range(60):
+            socks.append(socket.create_connection((HOST, port), timeout=5))
+        out, _ = server.communicate(timeout=30)
+    finally:
+        for s in socks:
+            s.close()
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    failures = int(out.split()[-1])
+    assert 1 <= failures <= 2.5 / 0.05 + 10, failures
