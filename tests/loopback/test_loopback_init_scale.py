@@ -186,3 +186,84 @@ def test_p2p_after_lazy_reservation(lib):
             lib.destroy_stream(st)
         for c in comms.values():
             assert lib.ncclCommDestroy(c) == 0
+
+
+_NO_ROOM_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <stddef.h>
+/* every MADV_POPULATE_WRITE fails as on a full memory cgroup or shm: ENOMEM */
+int madvise(void *addr, size_t len, int advice) {
+    if (advice == 23) { errno = ENOMEM; return -1; }
+    int (*real)(void *, size_t, int) = (int (*)(void *, size_t, int))dlsym(RTLD_NEXT, "madvise");
+    return real(addr, len, advice);
+}
+"""
+
+_NO_ROOM_RANKS = """
+import sys, threading
+from ctypes import byref, c_void_p
+import numpy as np
+sys.path.insert(0, sys.argv[3])
+from support.clib import Lib
+lib = Lib(sys.argv[1], sys.argv[2])
+uid, comms = lib.unique_id(), {}
+def init(r):
+    lib.set_device(r)
+    comm = c_void_p()
+    assert lib.ncclCommInitRank(byref(comm), 2, uid, r) == 0, lib.last_error()
+    comms[r] = comm.value
+threads = [threading.Thread(target=init, args=(r,)) for r in (0, 1)]
+[t.start() for t in threads]
+[t.join(30) for t in threads]
+bufs = {r: (lib.malloc(64, r), lib.malloc(64, r), lib.stream(r)) for r in (0, 1)}
+for r in (0, 1):
+    lib.upload(bufs[r][0], np.full(16, r + 1, np.float32))
+rc = lib.ncclSend(bufs[0][0], 16, 7, 1, comms[0], bufs[0][2])
+print("send", rc, lib.last_error().replace("\\n", " "))
+print("sync", lib.sync(bufs[0][2]), lib.async_error(comms[0]), lib.async_error(comms[1]))
+assert lib.ncclGroupStart() == 0
+for r in (0, 1):
+    lib.ncclAllReduce(bufs[r][0], bufs[r][1], 16, 7, 0, comms[r], bufs[r][2])
+print("allreduce", lib.ncclGroupEnd(), [lib.sync(bufs[r][2]) for r in (0, 1)],
+      [float(lib.download(bufs[r][1], np.float32, 16)[0]) for r in (0, 1)])
+for r in (0, 1):
+    lib.ncclCommAbort(comms[r])
+"""
+
+
+def test_ring_reservation_failure_is_the_sends_error(build, tmp_path):
+    # NCCL connects p2p peers in ncclGroupEnd (ncclSend outside a group) before launching:
+    # no room is that call's ncclSystemError, the communicator and its peer left working.
+    # Before, ncclSend returned ncclSuccess and the stream worker broke the whole world.
+    import shutil
+    import subprocess
+    import sys
+
+    from support import ROOT
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the madvise shim")
+    shim = tmp_path / "noroom.so"
+    (tmp_path / "noroom.c").write_text(_NO_ROOM_SHIM)
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "noroom.c"), "-ldl"], check=True
+    )
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = " ".join(filter(None, [env.get("LD_PRELOAD", ""), str(shim)]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_ROOM_RANKS, build.nccl, build.cudart, str(ROOT / "tests")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines() if line}
+    send = lines["send"].split(maxsplit=2)
+    assert send[1] == "2", lines["send"]  # ncclSystemError, from the call itself
+    assert "cannot reserve" in send[2] and "to rank 1" in send[2], lines["send"]
+    assert lines["sync"].split()[1:] == ["0", "0", "0"], lines["sync"]  # nothing broke
+    assert lines["allreduce"] == "allreduce 0 [0, 0] [3.0, 3.0]", lines["allreduce"]

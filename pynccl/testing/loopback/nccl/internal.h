@@ -396,6 +396,8 @@ ncclResult_t lbw_wait_until(struct lb_comm *c, int (*ready)(struct lb_comm *, vo
 /* Close the creator's rendezvous socket and memfd (once all joined, or on leave). */
 void lbw_rendezvous_close(struct lb_comm *c);
 int lbw_populate(char *p, size_t n);
+/* Reserve this rank's ring to `peer` before its first send is queued (p2p.c). */
+ncclResult_t lb_p2p_connect(struct lb_comm *c, int peer);
 /* Executors, run on a stream worker. Return ncclSuccess, or an error already recorded
  * in the comm's async error (LB_ABORTED when the comm was aborted). */
 #define LB_ABORTED ((ncclResult_t)-1)

@@ -193,6 +193,18 @@ static ncclResult_t join_streams(cudaStream_t *streams, int n, int before) {
     return ncclSuccess;
 }
 
+/* NCCL connects the p2p peers of a group before launching any of it (ncclGroupEnd's
+ * preconnect): reserve the ring of every send among items[idx[0..n)] (p2p.c). */
+static ncclResult_t connect_sends(const struct lb_gitem *items, const int *idx, int n) {
+    for (int k = 0; k < n; k++) {
+        const struct lb_gitem *it = &items[idx ? idx[k] : k];
+        if (it->type != LBG_OP || it->op.kind != LB_K_SEND) continue;
+        ncclResult_t r = lb_p2p_connect(it->c, it->op.root);
+        if (r != ncclSuccess) return r;
+    }
+    return ncclSuccess;
+}
+
 /* One task for communicator c made of items[idx[0..n)], in issue order. */
 ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, const int *idx,
                                  int n) {
@@ -208,6 +220,8 @@ ncclResult_t lb_enqueue_task(struct lb_comm *c, const struct lb_gitem *items, co
         return lb_err(ncclInvalidUsage, self_send > self_recv
                                             ? "Trying to send to self without a matching recv"
                                             : "Trying to recv to self without a matching send");
+    ncclResult_t cr = connect_sends(items, idx, n);
+    if (cr != ncclSuccess) return cr;
     struct lb_task *t = malloc(sizeof *t + (size_t)n * sizeof(struct lb_op));
     if (!t) return lb_err(ncclSystemError, "ncclGroupEnd : out of memory");
     t->c = c;
@@ -322,7 +336,7 @@ ncclResult_t lb_launch_ops(struct lb_gitem *items, int n) {
     char *done = calloc((size_t)n, 1);
     if (!idx || !done) {
         ret = lb_err(ncclSystemError, "ncclGroupEnd : out of memory");
-    } else {
+    } else if ((ret = connect_sends(items, NULL, n)) == ncclSuccess) { /* before any launch */
         for (int i = 0; i < n && ret == ncclSuccess; i++) {
             if (items[i].type != LBG_OP || done[i]) continue;
             int m = 0;

@@ -63,9 +63,12 @@ static void ring_get(const char *data, size_t cap, uint64_t pos, char *dst, size
 }
 
 /* A sender's first send to `peer` reserves its ring's pages (create_world leaves them to
- * this, as NCCL connects p2p peers at runtime): no room fails the send, like NCCL's
- * connection setup, instead of a SIGBUS on the copy. */
-static ncclResult_t p2p_connect(struct lb_comm *c, int peer) {
+ * this, as NCCL connects p2p peers at runtime). NCCL connects in ncclGroupEnd (or in
+ * ncclSend outside a group), before anything is launched: no room is that call's
+ * ncclSystemError, the communicator and its peers untouched, not an asynchronous error of
+ * the stream worker that breaks the world (nor a SIGBUS on the copy). Called by the
+ * issuing thread (launch.c), which owns c->p2p_conn: the stream worker never reads it. */
+ncclResult_t lb_p2p_connect(struct lb_comm *c, int peer) {
     if (c->p2p_conn[peer]) return ncclSuccess;
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t lo = (uintptr_t)ringdata_of(c, c->rank, peer);
@@ -73,13 +76,11 @@ static ncclResult_t p2p_connect(struct lb_comm *c, int peer) {
     lo &= ~(page - 1);
     hi = (hi + page - 1) & ~(page - 1);
     int e = lbw_populate((char *)lo, (size_t)(hi - lo));
-    if (e != 0) {
-        lbw_break(c, ncclSystemError, 1,
-                  "ncclSend : rank %d cannot reserve %zu bytes of shared memory for its ring "
-                  "to rank %d: %s (is the memory limit reached?)",
-                  c->rank, (size_t)c->ring_bytes, peer, strerror(e));
-        return ncclSystemError;
-    }
+    if (e != 0)
+        return lb_err(ncclSystemError,
+                      "ncclSend : rank %d cannot reserve %zu bytes of shared memory for its ring "
+                      "to rank %d: %s (is the memory limit reached?)",
+                      c->rank, (size_t)c->ring_bytes, peer, strerror(e));
     c->p2p_conn[peer] = 1;
     return ncclSuccess;
 }
@@ -93,7 +94,6 @@ static int p2p_step(struct lb_comm *c, const struct lb_op *op, struct p2p_state 
     const size_t nbytes = op->count * E;
     int moved = 0;
     if (op->kind == LB_K_SEND) {
-        if ((*err = p2p_connect(c, op->root)) != ncclSuccess) return 0;
         struct lbw_ring *rg = ring_of(c, c->rank, op->root);
         char *data = ringdata_of(c, c->rank, op->root);
         uint64_t head = __atomic_load_n(&rg->head, __ATOMIC_RELAXED);
