@@ -184,11 +184,17 @@ class PersistentOp(Closable):
         if stream is None:
             s, args, slot = self._stream, self._args, self._slot
         else:  # the prebuilt call with another stream
-            s = stream if type(stream) is int else as_stream(stream)
+            # A shared pointer argument found: an int handle in [1, 2**63); any other
+            # stream is checked as every call checks it (-1 would reach C as 2**64 - 1).
+            if type(stream) is int and (cst := PTR_ARGS.get(stream)) is not None:
+                s = stream
+            else:
+                s = as_stream(stream)
+                cst = ptr_arg(s)
             if s not in self._streams:
                 self._streams.add(s)  # close() waits for it too
             head, tail = self._around
-            args = head + (PTR_ARGS.get(s) or ptr_arg(s),) + tail  # noqa: RUF005 (faster)
+            args = head + (cst,) + tail  # noqa: RUF005 (faster)
             slot = (self._row, args) if self._cfg is None else (self._row, args, 0, self._config)
         comm = self._comm
         gate = comm._gate

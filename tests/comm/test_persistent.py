@@ -437,3 +437,25 @@ def test_four_processes_replay_and_capture(lb: Any, lb_env: dict[str, str]) -> N
         ok, names = json.loads(result_line(out)[len("RESULT ") :])
         assert ok == [True] * 8, err[-3000:]
         assert names == ["ncclAllReduce", "ncclReduceScatterConfig"]
+
+
+def test_another_stream_out_of_range_is_refused_as_the_method_refuses_it(
+    solo: Communicator,
+) -> None:
+    # The override stream of a prebuilt call is checked as comm.all_reduce(stream=) checks
+    # it: -1 reached NCCL as 0xffffffffffffffff, 2**64 raised ctypes' OverflowError.
+    x = DeviceBuffer(8, "float32", device=0)
+    try:
+        for op in (solo.all_reduce_init(x), solo.all_reduce_init(x.ptr, count=8, dtype="float32")):
+            seq = solo._seq
+            for bad in (-1, 1 << 64):
+                with pytest.raises(ValueError, match=f"stream handle {bad} is out of range"):
+                    solo.all_reduce(x, stream=bad)
+                with pytest.raises(ValueError, match=f"stream handle {bad} is out of range"):
+                    op(stream=bad)
+            assert solo._seq == seq
+            op()
+            op.close()
+        solo.synchronize(timeout=60)
+    finally:
+        x.close()
