@@ -194,7 +194,7 @@ class Checked(Core):
         rc, seq = self.under_gate(issue)
         if rc:
             self._failed(index, rc, cfg is not None)
-        elif cfg is not None and self._watch is not None:
+        if cfg is not None and self._watch is not None:  # issued, or in progress: watched
             self._watch.enqueued(seq, s)
 
     def _failed(self, index: int, rc: int, config: bool = False) -> None:

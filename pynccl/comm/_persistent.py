@@ -227,8 +227,8 @@ class PersistentOp(Closable):
                 # Not ready (waits for a non-blocking communicator) or gone (raises why).
                 self._bind(comm.live())
                 return self(stream)
-            comm._failed(self._row, rc, self._cfg is not None)
-        elif comm._watch is not None:
+            comm._failed(self._row, rc, self._cfg is not None)  # raises, unless in progress
+        if comm._watch is not None:  # issued (in progress on a non-blocking one too): watched
             comm._watch.enqueued(seq, s)
         if comm._captures and not rc:  # a Graph capturing it keeps what it uses alive
             comm.note_capture(s, (self, self._keep, self._config))

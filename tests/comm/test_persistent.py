@@ -459,3 +459,31 @@ def test_another_stream_out_of_range_is_refused_as_the_method_refuses_it(
         solo.synchronize(timeout=60)
     finally:
         x.close()
+
+
+def test_a_non_blocking_communicators_persistent_and_config_calls_are_watched(lb: Any) -> None:
+    # They return ncclInProgress: the persistent call and the checked path's nccl*Config
+    # call took that for "not issued" and recorded no completion event, so the watchdog
+    # never saw them complete (nor hang); the plain method's slots always did.
+    from pynccl.comm import Config, _flight
+
+    comm = Communicator(1, UniqueId(), 0, device=0, config=Config(blocking=False))
+    x = DeviceBuffer(8, "float32", device=0)
+    try:
+        comm.wait_ready(timeout=60)
+        comm.start_watchdog(30)
+        plain, with_config = comm.all_reduce_init(x), comm.all_reduce_init(x, config=CollConfig())
+        comm.all_reduce(x)
+        comm.all_reduce(x, config=CollConfig(max_ctas=2))
+        for op in (plain, with_config):
+            op()
+            op(stream=0)
+        comm.synchronize(timeout=60)
+        record = _flight._comm_record(comm)
+        assert [o["state"] for o in record["ops"]] == ["completed"] * 6, record
+        assert record["watchdog"]["completed"] == 6
+        plain.close()
+        with_config.close()
+    finally:
+        x.close()
+        comm.destroy()
