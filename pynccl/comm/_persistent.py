@@ -230,7 +230,7 @@ class PersistentOp(Closable):
             comm._failed(self._row, rc, self._cfg is not None)  # raises, unless in progress
         if comm._watch is not None:  # issued (in progress on a non-blocking one too): watched
             comm._watch.enqueued(seq, s)
-        if comm._captures and not rc:  # a Graph capturing it keeps what it uses alive
+        if comm._captures:  # a Graph capturing it keeps what it uses alive (in progress too)
             comm.note_capture(s, (self, self._keep, self._config))
 
     def _general(self, stream: StreamLike) -> bool:

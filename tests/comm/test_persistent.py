@@ -487,3 +487,31 @@ def test_a_non_blocking_communicators_persistent_and_config_calls_are_watched(lb
     finally:
         x.close()
         comm.destroy()
+
+
+def test_a_non_blocking_communicators_persistent_call_is_held_by_the_graph_capturing_it(
+    lb: Any,
+) -> None:
+    # It returns ncclInProgress, taken for "not issued": the graph was not told, so it
+    # neither kept the buffers alive nor held the communicator (as comm.all_reduce's does).
+    from pynccl.comm import Config
+    from pynccl.cuda import Graph
+
+    comm = Communicator(1, UniqueId(), 0, device=0, config=Config(blocking=False))
+    x = DeviceBuffer(8, "float32", device=0)
+    s = Stream(non_blocking=True)
+    g = Graph()
+    try:
+        comm.wait_ready(timeout=60)
+        op = comm.all_reduce_init(x)
+        with g.capture(s):
+            op(stream=s)
+        assert g.holds(comm)
+        op.close()
+        g.replay(s)
+        s.synchronize()
+    finally:
+        g.close()
+        s.close()
+        x.close()
+        comm.destroy()
