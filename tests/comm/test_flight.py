@@ -72,15 +72,19 @@ def test_states_fields_and_sites_in_a_dump(tmp_path: Path, lb_env: dict[str, str
     assert d["comms"][0]["watchdog"] == {"timeout": 5.0, "completed": 3, "verdict": None}
 
 
-def test_persistent_operations_have_their_own_sites(tmp_path: Path, lb_env: dict[str, str]) -> None:
-    # A persistent operation's calls bypassed the slots that note sites: a dump showed the
-    # site of the call 64 operations before (its ring slot's), or none.
+def test_persistent_and_config_calls_have_their_own_sites(
+    tmp_path: Path, lb_env: dict[str, str]
+) -> None:
+    # A persistent operation's calls and nccl*Config calls bypassed the slots that note
+    # sites: a dump showed the site of the call 64 operations before (its ring slot's).
     code, err = _child(tmp_path, lb_env, """\
+        from pynccl import CollConfig
         op = comm.all_reduce_init(buf)
         for _ in range(64):
             comm.all_reduce(buf)
         op()
         op(stream=0)
+        comm.all_reduce(buf, config=CollConfig(max_ctas=2))
         comm.synchronize()
         os.kill(os.getpid(), signal.SIGUSR1)
         op.close()
@@ -89,10 +93,11 @@ def test_persistent_operations_have_their_own_sites(tmp_path: Path, lb_env: dict
     assert code == 0, err
     ops = _dump(tmp_path)["comms"][0]["ops"]
     site = str(tmp_path / "child.py") + ":{} in <module>"
-    assert [(o["seq"], o["site"]) for o in ops[-3:]] == [
-        (64, site.format(9)),
-        (65, site.format(10)),
-        (66, site.format(11)),
+    assert [(o["seq"], o["site"]) for o in ops[-4:]] == [
+        (64, site.format(10)),
+        (65, site.format(11)),
+        (66, site.format(12)),
+        (67, site.format(13)),
     ]
 
 
