@@ -33,7 +33,13 @@ _STREAM_FORMS = (
 
 def _stream_error(obj: Any) -> TypeError:
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    return TypeError(f"stream must be {_STREAM_FORMS}; got {kind} {obj!r}")
+    hint = (
+        " ('current' is taken by the collectives, send/recv and v-collectives, which read it "
+        "from their arrays; here pass the stream itself)"
+        if type(obj) is str and obj == CURRENT
+        else ""
+    )
+    return TypeError(f"stream must be {_STREAM_FORMS}; got {kind} {obj!r}{hint}")
 
 
 def _checked_handle(handle: Any, obj: Any, source: str) -> int:

@@ -362,6 +362,20 @@ def test_stream_current_of_cupy_is_the_arrays_devices_not_the_current_ones(
     on_1.close()
 
 
+def test_stream_current_where_it_is_not_taken_says_where_it_is() -> None:
+    comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=0)
+    buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
+    op = comm.all_reduce_init(buf)
+    with pytest.raises(TypeError, match=r"got builtins.str 'current' \('current' is taken by the "
+                       r"collectives, send/recv and v-collectives"):  # fmt: skip
+        op(stream="current")
+    with pytest.raises(TypeError, match=r"got builtins.str 'current' \('current' is taken"):
+        buf.copy_from(np.ones(N, np.float32), stream="current")
+    op.close()
+    buf.close()
+    comm.destroy()
+
+
 def test_stream_current_without_the_library_loaded_uses_the_comms_stream() -> None:
     comm = pynccl.Communicator(1, pynccl.UniqueId(), 0, device=0)
     _, tensor = _stand_in("cupy", 12345)  # its module is not in sys.modules
