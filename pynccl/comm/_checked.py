@@ -31,7 +31,6 @@ from ..errors import NotSupportedError
 from . import _recorder
 from ._args import config_arg, learn_dtype, raw_needs, resolve_op
 from ._core import Core
-from ._observe import _sited
 from ._spec import BROADCAST, COLLECTIVES, RECV, SEND, CollSpec, Extent, InPlace, On, Side, Where
 
 __all__ = ["Checked", "Plan"]
@@ -178,9 +177,7 @@ class Checked(Core):
             if fn is None:
                 raise NotSupportedError(row.cfunc, row.since, self._lib.version)
         else:  # outside the watchdog's slots: it is told below
-            fn = self._lib.raw(row.cfunc + "Config")
-            if self._sites is not None:  # PYNCCL_FLIGHT_STACKS=1: noted as the slots note it
-                fn = _sited(self, fn, self._sites)
+            fn = self.sited(self._lib.raw(row.cfunc + "Config"))
         if _OPEN:  # one of the group's communicators (see pynccl.groups)
             _groups.in_progress_later(self, s)
 

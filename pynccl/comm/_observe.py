@@ -195,6 +195,13 @@ class Observed(CommHandle):
         numbers them."""
         return self._seq
 
+    def sited(self, fn: Any) -> Any:
+        """``fn`` (a bare C function of this communicator's library) noting the call site of
+        each operation where ``PYNCCL_FLIGHT_STACKS=1``, as the call slots do; else ``fn``.
+        For the calls that do not go through the slots (persistent ops, ``config=``)."""
+        sites = self._sites
+        return fn if sites is None else _sited(self, fn, sites)
+
     def _install_slots(self) -> None:
         """Each row's call slots for what is watched now: the watchdog's wrappers, which
         record a completion event (the hot path never tests for a watchdog), or the bare

@@ -168,12 +168,7 @@ class PersistentOp(Closable):
             cfunc += "Config"
             rec += (self._cfg,)
             self._slot = (index, rec, 0, self._config)
-        self._fn = self._comm.library.bare(cfunc)
-        sites = self._comm._sites
-        if sites is not None:  # PYNCCL_FLIGHT_STACKS=1: the site, as the comm's slots note it
-            from ._observe import _sited
-
-            self._fn = _sited(self._comm, self._fn, sites)
+        self._fn = self._comm.sited(self._comm.library.bare(cfunc))
         self._args = args = _ctype_args(cfunc, rec)
         at = len(pre) + 1  # where the stream is in the arguments
         self._around = args[:at], args[at + 1 :]
