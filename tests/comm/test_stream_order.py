@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.cudart import Hold, keep
+from support.cudart import Hold, keep, read_f32
 
 from pynccl import DataType
 from pynccl.comm import Communicator, UniqueId
@@ -39,12 +39,6 @@ pytestmark = pytest.mark.usefixtures("lb")
 
 N = 16
 F32 = DataType.FLOAT32
-
-
-def _read(ptr: int, n: int = N) -> np.ndarray:
-    """``n`` float32 at device address ``ptr`` as they are now, without any stream order
-    (the loopback's device memory is host memory): what a race would see."""
-    return np.frombuffer(ctypes.string_at(ptr, 4 * n), np.float32).copy()
 
 
 class Produced:
@@ -322,11 +316,11 @@ def test_helpers_that_say_finished_are_finished_on_return(
         if helper == "from_numpy()":
             want = np.arange(N, dtype=np.float32)
             made = DeviceBuffer.from_numpy(want, device=0)
-            got = _read(made.ptr)
+            got = read_f32(made.ptr, N)
         else:
             run, want = HELPERS[helper]
             run(buf, other)
-            got = _read(buf.ptr)
+            got = read_f32(buf.ptr, N)
     finally:
         hold.release()
         timer.join()
@@ -338,10 +332,10 @@ def test_fill_zero_on_a_stream_is_queued_there(cuda_semantics: CudaSemantics) ->
     s = Stream(non_blocking=True, device=0)
     with Hold(s.handle) as hold:
         buf.fill_zero(s)  # returns while its stream is held: stream-ordered, not waited
-        np.testing.assert_array_equal(_read(buf.ptr), np.full(N, 3, np.float32))
+        np.testing.assert_array_equal(read_f32(buf.ptr, N), np.full(N, 3, np.float32))
         hold.release()
         s.synchronize()
-    np.testing.assert_array_equal(_read(buf.ptr), np.zeros(N, np.float32))
+    np.testing.assert_array_equal(read_f32(buf.ptr, N), np.zeros(N, np.float32))
     s.close()
 
 

@@ -7,7 +7,6 @@ so that a handle that did not wait shows as wrong data."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import threading
 import time
@@ -15,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from support.cudart import Hold
+from support.cudart import Hold, live_events, read_f32
 from support.reference import expected, sizes
 from support.worlds import ThreadWorld
 
@@ -30,17 +29,6 @@ pytestmark = pytest.mark.usefixtures("lb")
 
 N = 4
 ROWS = [row for row in COLLECTIVES if row.where is not Where.PEER]
-
-
-def _live_events() -> int:
-    lib: Any = cudart()._cdll
-    lib.pynccl_lb_live_events.restype = ctypes.c_long
-    return int(lib.pynccl_lb_live_events())
-
-
-def _read(ptr: int, n: int) -> np.ndarray:
-    """What the memory holds now, without stream order (loopback memory is host memory)."""
-    return np.frombuffer(ctypes.string_at(ptr, 4 * n), np.float32).copy()
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +55,7 @@ def test_every_collective_returns_a_work_that_waits_for_it(world: Any, row: Any)
             hold.release()
             work.wait(timeout=20)
         assert work.done
-        got = _read(recv.ptr, nrecv)  # no synchronize: the Work alone ordered it
+        got = read_f32(recv.ptr, nrecv)  # no synchronize: the Work alone ordered it
         for buf in (send, recv, stream):
             buf.close()
         return got
@@ -110,7 +98,7 @@ def test_group_work_covers_send_and_recv_on_every_stream(world: Any) -> None:
             h1.release()
             h2.release()
             work.wait(timeout=20)
-        got = _read(b.ptr, N)
+        got = read_f32(b.ptr, N)
         for obj in (a, b, s1, s2):
             obj.close()
         return got
@@ -157,7 +145,7 @@ def test_wait_stream_orders_a_copy_on_another_stream(world: Any) -> None:
             rt.cudaMemcpyAsync(out.ptr, buf.ptr, 4 * N, 3, copy_stream.handle)  # D2D
             hold.release()
         copy_stream.synchronize()
-        got = _read(out.ptr, N)
+        got = read_f32(out.ptr, N)
         for obj in (buf, out, work_stream, copy_stream):
             obj.close()
         return got
@@ -172,24 +160,24 @@ def test_events_go_back_to_the_pool_and_a_handed_out_event_is_the_callers() -> N
     buf = DeviceBuffer.from_numpy(np.ones(N, np.float32))
     comm.all_reduce(buf, async_op=True).wait()
     gc.collect()
-    base = _live_events()
+    base = live_events()
     assert pooled_events() >= 1
     works = [comm.all_reduce(buf, async_op=True) for _ in range(2 * POOL_LIMIT)]
-    assert _live_events() >= base + 2 * POOL_LIMIT - pooled_events()
+    assert live_events() >= base + 2 * POOL_LIMIT - pooled_events()
     for w in works:
         w.wait()
     del works, w
     gc.collect()
     assert pooled_events() <= POOL_LIMIT * 2  # one list per device, each bounded
-    live = _live_events()
+    live = live_events()
     assert live <= base + POOL_LIMIT  # garbage Works gave their events back or freed them
     event = comm.all_reduce(buf, async_op=True).event  # the Work is garbage at once
     gc.collect()
     assert isinstance(event, Event) and event.device == 0
     event.synchronize()
-    assert _live_events() == live  # taken from the pool, and not given back to it
+    assert live_events() == live  # taken from the pool, and not given back to it
     event.close()
-    assert _live_events() == live - 1
+    assert live_events() == live - 1
     buf.close()
     comm.destroy()
 
@@ -249,13 +237,13 @@ def test_test_and_done_flip_once_the_peer_joins() -> None:
                 time.sleep(0.3)
                 comm.all_reduce(buf)
                 comm.synchronize()
-                return _read(buf.ptr, N)
+                return read_f32(buf.ptr, N)
             work = comm.all_reduce(buf, async_op=True)
             issued.set()
             seen = [work.test()]
             work.wait(timeout=20)
             seen.append(work.done)
-            return seen, _read(buf.ptr, N)
+            return seen, read_f32(buf.ptr, N)
 
         out = w.run(one)
     assert out[0][0] == [False, True]
@@ -313,7 +301,7 @@ def test_stream_current_follows_the_array_librarys_current_stream(
     comm.all_reduce(buf.ptr, count=N, dtype="float32", stream="current")  # raw: comm.stream
     assert comm.flight_record()[-1][3][-1] == comm.stream == 0
     comm.synchronize()
-    np.testing.assert_array_equal(_read(buf.ptr, N), np.full(N, 2, np.float32))
+    np.testing.assert_array_equal(read_f32(buf.ptr, N), np.full(N, 2, np.float32))
     buf.close()
     current.close()
     comm.destroy()
@@ -355,7 +343,7 @@ def test_stream_current_of_cupy_is_the_arrays_devices_not_the_current_ones(
     comm.all_reduce(ndarray(), stream="current")
     assert comm.flight_record()[-1][3][-1] == on_1.handle
     comm.synchronize()
-    np.testing.assert_array_equal(_read(buf.ptr, N), np.full(N, 3, np.float32))
+    np.testing.assert_array_equal(read_f32(buf.ptr, N), np.full(N, 3, np.float32))
     buf.close()
     comm.destroy()
     on_0.close()

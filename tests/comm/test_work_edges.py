@@ -6,7 +6,6 @@ handles cover against the streams the calls were issued on."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import threading
 import time
@@ -14,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.cudart import live_events, read_f32
 from support.worlds import ThreadWorld
 
 import pynccl
@@ -24,11 +24,6 @@ from pynccl.library import cudart
 pytestmark = pytest.mark.usefixtures("lb")
 
 N = 4
-
-
-def _read(ptr: int, n: int) -> np.ndarray:
-    """What the memory holds now, without stream order (loopback memory is host memory)."""
-    return np.frombuffer(ctypes.string_at(ptr, 4 * n), np.float32).copy()
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +93,7 @@ def test_async_op_is_checked_as_every_yes_no_option_is(world: Any) -> None:
         assert comm.all_reduce(buf, async_op=np.False_) is None
         assert comm.all_gather_v(buf, out, [N, N], async_op=np.False_) is None
         comm.synchronize()
-        np.testing.assert_array_equal(_read(buf.ptr, N), np.full(N, 4, np.float32))
+        np.testing.assert_array_equal(read_f32(buf.ptr, N), np.full(N, 4, np.float32))
         before = comm.flight_seq
         for call in (
             lambda: comm.all_reduce(buf, async_op=1),
@@ -198,7 +193,7 @@ def test_group_async_op_refused_at_its_end_while_a_stream_is_captured() -> None:
     assert graph.captured
     graph.replay(stream)
     stream.synchronize()
-    np.testing.assert_array_equal(_read(buf.ptr, N), np.ones(N, np.float32))
+    np.testing.assert_array_equal(read_f32(buf.ptr, N), np.ones(N, np.float32))
     graph.close()
     for obj in (buf, stream):
         obj.close()
@@ -221,12 +216,6 @@ def test_the_refusal_inside_a_group_names_a_group_that_has_work(world: Any) -> N
         buf.close()
 
     world.run(one)
-
-
-def _live_events() -> int:
-    lib: Any = cudart()._cdll
-    lib.pynccl_lb_live_events.restype = ctypes.c_long
-    return int(lib.pynccl_lb_live_events())
 
 
 def test_a_group_whose_second_event_fails_gives_the_first_back(
@@ -255,15 +244,15 @@ def test_a_group_whose_second_event_fails_gives_the_first_back(
                 comm.recv(b, 1 - r, stream=s2)
         s1.synchronize()
         s2.synchronize()
-        np.testing.assert_array_equal(_read(b.ptr, N), np.full(N, 2 - r, np.float32))
+        np.testing.assert_array_equal(read_f32(b.ptr, N), np.full(N, 2 - r, np.float32))
         for obj in (a, b, s1, s2):
             obj.close()
         return r
 
     gc.collect()  # earlier tests' Works give their events back first
-    outside_pool = _live_events() - _work.pooled_events()
+    outside_pool = live_events() - _work.pooled_events()
     monkeypatch.setattr(_work, "record", record)
     world.run(one)
     monkeypatch.setattr(_work, "record", real)
     gc.collect()
-    assert _live_events() - _work.pooled_events() == outside_pool  # none leaked
+    assert live_events() - _work.pooled_events() == outside_pool  # none leaked

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from support.cudart import read_f32
 
 import pynccl
 from pynccl import Communicator
@@ -57,10 +58,6 @@ def _fill(ptr: int, values: np.ndarray) -> None:
     ctypes.memmove(ptr, values.ctypes.data, values.nbytes)  # loopback memory is host memory
 
 
-def _read(ptr: int, n: int) -> np.ndarray:
-    return np.ctypeslib.as_array((ctypes.c_float * n).from_address(ptr)).copy()
-
-
 def _warm(world: Any) -> None:
     """One window and one barrier on every rank first: the communicators' own scratch
     (the registration's agreement, the barrier), kept until they are destroyed, is then
@@ -83,7 +80,7 @@ def _window_all_reduce(comm: Communicator, ptr: int, r: int) -> np.ndarray:
         assert win.nbytes == 4 * N
         comm.all_reduce(ptr, ptr, count=N, dtype="float32")
         comm.synchronize()
-        out = _read(ptr, N)
+        out = read_f32(ptr, N)
         comm.barrier()
         comm.synchronize()
     return out

@@ -314,3 +314,18 @@ class Hold(StreamGate):
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         assert not self.ran_out, "the held stream was waited for while held"
+
+
+def read_f32(ptr: int, n: int) -> np.ndarray:
+    """``n`` float32 at device address ``ptr`` as they are now, without any stream order
+    (the loopback's device memory is host memory): what a race would see."""
+    return np.frombuffer(ctypes.string_at(ptr, 4 * n), np.float32).copy()
+
+
+def live_events() -> int:
+    """The events alive in the libcudart pynccl loaded (the loopback's counter)."""
+    from pynccl.library import cudart
+
+    lib: Any = cudart()._cdll
+    lib.pynccl_lb_live_events.restype = ctypes.c_long
+    return int(lib.pynccl_lb_live_events())
