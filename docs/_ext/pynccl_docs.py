@@ -29,27 +29,10 @@ from typing import Any
 
 from docutils import nodes
 from docutils.statemachine import StringList
+from public_modules import PUBLIC_MODULES  # docs/_ext, on the path as this module is
 from sphinx.application import Sphinx
 from sphinx.util import logging
 from sphinx.util.docutils import SphinxDirective
-
-#: The modules whose ``__all__`` is pynccl's public API.
-PUBLIC_MODULES = (
-    "pynccl",
-    "pynccl.comm",
-    "pynccl.enums",
-    "pynccl.groups",
-    "pynccl.watchdog",
-    "pynccl.tuning",
-    "pynccl.interop",
-    "pynccl.interop.vllm",
-    "pynccl.capi",
-    "pynccl.cuda",
-    "pynccl.bootstrap",
-    "pynccl.typing",
-    "pynccl.testing.loopback",
-    "pynccl.testing.allocator",
-)
 
 #: The oldest libnccl pynccl serves (the README's range): what this has needs no note.
 OLDEST_SERVED = (2, 18)

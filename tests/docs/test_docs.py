@@ -8,6 +8,7 @@ same thing on the built inventory and the "requires NCCL >= x" notes.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import re
 import sys
 from typing import Any
@@ -17,22 +18,19 @@ from support import ROOT
 
 DOCS = ROOT / "docs"
 
-PUBLIC_MODULES = (
-    "pynccl",
-    "pynccl.comm",
-    "pynccl.enums",
-    "pynccl.groups",
-    "pynccl.watchdog",
-    "pynccl.tuning",
-    "pynccl.interop",
-    "pynccl.interop.vllm",
-    "pynccl.capi",
-    "pynccl.cuda",
-    "pynccl.bootstrap",
-    "pynccl.typing",
-    "pynccl.testing.loopback",
-    "pynccl.testing.allocator",
-)
+
+def _public_modules() -> tuple[str, ...]:
+    """docs/_ext/public_modules.py's list (plain Python: no Sphinx needed)."""
+    spec = importlib.util.spec_from_file_location(
+        "public_modules", DOCS / "_ext" / "public_modules.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.PUBLIC_MODULES)
+
+
+PUBLIC_MODULES = _public_modules()
 
 _DIRECTIVE = re.compile(
     r"^\.\. (?:auto(?:class|function|data|exception|attribute)|py:(?:data|function|class)|"
