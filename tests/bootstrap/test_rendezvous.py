@@ -18,6 +18,8 @@ import types
 import warnings
 
 import pytest
+from support.wait import per_rank
+from support.workers._harness import free_port
 
 from pynccl.bootstrap import (
     FileRendezvous,
@@ -63,24 +65,6 @@ def no_leaks():
     assert _fds() <= fds
 
 
-def _run_ranks(fn, ranks):
-    """fn(rank) in a thread per rank; returns {rank: result or exception}."""
-    results: dict[int, object] = {}
-
-    def target(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # collected for the assertions
-            results[r] = e
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(OK_TIMEOUT * 2)
-    return results
-
-
 def _server(payload, world_size, key=KEY, **kw):
     kw.setdefault("timeout", OK_TIMEOUT)
     return TcpRendezvousServer(
@@ -117,12 +101,6 @@ def _error_text(reply: bytes) -> str:
     return reply[11 : 10 + length].decode()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 # -- TCP: the good path -------------------------------------------------------------------------
 
 
@@ -130,7 +108,7 @@ def test_tcp_many_ranks_get_the_same_payload(no_leaks):
     payload = _payload(3)
     n = 48
     with _server(payload, n) as server:
-        results = _run_ranks(lambda r: _fetch(server.address[1], r, n), range(1, n))
+        results = per_rank(lambda r: _fetch(server.address[1], r, n), range(1, n))
         server.wait()
         assert server.served_ranks == frozenset(range(1, n))
     assert results == {r: payload for r in range(1, n)}
@@ -139,19 +117,19 @@ def test_tcp_many_ranks_get_the_same_payload(no_leaks):
 def test_tcp_share_on_every_rank(no_leaks):
     payload = _payload()
     n = 6
-    port = _free_port()
+    port = free_port()
     rdzv = TcpRendezvous(HOST, port, KEY)
 
     def rank(r):
         return rdzv.share(payload if r == 0 else None, rank=r, world_size=n, timeout=OK_TIMEOUT)
 
-    results = _run_ranks(rank, range(n))
+    results = per_rank(rank, range(n))
     assert results == {r: payload for r in range(n)}
 
 
 def test_tcp_clients_before_server_retry_until_it_appears(no_leaks):
     payload = _payload()
-    port = _free_port()
+    port = free_port()
     results: dict[int, object] = {}
     threads = [
         threading.Thread(target=lambda r=r: results.__setitem__(r, _fetch(port, r, 4)))
@@ -177,20 +155,20 @@ def test_tcp_world_of_one_needs_no_network():
 
 def test_tcp_background_serving(no_leaks):
     payload = _payload()
-    port = _free_port()
+    port = free_port()
     rdzv = TcpRendezvous(HOST, port, KEY, wait_for_all=False)
     assert rdzv.share(payload, rank=0, world_size=3, timeout=OK_TIMEOUT) == payload
-    results = _run_ranks(lambda r: _fetch(port, r, 3), (1, 2))
+    results = per_rank(lambda r: _fetch(port, r, 3), (1, 2))
     assert results == {1: payload, 2: payload}  # the daemon thread then exits by itself
 
 
 def test_tcp_keyless_works_with_a_warning(no_leaks):
     payload = _payload()
-    port = _free_port()
+    port = free_port()
     rdzv = TcpRendezvous(HOST, port, None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = _run_ranks(
+        results = per_rank(
             lambda r: rdzv.share(
                 payload if r == 0 else None, rank=r, world_size=2, timeout=OK_TIMEOUT
             ),
@@ -209,7 +187,7 @@ def test_tcp_wrong_key_is_rejected_and_others_still_served(no_leaks, caplog):
         port = server.address[1]
         with pytest.raises(RendezvousAuthError, match="key rejected"):
             _fetch(port, 1, 3, key="another-jobs-key")
-        assert _run_ranks(lambda r: _fetch(port, r, 3), (1, 2)) == {1: payload, 2: payload}
+        assert per_rank(lambda r: _fetch(port, r, 3), (1, 2)) == {1: payload, 2: payload}
         server.wait()
     assert "key rejected" in caplog.text
 
@@ -261,7 +239,7 @@ def test_tcp_garbage_truncated_oversized_and_old_versions(no_leaks, caplog):
         s.sendall(struct.pack("!4sBBI", b"PNRV", 1, wire.HELLO, 41) + bytes(10))
         s.close()
         # legitimate ranks are served all along
-        assert _run_ranks(lambda r: _fetch(port, r, 3), (1, 2)) == {1: payload, 2: payload}
+        assert per_rank(lambda r: _fetch(port, r, 3), (1, 2)) == {1: payload, 2: payload}
         server.wait()
     assert "truncated" in caplog.text
 
@@ -390,7 +368,7 @@ def test_tcp_ranks_served_under_connection_exhaustion(no_leaks, reconnect, hello
                 elapsed[r] = time.monotonic() - start
                 return got
 
-            results = _run_ranks(rank, range(1, size))
+            results = per_rank(rank, range(1, size))
             assert results == {r: payload for r in range(1, size)}, results
             server.wait(timeout=5.0)
             assert max(elapsed.values()) < timeout / 2, elapsed
@@ -491,7 +469,7 @@ def test_tcp_client_facing_a_bad_server(no_leaks, respond, error, words):
 
 
 def test_tcp_server_that_never_appears(no_leaks):
-    port = _free_port()
+    port = free_port()
     with pytest.raises(RendezvousTimeoutError) as info:
         _fetch(port, 2, 4, timeout=1.0)
     message = str(info.value)
@@ -582,7 +560,7 @@ def test_ids_and_keys_never_leak(no_leaks, caplog):
             s.sendall(b"\x00" * 64)
             _read_reply(s)
         texts.append(repr(TcpRendezvous(HOST, port, KEY)))
-        _run_ranks(lambda r: _fetch(port, r, 3), (1, 2))
+        per_rank(lambda r: _fetch(port, r, 3), (1, 2))
         server.wait()
     texts.append(caplog.text)
     blob = "\n".join(texts)
@@ -647,7 +625,7 @@ def test_store_many_ranks_and_repeated_rendezvous(store_cls):
         ]
         return got
 
-    results = _run_ranks(rank, reversed(range(n)))  # the readers start first
+    results = per_rank(rank, reversed(range(n)))  # the readers start first
     assert results == {r: [first, second] for r in range(n)}
     assert sorted(store.data) == ["job7/uid/0", "job7/uid/1"]
 
@@ -682,7 +660,7 @@ def test_store_counter_lives_in_the_store():
     first, second = _payload(), _payload()
     for payload in (first, second):
         clients = [_CountingStore(server) for _ in range(2)]  # fresh objects each time
-        got = _run_ranks(
+        got = per_rank(
             lambda r, c=clients, p=payload: StoreRendezvous(c[r], prefix="job").share(
                 p if r == 0 else None, rank=r, world_size=2, timeout=OK_TIMEOUT
             ),
@@ -719,7 +697,7 @@ def test_store_polls_check_and_keeps_its_own_timeout():
     with pytest.raises(RendezvousTimeoutError, match=r"within 0\.3 s"):
         StoreRendezvous(store).share(None, rank=1, world_size=2, timeout=0.3)
     payload = _payload()
-    got = _run_ranks(
+    got = per_rank(
         lambda r: StoreRendezvous(store, prefix="c").share(
             payload if r == 0 else None, rank=r, world_size=3, timeout=OK_TIMEOUT
         ),
@@ -765,7 +743,7 @@ def test_mpi_fake_communicator():
             payload if r == 0 else None, rank=r, world_size=n, timeout=OK_TIMEOUT
         )
 
-    assert _run_ranks(rank, range(n)) == {r: payload for r in range(n)}
+    assert per_rank(rank, range(n)) == {r: payload for r in range(n)}
 
 
 def test_mpi_mismatch_and_type_checks():
@@ -828,7 +806,7 @@ def test_file_many_ranks_mode_and_cleanup(tmp_path):
             payload if r == 0 else None, rank=r, world_size=n, timeout=OK_TIMEOUT
         )
 
-    results = _run_ranks(rank, reversed(range(n)))
+    results = per_rank(rank, reversed(range(n)))
     assert results == {r: payload for r in range(n)}
     assert mode == [0o600]
     assert list(tmp_path.iterdir()) == []  # file, temp file and acks removed
@@ -871,7 +849,7 @@ def test_file_stale_file_from_another_job_is_ignored(tmp_path):
             payload if r == 0 else None, rank=r, world_size=2, timeout=OK_TIMEOUT
         )
 
-    assert _run_ranks(rank, (1, 0)) == {0: payload, 1: payload}
+    assert per_rank(rank, (1, 0)) == {0: payload, 1: payload}
 
 
 def test_file_errors(tmp_path, monkeypatch):
@@ -953,8 +931,8 @@ def _torchrun_env(rank, n, port, **extra):
 @pytest.mark.parametrize("nids", [1, 3])
 def test_from_env_tcp(no_leaks, fake_comm, nids):
     n = 4
-    port = _free_port()
-    results = _run_ranks(
+    port = free_port()
+    results = per_rank(
         lambda r: from_env(
             environ=_torchrun_env(r, n, port), nids=nids, timeout=OK_TIMEOUT, watchdog_timeout=7.5
         ),
@@ -984,7 +962,7 @@ def test_from_env_chooses_the_number_of_ids_from_the_world_size(
     monkeypatch.setattr(module, "_has_scalable_init", lambda: scalable)
     store = _DictStore()
     makers = [i * (world // expected) + min(i, world % expected) for i in range(expected)]
-    done = _run_ranks(
+    done = per_rank(
         lambda r: from_env(rank=r, world_size=world, store=store, device=0, timeout=OK_TIMEOUT),
         sorted({*makers, world - 1}),
     )
@@ -1010,7 +988,7 @@ def test_from_env_knows_whether_the_library_has_scalable_init():
 def test_from_env_store_file_and_device(fake_comm, tmp_path):
     store = _DictStore()
     environ = dict(_torchrun_env(0, 2, 1), CUDA_VISIBLE_DEVICES="5,6")
-    results = _run_ranks(
+    results = per_rank(
         lambda r: from_env(
             environ={**environ, "RANK": str(r), "LOCAL_RANK": str(r)},
             store=store,
@@ -1028,7 +1006,7 @@ def test_from_env_store_file_and_device(fake_comm, tmp_path):
         "SLURM_STEP_ID": "0",
         "SLURM_JOB_NODELIST": "localhost",
     }
-    results = _run_ranks(
+    results = per_rank(
         lambda r: from_env(
             environ={**slurm, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
             file=tmp_path / "uid",
@@ -1061,7 +1039,7 @@ def test_from_env_errors(fake_comm, tmp_path):
 def test_from_env_with_rank_and_world_size(fake_comm):
     # no launcher at all (Ray actors, a process pool): the caller says where it sits
     store = _DictStore()
-    results = _run_ranks(
+    results = per_rank(
         lambda r: from_env(
             rank=r,
             world_size=3,
@@ -1097,7 +1075,7 @@ def test_from_env_mpi_comm_gives_the_size_pmix_does_not(fake_comm):
     # PMIx alone (prterun): PMIX_RANK and no size; the MPI communicator knows it
     n = 3
     shared = {"barrier": threading.Barrier(n)}
-    results = _run_ranks(
+    results = per_rank(
         lambda r: from_env(
             environ={
                 "PMIX_RANK": str(r),
@@ -1142,7 +1120,7 @@ def test_from_env_store_after_a_torchrun_restart(fake_comm):
     }
     attempt0 = {**base, "RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0"}
     old = from_env(environ=attempt0, store=_CountingStore(server), timeout=OK_TIMEOUT)
-    results = _run_ranks(
+    results = per_rank(
         lambda r: from_env(
             environ={**base, "RANK": str(r), "TORCHELASTIC_RESTART_COUNT": "1"},
             store=_CountingStore(server),

@@ -5,23 +5,17 @@ the timeout error; a waiting rank says that rank 0 is the one missing."""
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 
 import pytest
+from support.workers._harness import free_port
 
 from pynccl.bootstrap import RendezvousTimeoutError, TcpRendezvous, TcpRendezvousServer
 from pynccl.bootstrap._progress import report_interval
 
 HOST = "127.0.0.1"
 KEY = "missing-test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def _fetch(port: int, rank: int, world_size: int, timeout: float = 10.0) -> bytes:
@@ -83,7 +77,7 @@ def test_a_waiting_rank_says_rank_zero_is_missing(
     capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PYNCCL_RENDEZVOUS_REPORT", "0.3")
-    port = _free_port()
+    port = free_port()
     with pytest.raises(RendezvousTimeoutError):
         _fetch(port, 2, 4, timeout=1.5)
     err = capfd.readouterr().err

@@ -14,6 +14,8 @@ import time
 import types
 
 import pytest
+from support.wait import per_rank
+from support.workers._harness import free_port
 
 from pynccl.bootstrap import (
     FileRendezvous,
@@ -32,30 +34,6 @@ from pynccl.bootstrap._seal import DIGEST, NONCE, mac, seal
 HOST = "127.0.0.1"
 KEY = "roots-test-key"
 OK_TIMEOUT = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _run(fn, ranks):
-    """fn(rank) in a thread per rank; {rank: result or exception}."""
-    out: dict[int, object] = {}
-
-    def target(r):
-        try:
-            out[r] = fn(r)
-        except BaseException as e:  # collected for the assertions
-            out[r] = e
-
-    threads = [threading.Thread(target=target, args=(r,)) for r in ranks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * OK_TIMEOUT)
-    return out
 
 
 @pytest.mark.parametrize(
@@ -120,7 +98,7 @@ class _ThreadMpi:
 def _backends(kind, world, tmp_path):
     """One rendezvous object per rank for ``kind``."""
     if kind == "tcp":
-        port = _free_port()
+        port = free_port()
         return {r: TcpRendezvous(HOST, port, KEY) for r in range(world)}
     if kind == "store":
         store = _Store()
@@ -136,7 +114,7 @@ def test_every_rank_gets_each_makers_part_in_order(kind, tmp_path):
     world, makers = 7, [0, 3, 5]
     parts = {m: bytes([16 + m]) * 128 for m in makers}
     backends = _backends(kind, world, tmp_path)
-    got = _run(
+    got = per_rank(
         lambda r: backends[r].share_parts(
             parts.get(r), rank=r, world_size=world, makers=makers, timeout=OK_TIMEOUT
         ),
@@ -152,7 +130,7 @@ def test_tcp_ranks_waiting_for_a_late_maker_leave_it_a_slot():
     # 2 handshake slots, 10 ranks that proved the key before the last maker came: they wait
     # outside the slots, so the maker still gets in and everyone is served
     world, makers = 12, [0, 11]
-    port = _free_port()
+    port = free_port()
     rdzv = TcpRendezvous(HOST, port, KEY, max_connections=2)
     early = {}
 
@@ -164,7 +142,7 @@ def test_tcp_ranks_waiting_for_a_late_maker_leave_it_a_slot():
         part = {0: b"a" * 128, 11: b"b" * 128}.get(r)
         return rdzv.share_parts(part, rank=r, world_size=world, makers=makers, timeout=30.0)
 
-    got = _run(rank, range(world))
+    got = per_rank(rank, range(world))
     assert got == dict.fromkeys(range(world), b"a" * 128 + b"b" * 128)
 
 
@@ -187,7 +165,7 @@ def _serve_two_ids(port, world=4):
 
 
 def test_tcp_refuses_ranks_that_disagree_on_who_makes_the_ids():
-    port = _free_port()
+    port = free_port()
     t, _ = _serve_two_ids(port)
     try:
         client = TcpRendezvous(HOST, port, KEY)
@@ -226,7 +204,7 @@ def _raw_upload(port, rank, world, sealed_with):
 
 
 def test_tcp_takes_an_upload_only_sealed_under_the_session_key():
-    port = _free_port()
+    port = free_port()
     t, out = _serve_two_ids(port)
     try:
         # the right client proof, but the id sealed under a key an eavesdropper could know
@@ -272,7 +250,7 @@ def test_from_env_ids_come_from_rank_0_and_the_first_rank_of_root_1(monkeypatch,
     module.Communicator = _Comm
     monkeypatch.setitem(sys.modules, "pynccl.comm", module)
     _RecordingId.made.clear()
-    world, port, store = 5, _free_port(), _Store()
+    world, port, store = 5, free_port(), _Store()
 
     def rank(r):
         _RecordingId.who.rank = r
@@ -284,7 +262,7 @@ def test_from_env_ids_come_from_rank_0_and_the_first_rank_of_root_1(monkeypatch,
             rank=r, world_size=world, nids=2, device=0, environ=environ, timeout=OK_TIMEOUT, **kw
         )
 
-    comms = _run(rank, range(world))
+    comms = per_rank(rank, range(world))
     ids = [[bytes(u) for u in comms[r].args[1]] for r in range(world)]
     assert all(x == ids[0] for x in ids)
     # NCCL's firstRankFromRoot(1, 5, 2) = 1 * (5 // 2) + min(1, 5 % 2) = 3
@@ -322,10 +300,10 @@ def test_tcp_timeout_names_the_maker_whose_id_never_came():
     # ranks 1 and 3 came and proved the key; maker rank 2 never did. Rank 0's error must
     # say that the id of rank 2 is what never came and that ranks 1 and 3 did arrive, not
     # that every rank failed to come ("arrived: none").
-    port = _free_port()
+    port = free_port()
     t, out = _serve_two_ids(port)
     client = TcpRendezvous(HOST, port, KEY)
-    waiting = _run(lambda r: client.fetch(rank=r, world_size=4, timeout=6.0), [1, 3])
+    waiting = per_rank(lambda r: client.fetch(rank=r, world_size=4, timeout=6.0), [1, 3])
     t.join(30)
     err = out["got"]
     assert isinstance(err, RendezvousTimeoutError), err
@@ -377,7 +355,7 @@ def test_tcp_ranks_waiting_for_an_id_leave_the_late_maker_a_descriptor():
     # maker is still accepted (before, none was: every rank timed out).
     import subprocess
 
-    world, port = 60, _free_port()
+    world, port = 60, free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     rank0 = subprocess.Popen(
         [sys.executable, "-W", "ignore", "-c", _FD_BOUND_RANK0, str(port), str(world)],
@@ -393,7 +371,7 @@ def test_tcp_ranks_waiting_for_an_id_leave_the_late_maker_a_descriptor():
             return rdzv.share_parts(part, rank=r, world_size=world, makers=[0, world - 1],
                                     timeout=30.0)  # fmt: skip
 
-        got = _run(rank, range(1, world))
+        got = per_rank(rank, range(1, world))
         out, _ = rank0.communicate(timeout=60)
     finally:
         if rank0.poll() is None:

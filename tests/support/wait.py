@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -48,3 +48,24 @@ def threads(n: int, fn: Callable[[int], Any], timeout: float = TIMEOUT) -> list[
         if isinstance(res, BaseException):
             raise res
     return results
+
+
+def per_rank(fn: Callable[[int], Any], ranks: Iterable[int], timeout: float = 2 * TIMEOUT
+             ) -> dict[int, Any]:  # fmt: skip
+    """``fn(rank)`` for each of ``ranks``, each on a new daemon thread, all at once:
+    ``{rank: its result, or the exception it raised}`` (a rank still running after
+    ``timeout`` seconds is missing), for tests that assert on each rank's outcome."""
+    out: dict[int, Any] = {}
+
+    def body(r: int) -> None:
+        try:
+            out[r] = fn(r)
+        except BaseException as exc:  # collected for the caller's assertions
+            out[r] = exc
+
+    ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in ranks]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    return out

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from support import ROOT
+from support.workers._harness import free_port
 
 from pynccl import ras
 
@@ -42,12 +43,6 @@ print("ready", flush=True)
 sys.stdin.readline()
 comm.destroy()
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pynccl(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -96,7 +91,7 @@ def _ranks(env: dict[str, str], n: int) -> Iterator[list[subprocess.Popen[str]]]
 @pytest.fixture()
 def job(lb_env: dict[str, str]) -> Iterator[tuple[list[subprocess.Popen[str]], dict[str, str]]]:
     """A 4-process loopback job whose ranks all listen for RAS on one free port."""
-    port = _free_port()
+    port = free_port()
     env = {**lb_env, "NCCL_RAS_ADDR": f"127.0.0.1:{port}", "PYNCCL_RAS_TEST_PORT": str(port)}
     with _ranks(env, 4) as procs:
         yield procs, env
@@ -177,7 +172,7 @@ def test_text_report_names_the_killed_rank_first(job: Any) -> None:
 
 
 def test_refused_connection_says_nothing_listens() -> None:
-    port = _free_port()
+    port = free_port()
     with pytest.raises(
         ras.RasError, match=rf"no RAS listening at 127\.0\.0\.1:{port}; NCCL >= 2\.24"
     ):
@@ -292,7 +287,7 @@ def test_parse_status_reads_ncclras_json() -> None:
 def test_ranks_of_one_communicator_in_one_process_are_one_communicator(
     lb_env: dict[str, str],
 ) -> None:
-    port = _free_port()
+    port = free_port()
     code = (
         "from pynccl.comm import Communicator\nfrom pynccl import ras\n"
         "cs = Communicator.init_all(3)\n"
@@ -328,7 +323,7 @@ def test_listener_thread_lives_with_the_communicators(lb_env: dict[str, str]) ->
         "print(out)\n"
     )
     for enable, extra in (("1", 1), ("0", 0)):
-        port = _free_port()
+        port = free_port()
         env = {**lb_env, "NCCL_RAS_ADDR": f"127.0.0.1:{port}", "NCCL_RAS_ENABLE": enable}
         out = subprocess.run(
             [sys.executable, "-c", code.replace("PORT", str(port))],
@@ -345,7 +340,7 @@ def test_listener_thread_lives_with_the_communicators(lb_env: dict[str, str]) ->
 
 
 def test_ras_disabled_or_old_release_listens_nowhere(lb_env: dict[str, str]) -> None:
-    port = _free_port()
+    port = free_port()
     code = (
         "import sys, socket\nfrom pynccl.comm import Communicator\n"
         "c = Communicator.init_all(1)[0]\n"
@@ -378,7 +373,7 @@ def test_what_each_release_answers(version: str, listens: bool, has_json: bool) 
     """RAS from NCCL 2.24; JSON ("SET FORMAT json") from 2.28.7."""
     from pynccl.testing import loopback
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **loopback.env(version), "NCCL_RAS_ADDR": f"127.0.0.1:{port}"}
     env["PYTHONPATH"] = str(ROOT)
     code = (
@@ -411,7 +406,7 @@ def test_what_each_release_answers(version: str, listens: bool, has_json: bool) 
 def test_a_forked_child_does_not_keep_the_port(lb_env: dict[str, str]) -> None:
     """After fork, only the parent listens: once its last communicator is destroyed the port
     refuses connections (a child holding the socket would queue them where nobody accepts)."""
-    port = _free_port()
+    port = free_port()
     code = (
         "import os, socket, time\nfrom pynccl.comm import Communicator\n"
         "(c,) = Communicator.init_all(1)\nr, w = os.pipe()\npid = os.fork()\n"
@@ -435,7 +430,7 @@ def test_missing_ranks_status_object_since_2_28_9(version: str, status: bool) ->
     considered_dead}: the client reads both (None where not reported)."""
     from pynccl.testing import loopback
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **loopback.env(version), "NCCL_RAS_ADDR": f"127.0.0.1:{port}"}
     env["PYTHONPATH"] = str(ROOT)
     with _ranks(env, 2) as procs:
