@@ -22,7 +22,6 @@ from ._spec import CollSpec, Where
 
 __all__ = [
     "NO_COMPLEX",
-    "OP_KEY_TYPES",
     "config_arg",
     "dtype_table",
     "learn_dtype",
@@ -46,9 +45,6 @@ _OP_FORMS = (
     "a pynccl.RedOp, one of 'sum', 'prod', 'max', 'min', 'avg', "
     "or an int op from create_premul_sum()"
 )
-#: The types of an op table's keys: a hit whose key is of another type (``0.0`` or
-#: ``False`` equal ``RedOp.SUM``) is no hit, the checked path's to accept or refuse.
-OP_KEY_TYPES = frozenset({RedOp, str})
 _OP_TABLES: dict[Release, dict[object, RedOp]] = {}
 _DTYPE_TABLES: dict[Release, dict[object, DataType]] = {}
 _ML_TYPES = frozenset({DataType.BFLOAT16, DataType.FLOAT8_E4M3, DataType.FLOAT8_E5M2})
@@ -60,8 +56,9 @@ def op_table(version: Release) -> dict[object, RedOp]:
     """The built-in ops the fast path resolves for a library of ``version``, keyed by
     value: every RedOp member, its name (``"sum"``) and its C name (``"ncclSum"``), each
     to the ``ncclRedOp_t`` NCCL takes (the member: an int, which a function without
-    argtypes passes as a C int with no conversion); a hit counts only for a key of one of
-    :data:`OP_KEY_TYPES`. Avg only from 2.10.3 (before, the checked path raises
+    argtypes passes as a C int with no conversion); a hit counts only for a member (which
+    maps to itself) or a str: another key that equals one (``0.0``, ``False``) is the
+    checked path's to accept or refuse. Avg only from 2.10.3 (before, the checked path raises
     NotSupportedError). One table per release, shared by its communicators and never
     changed."""
     table = _OP_TABLES.get(version)

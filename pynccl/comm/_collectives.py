@@ -32,7 +32,7 @@ from .._adapt import _BUFFER_HANDLERS, _STREAM_HANDLERS, is_complex
 from .._capi._binding import COUNT_ARGS, PTR_ARGS
 from ..enums import DataType
 from . import _colldocs, _recorder
-from ._args import NO_COMPLEX, OP_KEY_TYPES
+from ._args import NO_COMPLEX
 from ._checked import Checked
 from ._persistent import PersistentOp, persistent
 from ._spec import (
@@ -87,7 +87,15 @@ class Collectives(Checked):
     def _call(self, row: CollSpec, sendbuf: object, recvbuf: object, op: object, where: object,
               count: object, dtype: object, stream: StreamLike,
               config: object) -> None:  # fmt: skip
-        """The one path of every collective and send/recv (see the module's docstring)."""
+        """The one path of every collective and send/recv (see the module's docstring).
+
+        An op hits only as a RedOp (its own value) or a name: another key that equals one
+        (``0.0 == RedOp.SUM``) goes to the checked path, as does a buffer that is no int
+        (``_ABSENT``: None for a buffer the row has not, else KeyError). Inside this
+        thread's group, the call joins it (:func:`pynccl.groups.keep_alive`, inline):
+        arrays stay alive until the group's work has run on the stream. The C arguments
+        are in nccl.h's order for the row (``CollSpec.layout``), two tests away for the
+        most used ones."""
         i, has_op, has_where, in_place, no_send, no_recv, lay, _, _, _, _ = row.fast
         fn = self._bfn[i]  # None: not exported, or a capture under way (the checked path)
         try:
@@ -100,27 +108,26 @@ class Collectives(Checked):
                 cst = PTR_ARGS[s] if s else None
             if has_op:
                 cop = self._optab[op]
-                if type(op) not in OP_KEY_TYPES:  # equal to a key, but no name nor RedOp
+                if cop is not op and type(op) is not str:
                     raise KeyError(op)
             if has_where and (type(where) is not int or not 0 <= where < self._size):
                 raise KeyError(where)
-            if type(count) is int and count < self._fast_n:  # raw pointers (a miss: < 0)
+            keep = type(count) is not int or count >= self._fast_n  # arrays (a miss: < 0)
+            if not keep:  # raw pointers
                 code = self._codes[dtype] if type(dtype) is DataType else self._dtypes[dtype]
                 cn = COUNT_ARGS[count]
-                # Not an int: None for a buffer the row has not, else (an array, None) a
-                # KeyError from _ABSENT: the checked path.
                 cs = PTR_ARGS[sendbuf] if type(sendbuf) is int else _ABSENT[no_send]
                 cr = (PTR_ARGS[recvbuf] if type(recvbuf) is int else
                       cs if in_place and recvbuf is None else _ABSENT[no_recv])  # fmt: skip
                 if code is None:  # a type too new for the library: the checked path says so
                     raise KeyError(dtype)
-                keep = False
             else:  # arrays: each read by its type's handler
                 cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, op, where, s, count, dtype)
-                keep = True
         except _SLOW:
             return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
-        gid = self._join(keep, s, sendbuf, recvbuf) if _OPEN else 0
+        gid = 0
+        if _OPEN and (gid := (st := _GROUPS.s).gid):  # a group of this thread is open
+            st.keep.append((self, s, sendbuf, recvbuf)) if keep else st.comms.append((self, s))
         gate = self._gate
         try:
             gate.pop()
@@ -129,12 +136,12 @@ class Collectives(Checked):
         try:
             h = self._h
             if h is not None:
-                args = ((cs, cr, cn, code, cop, h, cst) if lay == 1 else
-                        (cs, cr, cn, code, h, cst) if lay == 0 else
+                args = (((cs, cr, cn, code, cop, h, cst) if lay == 1 else
+                         (cs, cr, cn, code, h, cst)) if lay < 2 else
+                        ((cs, cn, code, where, h, cst) if lay == 4 else
+                         (cr, cn, code, where, h, cst)) if lay > 3 else
                         (cs, cr, cn, code, where, h, cst) if lay == 2 else
-                        (cs, cr, cn, code, cop, where, h, cst) if lay == 3 else
-                        (cs, cn, code, where, h, cst) if lay == 4 else
-                        (cr, cn, code, where, h, cst))  # fmt: skip
+                        (cs, cr, cn, code, cop, where, h, cst))  # fmt: skip
                 seq = self._seq + 1
                 self._seq = seq
                 self._ring[seq & _MASK] = (i, args, gid) if gid else (i, args)
@@ -145,18 +152,6 @@ class Collectives(Checked):
             return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
         if rc:
             self._failed(i, rc)
-
-    def _join(self, keep: bool, s: int, sendbuf: object, recvbuf: object) -> int:
-        """Inside a group (of this thread), join it, and keep arrays alive until its work
-        has run on ``s`` (:func:`pynccl.groups.keep_alive`); the group's number, else 0."""
-        st = _GROUPS.s
-        gid = st.gid
-        if gid:
-            if keep:
-                st.keep.append((self, s, sendbuf, recvbuf))
-            else:
-                st.comms.append((self, s))
-        return gid
 
     def _arrays(self, row: CollSpec, sendbuf: object, recvbuf: object, op: object,
                 where: object, s: int, count: object, dtype: object) -> _Resolved:  # fmt: skip

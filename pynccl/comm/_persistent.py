@@ -22,7 +22,7 @@ from ctypes import c_int, c_size_t, c_void_p
 
 from .. import groups as _groups
 from .._adapt import as_stream
-from .._capi._binding import PTR_ARGS, arg_value, count_arg, ptr_arg
+from .._capi._binding import arg_value, count_arg, ptr_arg
 from .._closable import Closable
 from ..enums import Result
 from ..errors import NcclInvalidUsage
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from ._communicator import Communicator
 
 _OPEN = _groups.OPEN
+#: The most streams a persistent operation keeps a prebuilt call for (more are built per call).
+_STREAMS_KEPT = 64
 _GROUPS = _groups.STATE  # the thread's group state (groups.keep_alive, inline below)
 
 
@@ -89,7 +91,7 @@ class PersistentOp(Closable):
     __slots__ = (
         "__weakref__",
         "_args",
-        "_around",
+        "_by_stream",
         "_cfg",
         "_checks",
         "_comm",
@@ -146,7 +148,9 @@ class PersistentOp(Closable):
         self._h: c_void_p | None = None
         self._fn: Any = None
         self._args: tuple[object, ...] = ()
-        self._around: tuple[tuple[object, ...], tuple[object, ...]] = ((), ())
+        # The prebuilt call for each other stream it was issued on: (stream, arguments,
+        # record), made with the handle of the binding (see _on).
+        self._by_stream: dict[int, tuple[int, tuple[object, ...], tuple[object, ...]]] = {}
         self._slot: tuple[object, ...] = ()
         # One native call: prebuilt; a grouped fallback replays its plan.
         self._plain = len(plan) == 1
@@ -169,9 +173,8 @@ class PersistentOp(Closable):
             rec += (self._cfg,)
             self._slot = (index, rec, 0, self._config)
         self._fn = self._comm.sited(self._comm.library.bare(cfunc))
-        self._args = args = _ctype_args(cfunc, rec)
-        at = len(pre) + 1  # where the stream is in the arguments
-        self._around = args[:at], args[at + 1 :]
+        self._args = _ctype_args(cfunc, rec)
+        self._by_stream = {}  # made with the old handle
         self._h = h
 
     # -- the call ---------------------------------------------------------------------------
@@ -183,19 +186,13 @@ class PersistentOp(Closable):
             return
         if stream is None:
             s, args, slot = self._stream, self._args, self._slot
-        else:  # the prebuilt call with another stream
-            # A shared pointer argument found: an int handle in [1, 2**63); any other
-            # stream is checked as every call checks it (-1 would reach C as 2**64 - 1).
-            if type(stream) is int and (cst := PTR_ARGS.get(stream)) is not None:
-                s = stream
-            else:
-                s = as_stream(stream)
-                cst = ptr_arg(s)
-            if s not in self._streams:
-                self._streams.add(s)  # close() waits for it too
-            head, tail = self._around
-            args = head + (cst,) + tail  # noqa: RUF005 (faster)
-            slot = (self._row, args) if self._cfg is None else (self._row, args, 0, self._config)
+        else:  # the prebuilt call for that stream (made on its first use)
+            try:
+                if type(stream) is not int:  # keyed by handle: 1.0 == 1, True == 1
+                    raise KeyError(stream)
+                s, args, slot = self._by_stream[stream]
+            except KeyError:
+                s, args, slot = self._on(stream)
         comm = self._comm
         gate = comm._gate
         try:
@@ -227,6 +224,24 @@ class PersistentOp(Closable):
             comm._watch.enqueued(seq, s)
         if comm._captures:  # a Graph capturing it keeps what it uses alive (in progress too)
             comm.note_capture(s, (self, self._keep, self._config))
+
+    def _on(self, stream: StreamLike) -> tuple[int, tuple[object, ...], tuple[object, ...]]:
+        """The call on ``stream`` (checked as every call checks it), prebuilt for this
+        binding and kept by the handle (int) for the next call on it: ``(stream handle,
+        C arguments, flight-record entry)``. The streams it was issued on are waited for by
+        close()."""
+        s = as_stream(stream)
+        hit = self._by_stream.get(s)
+        if hit is not None:
+            return hit
+        self._streams.add(s)  # close() waits for it too
+        at = len(self._plan[0][1]) + 1  # where the stream is among the arguments
+        args = (*self._args[:at], ptr_arg(s), *self._args[at + 1 :])
+        slot = (self._row, args) if self._cfg is None else (self._row, args, 0, self._config)
+        hit = (s, args, slot)
+        if len(self._by_stream) < _STREAMS_KEPT:
+            self._by_stream[s] = hit
+        return hit
 
     def _general(self, stream: StreamLike) -> bool:
         """The checks a call needs beyond the plain prebuilt one (closed, a closed

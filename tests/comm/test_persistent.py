@@ -269,6 +269,37 @@ def test_another_stream_and_a_config(solo: Communicator) -> None:
         s.close()
 
 
+def test_other_streams_each_get_their_own_call_and_are_checked_first(solo: Communicator) -> None:
+    # op(stream=) prebuilds the call for each stream on its first use: every later call on
+    # it, by handle or by Stream, must pass that stream (not another one's call), and a
+    # value that merely equals a handle (True, 2.0) is refused as comm.all_reduce refuses it.
+    x = DeviceBuffer.from_numpy(np.arange(8, dtype=np.float32), device=0)
+    s1, s2 = Stream(), Stream()
+    try:
+        op = solo.all_reduce_init(x)
+        order = (s1.handle, s2, s1, s2.handle, s1.handle, None)
+        for st in order:
+            op(stream=st)
+        streams = [e[3][-1] for e in solo.flight_record()[-len(order):]]
+        want = [s1.handle, s2.handle, s1.handle, s2.handle, s1.handle, 0]
+        assert streams == want
+        seq = solo._seq
+        for bad in (True, float(s1.handle)):
+            with pytest.raises(TypeError) as theirs:
+                solo.all_reduce(x, stream=bad)
+            with pytest.raises(TypeError) as ours:
+                op(stream=bad)
+            assert str(ours.value) == str(theirs.value) and repr(bad) in str(ours.value)
+        assert solo._seq == seq  # nothing reached NCCL
+        op.close()  # waits for both streams
+        solo.synchronize(timeout=60)
+        np.testing.assert_array_equal(x.to_numpy(), np.arange(8, dtype=np.float32))
+    finally:
+        x.close()
+        s1.close()
+        s2.close()
+
+
 def test_inside_a_group_the_operation_is_kept_alive(solo: Communicator) -> None:
     from pynccl import groups
 
