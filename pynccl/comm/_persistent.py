@@ -303,6 +303,7 @@ class PersistentOp(Closable):
         self._checks = True
         self._plain = False
         self._args = ()
+        self._by_stream = {}
         self._h = None
         if _groups.keep_alive(kept):
             return  # queued in the open group: issued at its end (which keeps them)
