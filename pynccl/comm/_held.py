@@ -77,10 +77,12 @@ _RT: _Runtime | None = None
 
 def _runtime() -> _Runtime:
     global _RT
-    lib = _library.cudart()
     rt = _RT
-    if rt is None or rt.lib is not lib:  # first use, or the process's libcudart replaced
-        rt = _RT = _Runtime(lib)
+    # The loaded library read as the module's attribute (what library.cudart() returns
+    # once loaded), a call saved on every group end.
+    lib = _library._cudart
+    if rt is None or rt.lib is not lib or lib is None:  # first use, or libcudart replaced
+        rt = _RT = _Runtime(_library.cudart())
     return rt
 
 
@@ -109,26 +111,31 @@ def hold(held: list[Held], keep: list[tuple[Any, ...]], waiting: list[GroupMembe
     objects whose memory a free could hand out while the work runs need that (see
     :func:`needs_order`); while a non-blocking group is in progress (``waiting``) nothing
     is on the streams yet, so everything waits. One pass over the entries: per entry that
-    needs order one dict entry per distinct stream."""
-    streams: dict[tuple[int, int], Any] | None = None
+    needs order one entry per distinct stream (a send+recv pair's second entry, of the
+    same communicator and stream, is skipped)."""
+    streams: list[tuple[int, int, Any]] = []  # (device, handle, a communicator) each once
+    last_comm = last_stream = None  # the last entry that needed order
     for entry in keep:
         comm, stream = entry[0], entry[1]
         if comm is None or stream is None:  # nothing issued on a stream, or nothing to keep
             continue
+        if comm is last_comm and stream is last_stream:
+            continue  # its stream is among `streams` already (a send+recv pair's second)
         if not waiting and not needs_order(entry[2:]):
             continue
+        last_comm, last_stream = comm, stream
         handle = stream if type(stream) is int else (stream.value or 0)
         device = comm.watch_device()  # known, or asked without the gate
-        key = (-1 if device is None else device, handle)
-        if streams is None:
-            streams = {key: comm}
-        elif key not in streams:
-            streams[key] = comm
-    if streams is None:
-        if not waiting:
-            return False  # nothing stream-ordered to wait for
-        streams = {}
-    item = Held(keep, [(*key, comm) for key, comm in streams.items()], waiting)
+        if device is None:
+            device = -1
+        for known in streams:
+            if known[0] == device and known[1] == handle:
+                break
+        else:
+            streams.append((device, handle, comm))
+    if not streams and not waiting:
+        return False  # nothing stream-ordered to wait for
+    item = Held(keep, streams, waiting)
     if waiting or _record(item):
         held.append(item)
     return True
@@ -162,6 +169,7 @@ def _record(item: Held) -> bool:
     rt = _runtime()
     current = now = -2  # not asked yet
     forever, status = False, c_int(0)
+    ref = byref(status)
     try:
         for device, handle, comm in item.streams:
             free = _POOL.get(device)
@@ -172,14 +180,14 @@ def _record(item: Held) -> bool:
             if device >= 0 and device != now and (handle <= 2 or not event):
                 if current == -2:
                     status.value = -1
-                    rt.get_device(byref(status))
+                    rt.get_device(ref)
                     current = now = status.value
                 if device != now:
                     rt.set_device(device)
                     now = device
             # 906 (the legacy stream while a blocking stream of the device captures):
             # the work went into that capture too.
-            rc = rt.is_capturing(handle, byref(status))
+            rc = rt.is_capturing(handle, ref)
             if rc or status.value:
                 if rc:
                     rt.last_error()
