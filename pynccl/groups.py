@@ -254,7 +254,7 @@ def _ended(st: _GroupState, depth: int, rc: int, function: str, launched: bool =
         # begun (asking for them now would be one more query per end, nearly always
         # answered "not yet"); a later end or release_done() asks.
         if st.held or _ORPHANS:
-            release_done()
+            _release(st.held)
         keep, comms = st.keep, st.comms
         if rc == _IN_PROGRESS:  # a non-blocking simulated end launches too (NCCL's thread)
             waiting = _members(comms, keep)
@@ -584,9 +584,14 @@ def release_done() -> int:
     kept, once their streams have passed them; returns how many groups are still held.
     Never waits, and never disturbs another thread's CUDA-graph capture (see
     :mod:`pynccl.comm._held`). Group ends call it; call it to release sooner."""
-    held = _local.s.held
+    return _release(_local.s.held)
+
+
+def _release(held: list[Any]) -> int:
+    """:func:`release_done` for the thread whose ``held`` list this is (a group end has
+    its state at hand: no second thread-local lookup)."""
     while _ORPHANS:
         held.append(_ORPHANS.pop())
     if held:
-        _held().release(held)
+        (_HELD or _held()).release(held)
     return len(held)
