@@ -222,7 +222,8 @@ def release(held: list[Held]) -> None:
     rt = _runtime()
     exchange = rt.exchange
     mode = c_int(_RELAXED)
-    if exchange is None or exchange(byref(mode)):
+    ref = byref(mode)
+    if exchange is None or exchange(ref):
         if exchange is not None:
             rt.last_error()
         from ..cuda import _unsafe_calls_prohibited
@@ -235,7 +236,7 @@ def release(held: list[Held]) -> None:
         _release(rt, held)
     finally:
         if mode.value != _RELAXED:
-            exchange(byref(mode))
+            exchange(ref)
 
 
 def _release(rt: _Runtime, held: list[Held]) -> None:

@@ -107,3 +107,36 @@ def test_a_group_end_polls_earlier_groups_not_its_own(solo_comm: Communicator) -
         gc.collect()
         assert all(r() is None for r in refs) and release_done() == 0
     s.close()
+
+
+def test_a_group_on_two_streams_is_held_until_both_have_run(solo_comm: Communicator) -> None:
+    # Two calls of one communicator on an idle stream, then one of another communicator on
+    # a busy one: the group's arrays (also the first call's) wait for the busy stream too.
+    comm = solo_comm
+    other = Communicator(1, UniqueId(), 0, device=0)
+    rt = bind(library.cudart().path)
+    busy, free = Stream(non_blocking=True), Stream(non_blocking=True)
+    with CachingAllocator(device=0, stream=free) as pool:
+        with HostGate(rt, busy.handle) as gate:
+            assert gate.started.wait(30)
+            xs = [pool.from_numpy(data(seed)) for seed in (1, 2, 3)]
+            ys = [pool.empty(N, "float32") for _ in xs]
+            refs = [weakref.ref(x) for x in xs]
+            with group():
+                comm.all_reduce(xs[0], ys[0], stream=free)
+                comm.all_reduce(xs[1], ys[1], stream=free)
+                other.all_reduce(xs[2], ys[2], stream=busy)
+            del xs
+            free.synchronize()
+            gc.collect()
+            assert release_done() == 1 and all(r() is not None for r in refs)
+            assert not gate.ran_out
+        busy.synchronize()
+        release_done()
+        gc.collect()
+        assert all(r() is None for r in refs) and release_done() == 0
+        for seed, y in zip((1, 2, 3), ys):
+            np.testing.assert_array_equal(y.to_numpy(), data(seed))
+    other.destroy()
+    busy.close()
+    free.close()
