@@ -77,12 +77,10 @@ _RT: _Runtime | None = None
 
 def _runtime() -> _Runtime:
     global _RT
+    lib = _library.cudart()
     rt = _RT
-    # The loaded library read as the module's attribute (what library.cudart() returns
-    # once loaded), a call saved on every group end.
-    lib = _library._cudart
-    if rt is None or rt.lib is not lib or lib is None:  # first use, or libcudart replaced
-        rt = _RT = _Runtime(_library.cudart())
+    if rt is None or rt.lib is not lib:  # first use, or the process's libcudart replaced
+        rt = _RT = _Runtime(lib)
     return rt
 
 
