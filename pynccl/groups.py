@@ -107,7 +107,11 @@ class _GroupState:
             _ORPHANS.extend(self.held)
         at_end = _AT_END  # None at interpreter exit, when module globals are cleared
         if at_end:
-            at_end.pop(self.ident, None)  # a group left open: its end never comes
+            # A group left open: its end never comes, and nothing of it was launched. Those
+            # who asked to hear of the end (the watchdog) hear so now, or a later thread
+            # given the same ident would find their state for this one.
+            for told in at_end.pop(self.ident, ()):
+                told(False, False)
 
 
 class _Local(_ThreadLocal):

@@ -26,6 +26,7 @@ import pytest
 from support.wait import wait_for
 from support.worlds import ThreadWorld
 
+import pynccl
 from pynccl import analyze, library
 from pynccl.comm import CollConfig, Communicator, Config, PersistentOp, _flight
 from pynccl.cuda import DeviceBuffer
@@ -264,3 +265,47 @@ def test_analyze_takes_a_matched_grouped_exchange_for_no_fault() -> None:
     dumps[0]["comms"][0]["ops"].pop()
     dumps[1]["comms"][0]["ops"].pop()
     assert analyze.analyze(dumps)["culprits"] == []
+
+
+def test_a_thread_that_ends_with_its_group_open_leaves_no_grouped_work_behind() -> None:
+    # A thread that ends inside a group never launches it; the watchdog must forget what it
+    # issued there. Else a later thread given the same ident (they are reused) found the
+    # dead thread's list and never asked to hear of its own group's end: its hung send went
+    # unwatched.
+    with _world(HANG_T) as world:
+        comm = world.comms[0]
+        buf = DeviceBuffer(N, "float32", device=0)
+        try:
+
+            def ends_inside_a_group() -> None:
+                pynccl.group_start()
+                comm.send(buf, 1)  # queued in a group that never ends
+
+            first = threading.Thread(target=ends_inside_a_group)
+            first.start()
+            first.join()
+            ident = first.ident
+            seen: dict[str, Any] = {}
+
+            def hangs_in_a_group() -> None:
+                if threading.get_ident() != ident:
+                    return
+                seen["reused"] = True
+                with group():
+                    comm.send(buf, 1)  # rank 1 never posts the recv
+
+            for _ in range(50):  # until a thread gets the dead one's ident
+                t = threading.Thread(target=hangs_in_a_group)
+                t.start()
+                t.join()
+                if seen:
+                    break
+            if not seen:
+                pytest.skip("no new thread was given the ended thread's ident")
+            tripped = wait_for(lambda: comm.state == "aborted", HANG_T + SLACK)
+            assert tripped, "the watchdog never saw the second thread's grouped send hang"
+            assert isinstance(comm.error, NcclTimeoutError), repr(comm.error)
+        finally:
+            if comm.state != "aborted":
+                comm.abort()  # the old behaviour: nothing tripped, the send would wait for ever
+            buf.close()
