@@ -97,9 +97,8 @@ class Collectives(Checked):
         are in nccl.h's order for the row (``CollSpec.layout``), two tests away for the
         most used ones."""
         i, has_op, has_where, in_place, no_send, no_recv, lay, _, _, _, _ = row.fast
-        fn = self._bfn[i]  # None: not exported, or a capture under way (the checked path)
-        try:
-            if fn is None or config is not None:
+        try:  # fn None: not exported, or a capture under way (the checked path)
+            if (fn := self._bfn[i]) is None or config is not None:
                 raise KeyError(config)
             if stream is None:
                 s, cst = self._stream, self._cstream
@@ -112,8 +111,8 @@ class Collectives(Checked):
                     raise KeyError(op)
             if has_where and (type(where) is not int or not 0 <= where < self._size):
                 raise KeyError(where)
-            keep = type(count) is not int or count >= self._fast_n  # arrays (a miss: < 0)
-            if not keep:  # raw pointers
+            if type(count) is int and count < self._fast_n:  # raw pointers (a miss: < 0)
+                keep = False
                 code = self._codes[dtype] if type(dtype) is DataType else self._dtypes[dtype]
                 cn = COUNT_ARGS[count]
                 cs = PTR_ARGS[sendbuf] if type(sendbuf) is int else _ABSENT[no_send]
@@ -123,6 +122,7 @@ class Collectives(Checked):
                     raise KeyError(dtype)
             else:  # arrays: each read by its type's handler
                 cs, cr, cn, code = self._arrays(row, sendbuf, recvbuf, op, where, s, count, dtype)
+                keep = True
         except _SLOW:
             return self._slow(row, sendbuf, recvbuf, op, where, count, dtype, stream, config)
         gid = 0
