@@ -20,6 +20,7 @@ import warnings
 import pytest
 from support.wait import per_rank
 from support.workers._harness import free_port
+from support.workers.kv_store import DictStore
 
 from pynccl.bootstrap import (
     FileRendezvous,
@@ -538,7 +539,7 @@ def test_tcp_bad_arguments(kwargs, words):
     ],
 )
 def test_share_argument_checks(payload, rank, world_size, timeout, error):
-    for backend in (TcpRendezvous(HOST, 1, KEY), StoreRendezvous(_DictStore())):
+    for backend in (TcpRendezvous(HOST, 1, KEY), StoreRendezvous(DictStore())):
         with pytest.raises(error):
             backend.share(payload, rank=rank, world_size=world_size, timeout=timeout)
 
@@ -572,20 +573,7 @@ def test_ids_and_keys_never_leak(no_leaks, caplog):
 # -- key-value store ----------------------------------------------------------------------------
 
 
-class _DictStore:
-    """get() raises KeyError for a missing key (polling semantics)."""
-
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value
-
-    def get(self, key):
-        return self.data[key]
-
-
-class _NoneStore(_DictStore):
+class _NoneStore(DictStore):
     def get(self, key):
         return self.data.get(key)
 
@@ -609,7 +597,7 @@ class _BlockingStore:
             return self.data[key]
 
 
-@pytest.mark.parametrize("store_cls", [_DictStore, _NoneStore, _BlockingStore])
+@pytest.mark.parametrize("store_cls", [DictStore, _NoneStore, _BlockingStore])
 def test_store_many_ranks_and_repeated_rendezvous(store_cls):
     store = store_cls()
     rdzv = StoreRendezvous(store, prefix="job7")
@@ -631,7 +619,7 @@ def test_store_many_ranks_and_repeated_rendezvous(store_cls):
 
 
 def test_store_timeout_and_mismatch():
-    store = _DictStore()
+    store = DictStore()
     with pytest.raises(RendezvousTimeoutError, match="'pynccl/uid/0' did not appear"):
         StoreRendezvous(store).share(None, rank=1, world_size=2, timeout=0.3)
     StoreRendezvous(store, prefix="p").share(_payload(), rank=0, world_size=4, timeout=1)
@@ -642,7 +630,7 @@ def test_store_timeout_and_mismatch():
         StoreRendezvous(store, prefix="q").share(None, rank=1, world_size=2, timeout=1)
 
 
-class _CountingStore(_DictStore):
+class _CountingStore(DictStore):
     """A client of a shared server (``data``), with torch's add(key, n) -> new value."""
 
     def __init__(self, data):
@@ -671,7 +659,7 @@ def test_store_counter_lives_in_the_store():
 
 
 def test_store_add_must_count():
-    class Odd(_DictStore):
+    class Odd(DictStore):
         def add(self, key, amount):
             return "ok"
 
@@ -679,7 +667,7 @@ def test_store_add_must_count():
         StoreRendezvous(Odd(), prefix="p").share(_payload(), rank=0, world_size=2, timeout=1)
 
 
-class _CheckStore(_DictStore):
+class _CheckStore(DictStore):
     """torch's semantics: check([keys]) says whether they exist; get() of a missing key
     blocks until the store's own timeout and then raises, which must never decide ours."""
 
@@ -870,7 +858,7 @@ def test_file_errors(tmp_path, monkeypatch):
 def test_backends_satisfy_the_protocol():
     for backend in (
         TcpRendezvous(HOST, 1),
-        StoreRendezvous(_DictStore()),
+        StoreRendezvous(DictStore()),
         MpiRendezvous(_FakeComm({}, 0, 1)),
     ):
         assert isinstance(backend, Rendezvous)
@@ -960,7 +948,7 @@ def test_from_env_chooses_the_number_of_ids_from_the_world_size(
     # does not; id i is made by the first rank of NCCL's group i, which takes part here
     module = sys.modules["pynccl.comm._from_env"]
     monkeypatch.setattr(module, "_has_scalable_init", lambda: scalable)
-    store = _DictStore()
+    store = DictStore()
     makers = [i * (world // expected) + min(i, world % expected) for i in range(expected)]
     done = per_rank(
         lambda r: from_env(rank=r, world_size=world, store=store, device=0, timeout=OK_TIMEOUT),
@@ -986,7 +974,7 @@ def test_from_env_knows_whether_the_library_has_scalable_init():
 
 
 def test_from_env_store_file_and_device(fake_comm, tmp_path):
-    store = _DictStore()
+    store = DictStore()
     environ = dict(_torchrun_env(0, 2, 1), CUDA_VISIBLE_DEVICES="5,6")
     results = per_rank(
         lambda r: from_env(
@@ -1025,12 +1013,12 @@ def test_from_env_errors(fake_comm, tmp_path):
         from_env(environ=mpich)
     assert "MASTER_ADDR is not set" in str(e.value) and "MASTER_PORT is not set" in str(e.value)
     with pytest.raises(ValueError, match="at most one of"):
-        from_env(environ=mpich, store=_DictStore(), file=tmp_path / "x")
+        from_env(environ=mpich, store=DictStore(), file=tmp_path / "x")
     with pytest.raises(ValueError, match="nids=0"):
         from_env(environ=mpich, nids=0)
     with pytest.raises(LaunchEnvError, match="no launcher detected"):
         from_env(environ={})
-    store = _DictStore()
+    store = DictStore()
     StoreRendezvous(store).share(_payload(2), rank=0, world_size=2, timeout=1)
     with pytest.raises(RendezvousProtocolError, match="expects nids=1"):
         from_env(environ=mpich, store=store, nids=1)
@@ -1038,7 +1026,7 @@ def test_from_env_errors(fake_comm, tmp_path):
 
 def test_from_env_with_rank_and_world_size(fake_comm):
     # no launcher at all (Ray actors, a process pool): the caller says where it sits
-    store = _DictStore()
+    store = DictStore()
     results = per_rank(
         lambda r: from_env(
             rank=r,
@@ -1068,7 +1056,7 @@ def test_from_env_with_rank_and_world_size(fake_comm):
 )
 def test_from_env_rank_and_world_size_errors(fake_comm, kwargs, error, words):
     with pytest.raises(error, match=re.escape(words)):
-        from_env(environ={}, store=_DictStore(), timeout=1, **kwargs)
+        from_env(environ={}, store=DictStore(), timeout=1, **kwargs)
 
 
 def test_from_env_mpi_comm_gives_the_size_pmix_does_not(fake_comm):
@@ -1090,7 +1078,7 @@ def test_from_env_mpi_comm_gives_the_size_pmix_does_not(fake_comm):
     assert [results[r].args[0] for r in range(n)] == [n] * n
     assert [results[r].args[2] for r in range(n)] == list(range(n))
     with pytest.raises(LaunchEnvError, match="mpi_comm="):
-        from_env(environ={"PMIX_RANK": "0"}, store=_DictStore(), timeout=1)
+        from_env(environ={"PMIX_RANK": "0"}, store=DictStore(), timeout=1)
 
 
 def test_from_env_one_gpu_pod_without_local_rank(fake_comm, monkeypatch):
@@ -1098,7 +1086,7 @@ def test_from_env_one_gpu_pod_without_local_rank(fake_comm, monkeypatch):
     module = sys.modules[from_env.__module__]
     monkeypatch.setattr(module, "_device_count", lambda: 1)
     pod = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": HOST, "MASTER_PORT": "1"}
-    store = _DictStore()
+    store = DictStore()
     StoreRendezvous(store).share(_payload(), rank=0, world_size=2, timeout=1)
     assert from_env(environ=pod, store=store, timeout=OK_TIMEOUT).args[3] == 0
     monkeypatch.setattr(module, "_device_count", lambda: 8)

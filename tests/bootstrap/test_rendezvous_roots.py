@@ -16,6 +16,7 @@ import types
 import pytest
 from support.wait import per_rank
 from support.workers._harness import free_port
+from support.workers.kv_store import DictStore
 
 from pynccl.bootstrap import (
     FileRendezvous,
@@ -54,17 +55,6 @@ def test_id_makers_refuse_more_ids_than_ranks():
         id_makers(4, 0)
 
 
-class _Store:
-    def __init__(self):
-        self.data = {}
-
-    def set(self, key, value):
-        self.data[key] = value
-
-    def get(self, key):
-        return self.data[key]
-
-
 class _ThreadMpi:
     """mpi4py's ``bcast`` for ranks that are threads: one view per rank."""
 
@@ -101,7 +91,7 @@ def _backends(kind, world, tmp_path):
         port = free_port()
         return {r: TcpRendezvous(HOST, port, KEY) for r in range(world)}
     if kind == "store":
-        store = _Store()
+        store = DictStore()
         return {r: StoreRendezvous(store) for r in range(world)}
     if kind == "file":
         return {r: FileRendezvous(tmp_path / "ids", key=KEY) for r in range(world)}
@@ -250,7 +240,7 @@ def test_from_env_ids_come_from_rank_0_and_the_first_rank_of_root_1(monkeypatch,
     module.Communicator = _Comm
     monkeypatch.setitem(sys.modules, "pynccl.comm", module)
     _RecordingId.made.clear()
-    world, port, store = 5, free_port(), _Store()
+    world, port, store = 5, free_port(), DictStore()
 
     def rank(r):
         _RecordingId.who.rank = r
@@ -328,7 +318,7 @@ def test_tcp_wait_payload_names_the_makers_whose_ids_have_not_come():
 @pytest.mark.parametrize("rank", [False, 0.0, True])
 def test_share_parts_refuses_a_rank_that_is_no_int_as_share_does(rank):
     # False and 0.0 compare equal to 0: they must not pass for rank 0 (the maker of part 0)
-    store = StoreRendezvous(_Store())
+    store = StoreRendezvous(DictStore())
     expected = rf"rank={rank!r} is not an integer in \[0, 2\)"
     with pytest.raises(ValueError, match=expected):
         store.share(b"a" * 128, rank=rank, world_size=2, timeout=0.5)

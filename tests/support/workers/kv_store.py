@@ -30,6 +30,20 @@ class KVStore:
         return self._data.get(key)
 
 
+class DictStore:
+    """An in-process store for ``StoreRendezvous`` in one process's threads: ``get`` of a
+    missing key raises KeyError (the polling semantics of torch's stores)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    def set(self, key: str, value: object) -> None:
+        self.data[key] = value
+
+    def get(self, key: str) -> object:
+        return self.data[key]
+
+
 _STORE = KVStore()
 
 
