@@ -11,6 +11,7 @@ import ctypes
 import gc
 import os
 import re
+from collections.abc import Iterator
 from ctypes import POINTER, c_int, c_long, c_size_t, c_void_p
 from typing import Any
 
@@ -30,6 +31,24 @@ N = 1024  # float32 elements
 @pytest.fixture(scope="module")
 def get(thread_worlds: Any) -> Any:
     return thread_worlds
+
+
+#: A communicator and its NcclMemoryResource (the ``resource`` fixture).
+Resource = tuple[Communicator, Any]
+
+
+@pytest.fixture()
+def resource(lb: Any) -> Iterator[Resource]:
+    """A 1-rank communicator and its cuda.core ``NcclMemoryResource`` (skips without
+    cuda-core); the communicator is destroyed after the test."""
+    pytest.importorskip("cuda.core", reason="cuda-core is not installed")
+    from pynccl.interop import NcclMemoryResource
+
+    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
+    try:
+        yield comm, NcclMemoryResource(comm)
+    finally:
+        comm.destroy()
 
 
 def _find(ptr: int, nbytes: int) -> int:
@@ -159,84 +178,62 @@ def test_cupy_set_allocator_routes_cupy_alloc(lb: Any) -> None:
 # ---- cuda.core --------------------------------------------------------------------------
 
 
-def test_nccl_memory_resource(lb: Any) -> None:
-    core = pytest.importorskip("cuda.core", reason="cuda-core is not installed")
+def test_nccl_memory_resource(resource: Resource) -> None:
+    import cuda.core as core
+
+    comm, mr = resource
+    assert isinstance(mr, core.MemoryResource)
+    assert (mr.device_id, mr.is_device_accessible, mr.is_host_accessible) == (0, True, False)
+    assert not mr.is_managed
+    before = settled()
+    try:
+        buf = mr.allocate(4 * N, stream=None)
+    except Exception as exc:  # no driver: cuda.core cannot make a device Buffer
+        assert live() == before and mr.live_allocations == 0  # nothing left behind
+        pytest.skip(f"cuda.core's Buffer needs a CUDA driver: {exc}")
+    assert buf.size == 4 * N and buf.memory_resource is mr
+    out = _window_all_reduce(comm, int(buf.handle), 0)
+    np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32))
+    buf.close()
+    assert settled() == before and mr.live_allocations == 0
+
+
+def test_nccl_memory_resource_refuses_foreign_pointers(resource: Resource) -> None:
     from pynccl.interop import NcclMemoryResource
 
-    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
-    try:
-        mr = NcclMemoryResource(comm)
-        assert isinstance(mr, core.MemoryResource)
-        assert (mr.device_id, mr.is_device_accessible, mr.is_host_accessible) == (0, True, False)
-        assert not mr.is_managed
-        before = settled()
-        try:
-            buf = mr.allocate(4 * N, stream=None)
-        except Exception as exc:  # no driver: cuda.core cannot make a device Buffer
-            assert live() == before and mr.live_allocations == 0  # nothing left behind
-            pytest.skip(f"cuda.core's Buffer needs a CUDA driver: {exc}")
-        assert buf.size == 4 * N and buf.memory_resource is mr
-        out = _window_all_reduce(comm, int(buf.handle), 0)
-        np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32))
-        buf.close()
-        assert settled() == before and mr.live_allocations == 0
-    finally:
-        comm.destroy()
+    _, mr = resource
+    with pytest.raises(ValueError, match="ptr=0x1000 was not allocated by this resource"):
+        mr.deallocate(0x1000, 16, stream=None)
+    with pytest.raises(TypeError, match=r"comm must be a pynccl\.Communicator"):
+        NcclMemoryResource(None)
 
 
-def test_nccl_memory_resource_refuses_foreign_pointers(lb: Any) -> None:
-    pytest.importorskip("cuda.core", reason="cuda-core is not installed")
-    from pynccl.interop import NcclMemoryResource
-
-    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
-    try:
-        mr = NcclMemoryResource(comm)
-        with pytest.raises(ValueError, match="ptr=0x1000 was not allocated by this resource"):
-            mr.deallocate(0x1000, 16, stream=None)
-        with pytest.raises(TypeError, match=r"comm must be a pynccl\.Communicator"):
-            NcclMemoryResource(None)
-    finally:
-        comm.destroy()
-
-
-def test_nccl_memory_resource_keeps_what_a_failed_deallocate_did_not_free(lb: Any) -> None:
-    pytest.importorskip("cuda.core", reason="cuda-core is not installed")
-    from pynccl.interop import NcclMemoryResource
-
-    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
-    try:
-        mr = NcclMemoryResource(comm)
-        before = settled()
-        buf = comm.mem_alloc(64, "uint8")
-        mr._live[buf.ptr] = buf  # as allocate() keeps it (its Buffer needs a CUDA driver)
-        with pytest.raises(pynccl.CudaError, match="cudaErrorInvalidResourceHandle"):
-            mr.deallocate(buf.ptr, 64, stream=0xDEAD0)  # no such stream: nothing waited for
-        assert mr.live_allocations == 1 and live()[0] == before[0] + 1  # not freed, kept
-        mr.deallocate(buf.ptr, 64, stream=None)  # the retry frees it
-        del buf
-        assert mr.live_allocations == 0 and settled() == before
-    finally:
-        comm.destroy()
+def test_nccl_memory_resource_keeps_what_a_failed_deallocate_did_not_free(
+    resource: Resource,
+) -> None:
+    comm, mr = resource
+    before = settled()
+    buf = comm.mem_alloc(64, "uint8")
+    mr._live[buf.ptr] = buf  # as allocate() keeps it (its Buffer needs a CUDA driver)
+    with pytest.raises(pynccl.CudaError, match="cudaErrorInvalidResourceHandle"):
+        mr.deallocate(buf.ptr, 64, stream=0xDEAD0)  # no such stream: nothing waited for
+    assert mr.live_allocations == 1 and live()[0] == before[0] + 1  # not freed, kept
+    mr.deallocate(buf.ptr, 64, stream=None)  # the retry frees it
+    del buf
+    assert mr.live_allocations == 0 and settled() == before
 
 
-def test_nccl_memory_resource_frees_every_empty_buffer(lb: Any) -> None:
+def test_nccl_memory_resource_frees_every_empty_buffer(resource: Resource) -> None:
     # allocate(0) allocates nothing (cuda.core's resources give an empty buffer at 0), so
     # every empty buffer's close, deallocate(0, 0), frees nothing and is no error: a
     # second one said "ptr=0x0 was not allocated by this resource" (in Buffer's close).
-    pytest.importorskip("cuda.core", reason="cuda-core is not installed")
-    from pynccl.interop import NcclMemoryResource
-
-    comm = Communicator(1, pynccl.UniqueId(), 0, device=0)
-    try:
-        mr = NcclMemoryResource(comm)
-        before = settled()
-        for _ in range(2):
-            mr.deallocate(0, 0, stream=None)
-        assert mr.live_allocations == 0 and settled() == before
-        with pytest.raises(ValueError, match="ptr=0x0 was not allocated by this resource"):
-            mr.deallocate(0, 16, stream=None)  # 16 bytes at 0 are no empty buffer
-    finally:
-        comm.destroy()
+    _, mr = resource
+    before = settled()
+    for _ in range(2):
+        mr.deallocate(0, 0, stream=None)
+    assert mr.live_allocations == 0 and settled() == before
+    with pytest.raises(ValueError, match="ptr=0x0 was not allocated by this resource"):
+        mr.deallocate(0, 16, stream=None)  # 16 bytes at 0 are no empty buffer
 
 
 # ---- torch ------------------------------------------------------------------------------
