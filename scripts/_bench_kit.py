@@ -174,35 +174,39 @@ def group_ns(cdll: ctypes.CDLL, reps: int) -> float:
     return statistics.median(diffs)
 
 
+def callgrind_per_call(argv: list[str], k: int) -> float:
+    """Instructions per loop step of ``python *argv K``, a run that loops K times: the runs
+    of ``k`` and ``3 * k`` steps under valgrind's callgrind, differenced (the interpreter's
+    start and the set-up cancel out). The main thread's count alone (the loopback's threads
+    poll at their own pace), with a fixed hash seed: the same build counts the same."""
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
+    counts = []
+    with tempfile.TemporaryDirectory(prefix="pynccl-bench-cg-") as tmp:
+        for steps in (k, 3 * k):
+            cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes",
+                   f"--callgrind-out-file={tmp}/cg.out", sys.executable, *argv,
+                   str(steps)]  # fmt: skip
+            subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+            text = Path(f"{tmp}/cg.out-01").read_text()
+            found = re.search(r"^(?:summary|totals):\s*(\d+)", text, re.M)
+            if found is None:
+                raise RuntimeError(f"no callgrind total in: {text[-500:]}")
+            counts.append(int(found.group(1)))
+    return (counts[1] - counts[0]) / (2 * k)
+
+
 def group_callgrind(reps: int) -> float:
     """Instructions of ``with group(): pass`` over the bare pair, per use, counted by
-    valgrind's callgrind in four runs of this script (each loop ``reps`` and ``3 * reps``
-    times: the difference leaves out the interpreter's start and the set-up)."""
-    counts: dict[tuple[str, int], int] = {}
-    # The main thread's count alone (the loopback's threads poll at their own pace), with a
-    # fixed hash seed: the same run counts the same.
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
-    with tempfile.TemporaryDirectory(prefix="pynccl-bench-cg-") as tmp:
-        for mode in ("bare", "group"):
-            for k in (reps, 3 * reps):
-                cmd = ["valgrind", "--tool=callgrind", "--separate-threads=yes",
-                       f"--callgrind-out-file={tmp}/cg.out", sys.executable, str(SCRIPT),
-                       "--group-loop", f"{mode}:{k}"]  # fmt: skip
-                subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
-                text = Path(f"{tmp}/cg.out-01").read_text()
-                found = re.search(r"^(?:summary|totals):\s*(\d+)", text, re.M)
-                if found is None:
-                    raise RuntimeError(f"no callgrind total in: {text[-500:]}")
-                counts[mode, k] = int(found.group(1))
-    per = {m: (counts[m, 3 * reps] - counts[m, reps]) / (2 * reps) for m in ("bare", "group")}
+    :func:`callgrind_per_call` (loops of ``reps`` and ``3 * reps`` of this script's
+    ``--group-loop MODE``)."""
+    per = {m: callgrind_per_call([str(SCRIPT), "--group-loop", m], reps) for m in ("bare", "group")}
     return per["group"] - per["bare"]
 
 
-def run_group_loop(spec: str) -> int:
-    """The child of :func:`group_callgrind`: one loop, ``MODE:K``."""
+def run_group_loop(mode: str, k: int) -> int:
+    """The child of :func:`group_callgrind`: one loop of ``k``, ``mode`` "bare" or "group"."""
     from pynccl.testing import loopback
 
-    mode, k = spec.split(":")
-    bare, with_group = group_loops(ctypes.CDLL(loopback.use(null=True).nccl), int(k))
+    bare, with_group = group_loops(ctypes.CDLL(loopback.use(null=True).nccl), k)
     (with_group if mode == "group" else bare)()
     return 0

@@ -26,15 +26,10 @@ Needs valgrind (``apt-get install valgrind``); says so and exits 2 without it.
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import shutil
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from _bench_kit import callgrind_per_call
 
 #: (what it is, set-up, the statement timed): CPython's own costs (``--protocol``).
 PROTOCOL = (
@@ -61,31 +56,7 @@ PROTOCOL = (
 )  # fmt: skip
 
 
-def _count(argv: list[str], tmp: str) -> int:
-    """Main-thread instructions of one run of ``argv`` under callgrind."""
-    out = f"{tmp}/cg.out"
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
-    subprocess.run(
-        ["valgrind", "--tool=callgrind", "--separate-threads=yes",
-         f"--callgrind-out-file={out}", sys.executable, *argv],
-        capture_output=True, text=True, check=True, env=env,
-    )  # fmt: skip
-    text = Path(f"{out}-01").read_text()
-    for path in Path(tmp).glob("cg.out*"):
-        path.unlink()
-    found = re.search(r"^(?:summary|totals):\s*(\d+)", text, re.M)
-    if found is None:
-        raise RuntimeError(f"no callgrind total in: {text[-500:]}")
-    return int(found.group(1))
-
-
-def per_call(argv: list[str], k: int, tmp: str) -> float:
-    """Instructions per loop step of ``argv + [K]``: runs of K and 3K steps, differenced."""
-    return (_count([*argv, str(3 * k)], tmp) - _count([*argv, str(k)], tmp)) / (2 * k)
-
-
 def _child_variant(name: str, k: int) -> None:
-    sys.path.insert(0, str(HERE))
     import bench_overhead
 
     stack: list = []  # type: ignore[type-arg]
@@ -105,17 +76,16 @@ def _child_statement(index: int, k: int) -> None:
     space["_loop"](k)  # type: ignore[operator]
 
 
-def protocol(k: int, tmp: str) -> None:
+def protocol(k: int) -> None:
     print(f"CPython {sys.version.split()[0]}: instructions per statement (callgrind, main thread)")
-    base = per_call([__file__, "--stmt", "0"], k, tmp)
+    base = callgrind_per_call([__file__, "--stmt", "0"], k)
     print(f"  {base:7.0f}  {PROTOCOL[0][0]}")
     for i, (what, _, _) in enumerate(PROTOCOL[1:], 1):
-        n = per_call([__file__, "--stmt", str(i)], k, tmp) - base
+        n = callgrind_per_call([__file__, "--stmt", str(i)], k) - base
         print(f"  {n:7.0f}  {what}")
 
 
-def variants(pattern: str, k: int, tmp: str) -> int:
-    sys.path.insert(0, str(HERE))
+def variants(pattern: str, k: int) -> int:
     import bench_overhead
 
     stack: list = []  # type: ignore[type-arg]
@@ -129,7 +99,7 @@ def variants(pattern: str, k: int, tmp: str) -> int:
     floors: dict[str, float] = {}
     missed = 0
     for name, var in chosen.items():
-        n = per_call([__file__, "--variant", name], k, tmp) / var.c_calls
+        n = callgrind_per_call([__file__, "--variant", name], k) / var.c_calls
         if var.floor is None:
             floors[name] = n
             print(f"{name:30s} {n:8.0f}")
@@ -147,11 +117,17 @@ def variants(pattern: str, k: int, tmp: str) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=r"^(all_reduce|send\+recv) ",
-                        help="the variants whose name matches REGEX (searched)")
+    parser.add_argument(
+        "--only",
+        default=r"^(all_reduce|send\+recv) ",
+        help="the variants whose name matches REGEX (searched)",
+    )
     parser.add_argument("--calls", type=int, default=1000, help="K: loops of K and 3K calls")
-    parser.add_argument("--protocol", action="store_true",
-                        help="CPython's own costs of the constructs a call is made of")
+    parser.add_argument(
+        "--protocol",
+        action="store_true",
+        help="CPython's own costs of the constructs a call is made of",
+    )
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child: one variant's loop
     parser.add_argument("--stmt", type=int, help=argparse.SUPPRESS)  # a child: a statement
     parser.add_argument("k", nargs="?", type=int, help=argparse.SUPPRESS)
@@ -165,11 +141,10 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         print("bench_instructions: valgrind is not installed (apt-get install valgrind)")
         return 2
-    with tempfile.TemporaryDirectory(prefix="pynccl-bench-instr-") as tmp:
-        if args.protocol:
-            protocol(args.calls * 2, tmp)
-            return 0
-        return variants(args.only, args.calls, tmp)
+    if args.protocol:
+        protocol(args.calls * 2)
+        return 0
+    return variants(args.only, args.calls)
 
 
 if __name__ == "__main__":

@@ -557,10 +557,11 @@ def main() -> int:
         help="time the calls with the communicator's watchdog on (an event per operation; "
         "PYNCCL_FLIGHT_STACKS=1 adds the call site of each)",
     )
-    parser.add_argument("--group-loop", help=argparse.SUPPRESS)  # group_callgrind's child
+    # group_callgrind's child: MODE K
+    parser.add_argument("--group-loop", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.group_loop:
-        return run_group_loop(args.group_loop)
+        return run_group_loop(args.group_loop[0], int(args.group_loop[1]))
     if args.quick:
         args.rounds, args.calls = 5, 300
     stack: list[Callable[[], Any]] = []
